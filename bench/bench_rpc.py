@@ -1,0 +1,157 @@
+"""Route / RouteBatch over real gRPC: the coordinator against a bare echo servicer, same run.
+
+Each server runs in its own process; the client sends pre-serialized requests (raw bytes, no
+client-side protobuf work) from ``CONCURRENCY`` in-flight calls. Reported per case: requests/s
+and the server process's CPU time per request (from /proc), which isolates server-side cost even
+when the client is the bottleneck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.workload import conversation_pool, fresh_prompts
+from coordinator.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
+from coordinator.v1 import coordinator_pb2 as pb
+
+ROOT = Path(__file__).resolve().parent.parent
+CONCURRENCY = 32
+ROUTE = "/coordinator.v1.Coordinator/Route"
+ROUTE_BATCH = "/coordinator.v1.Coordinator/RouteBatch"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class ServerProcess:
+    def __init__(self, mode: str, workers: int) -> None:
+        self.port = _free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "bench.rpc_server", mode, str(self.port), str(workers)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        assert self.process.stdout is not None
+        if self.process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"{mode} bench server failed to start")
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def cpu(self) -> float:
+        return _cpu_seconds(self.process.pid)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+async def _drive(target: str, method: str, payloads: Sequence[bytes], total: int) -> float:
+    """Send ``total`` calls cycling over ``payloads`` with CONCURRENCY in flight; seconds taken."""
+    options = [("grpc.max_send_message_length", 64 << 20),
+               ("grpc.max_receive_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        call = channel.unary_unary(method)
+        counter = iter(range(total))
+
+        async def lane() -> None:
+            for i in counter:
+                await call(payloads[i % len(payloads)])
+
+        await asyncio.gather(*(lane() for _ in range(min(CONCURRENCY, total // 4 or 1))))
+        started = time.perf_counter()
+        counter = iter(range(total))
+        await asyncio.gather(*(lane() for _ in range(CONCURRENCY)))
+        return time.perf_counter() - started
+
+
+def _measure(server: ServerProcess, method: str, payloads: Sequence[bytes], total: int,
+             items_per_call: int = 1) -> dict[str, float]:
+    cpu_before = server.cpu()
+    seconds = asyncio.run(_drive(server.target, method, payloads, total))
+    cpu = server.cpu() - cpu_before
+    calls = total + max(1, total // 4)  # warm-up calls also burn server CPU
+    return {
+        "per_s": total * items_per_call / seconds,
+        "server_cpu_us": cpu / (calls * items_per_call) * 1e6,
+    }
+
+
+def _route_payloads(quick: bool) -> dict[str, list[bytes]]:
+    pool = conversation_pool(64 if quick else 256)
+    hasher = PageHasher(HashConfig(key=DEV_HASH_KEY))
+    fresh = fresh_prompts(200 if quick else 2000)
+    return {
+        "page_keys": [
+            pb.RouteRequest(prompt=pb.Prompt(
+                page_keys=b"".join(hasher.page_keys(t, Namespace())), token_count=len(t)
+            )).SerializeToString()
+            for t in pool
+        ],
+        "token_ids": [
+            pb.RouteRequest(prompt=pb.Prompt(token_ids=t)).SerializeToString() for t in pool
+        ],
+        "token_ids_fresh": [
+            pb.RouteRequest(prompt=pb.Prompt(token_ids=t)).SerializeToString() for t in fresh
+        ],
+    }
+
+
+def _batch_payloads(quick: bool, prompts: int = 16, samples: int = 4) -> list[bytes]:
+    pool = conversation_pool(64 if quick else 256)
+    batches = []
+    for start in range(0, len(pool), prompts):
+        group = pool[start:start + prompts]
+        batch = [group[i % len(group)] for i in range(len(group) * samples)]
+        batches.append(pb.RouteBatchRequest(
+            prompts=[pb.Prompt(token_ids=t) for t in batch]
+        ).SerializeToString())
+    return batches
+
+
+def bench_rpc(workers: int = 64, quick: bool = False) -> dict[str, Any]:
+    """Route and RouteBatch throughput, coordinator vs echo, 4,096-token prompts."""
+    payloads = _route_payloads(quick)
+    batches = _batch_payloads(quick)
+    total = 1_000 if quick else 6_000
+    batch_calls = 30 if quick else 200
+    out: dict[str, Any] = {"workers": workers, "concurrency": CONCURRENCY, "prompt_tokens": 4096,
+                           "batch_prompts": 64}
+    for mode in ("echo", "coordinator"):
+        server = ServerProcess(mode, workers)
+        try:
+            for name, requests in payloads.items():
+                n = min(total, len(requests)) if name == "token_ids_fresh" else total
+                out[f"{mode}.route.{name}"] = _measure(server, ROUTE, requests, n)
+            out[f"{mode}.route_batch"] = _measure(
+                server, ROUTE_BATCH, batches, batch_calls, items_per_call=64
+            )
+        finally:
+            server.stop()
+    for name in payloads:
+        out[f"ratio.route.{name}"] = (
+            out[f"coordinator.route.{name}"]["per_s"] / out[f"echo.route.{name}"]["per_s"]
+        )
+    out["ratio.batch_vs_unary"] = (
+        out["coordinator.route_batch"]["per_s"] / out["coordinator.route.token_ids"]["per_s"]
+    )
+    return out

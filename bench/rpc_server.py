@@ -1,0 +1,88 @@
+"""A benchmark server process: the real coordinator (index pre-populated) or a bare echo servicer.
+
+Both use the same grpc.aio server settings and the same generated stubs, so the difference in
+Route throughput between them is the coordinator's own work (conversion, hashing, index walk,
+routing, pending entries, interceptor). Run: ``python -m bench.rpc_server MODE PORT WORKERS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+
+import grpc
+
+from bench.workload import conversation_pool
+from coordinator.config import CoordinatorConfig
+from coordinator.fleet import WorkerSession
+from coordinator.hashing import Namespace
+from coordinator.logs import configure_logging
+from coordinator.server import channel_options, start_coordinator
+from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+
+
+class EchoServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
+    """Answers Route/RouteBatch with a fixed reply of the real reply's shape; does nothing else."""
+
+    def __init__(self) -> None:
+        self._reply = pb.RouteResponse(
+            protocol_version=1, worker_id="worker-00", address="10.0.0.1:7000",
+            matched_pages=128, matched_tokens=2048, policy_version=0, prompt_pages=256,
+            routing_policy="kv_aware",
+        )
+
+    async def Route(self, request: pb.RouteRequest, context: object) -> pb.RouteResponse:
+        return self._reply
+
+    async def RouteBatch(
+        self, request: pb.RouteBatchRequest, context: object
+    ) -> pb.RouteBatchResponse:
+        n = len(request.prompts)
+        return pb.RouteBatchResponse(routes=[self._reply] * n, order=range(n))
+
+
+async def serve_echo(port: int) -> None:
+    server = grpc.aio.server(options=channel_options(16 * 1024 * 1024))
+    pb_grpc.add_CoordinatorServicer_to_server(EchoServicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("ready", flush=True)
+    await server.wait_for_termination()
+
+
+async def serve_coordinator(port: int, workers: int) -> None:
+    running = await start_coordinator(
+        CoordinatorConfig(listen=f"127.0.0.1:{port}", log_level="error")
+    )
+    service = running.service
+    for i in range(workers):
+        service.fleet.put(WorkerSession(
+            worker_id=f"worker-{i:02d}", incarnation=1, address=f"10.0.0.{i}:7000",
+            model="default", policy_version=0, external=False, total_pages=65_536,
+            lease_deadline=math.inf, connected=True,
+        ))
+    ns = Namespace()
+    # Every pooled conversation is cached on two workers (its first half on a third): the
+    # shape a KV-aware fleet converges to.
+    for c, tokens in enumerate(conversation_pool()):
+        keys = service.hasher.page_keys(tokens, ns)
+        service.index.store(f"worker-{c % workers:02d}", keys)
+        service.index.store(f"worker-{(c + 1) % workers:02d}", keys)
+        service.index.store(f"worker-{(c + 2) % workers:02d}", keys[: len(keys) // 2])
+    print("ready", flush=True)
+    await running.server.wait_for_termination()
+
+
+def main() -> None:
+    mode, port, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    configure_logging("error")
+    if mode == "echo":
+        asyncio.run(serve_echo(port))
+    else:
+        asyncio.run(serve_coordinator(port, workers))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""The scheduler/operator SDK: ``CoordinatorClient`` (blocking) and ``AsyncCoordinatorClient``.
+
+Both take TARGETS: ``host:port``, a comma-separated list of them, or a gRPC name such as
+``dns:///name:port``. With a list, a call that cannot reach its target (UNAVAILABLE from the
+transport, not from the coordinator) moves on to the next one. Client-side validation raises
+``ValueError``; a refused call raises ``KvcoordError`` whose ``.code`` is the gRPC status.
+Request building and response parsing live in ``coordinator.sdk_types``, shared by both clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from coordinator.sdk_types import (
+    KvcoordError,
+    LookupResult,
+    PageKeys,
+    PolicyState,
+    Route,
+    RouteBatch,
+    Stats,
+    Targets,
+    WorkerInfo,
+    batch_request,
+    batch_from,
+    call_metadata,
+    is_transport_failure,
+    lookup_request,
+    lookup_from,
+    policy_from,
+    route_request,
+    route_from,
+    stats_from,
+    worker_from,
+)
+from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+
+__all__ = [
+    "AsyncCoordinatorClient",
+    "CoordinatorClient",
+    "KvcoordError",
+    "LookupResult",
+    "PageKeys",
+    "PolicyState",
+    "Route",
+    "RouteBatch",
+    "Stats",
+    "WorkerInfo",
+]
+
+Prompt = Sequence[int] | PageKeys
+R = TypeVar("R")
+DEFAULT_TIMEOUT = 10.0
+
+
+class CoordinatorClient:
+    """Blocking client. Thread-safe (grpc channels are); close it or use it as a context manager."""
+
+    def __init__(
+        self, targets: str, token: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+        max_message_bytes: int = 16 * 1024 * 1024,
+    ) -> None:
+        self._targets = Targets.parse(targets)
+        self._metadata = call_metadata(token)
+        self._timeout = timeout
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._channels = [grpc.insecure_channel(t, options=self._options) for t in self._targets]
+        self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        last: KvcoordError | None = None
+        for stub in self._targets.rotation(self._stubs):
+            try:
+                return getattr(stub, method)(
+                    request, timeout=timeout or self._timeout, metadata=self._metadata
+                )
+            except grpc.RpcError as exc:
+                error = KvcoordError.from_rpc(exc)
+                if not is_transport_failure(error):
+                    raise error from None
+                self._targets.failed()
+                last = error
+        assert last is not None
+        raise last
+
+    def lookup(
+        self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
+        policy_version: int | None = None,
+    ) -> LookupResult:
+        """Where is this prompt's prefix cached? matches: worker id -> matched tokens."""
+        return lookup_from(self._call("Lookup", lookup_request(tokens, model, adapter,
+                                                               policy_version)))
+
+    def route(
+        self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
+        min_policy_version: int | None = None, policy_version: int | None = None,
+        routing_policy: str = "",
+    ) -> Route:
+        """Where should this prompt go? Marks it pending on the chosen worker."""
+        request = route_request(tokens, model, adapter, min_policy_version, policy_version,
+                                routing_policy)
+        return route_from(self._call("Route", request))
+
+    def route_batch(
+        self, prompts: Sequence[Prompt], *, model: str | None = None, adapter: str | None = None,
+        min_policy_version: int | None = None, routing_policy: str = "",
+    ) -> RouteBatch:
+        """Route many prompts at once; ``order`` runs siblings sharing a prefix back to back."""
+        request = batch_request(prompts, model, adapter, min_policy_version, routing_policy)
+        return batch_from(self._call("RouteBatch", request))
+
+    def policy(self) -> PolicyState:
+        return policy_from(self._call("GetPolicy", pb.GetPolicyRequest()))
+
+    def begin_policy_update(self, expected_version: int, mode: str = "sync") -> PolicyState:
+        mode_pb = pb.POLICY_MODE_ASYNC if mode == "async" else pb.POLICY_MODE_SYNC
+        request = pb.BeginPolicyUpdateRequest(expected_version=expected_version, mode=mode_pb)
+        return policy_from(self._call("BeginPolicyUpdate", request))
+
+    def commit_policy_update(self, version: int, timeout: float = 30.0) -> PolicyState:
+        request = pb.CommitPolicyUpdateRequest(version=version, timeout_ms=int(timeout * 1000))
+        return policy_from(self._call("CommitPolicyUpdate", request, timeout=timeout + 5))
+
+    def abort_policy_update(self, version: int) -> PolicyState:
+        request = pb.AbortPolicyUpdateRequest(version=version)
+        return policy_from(self._call("AbortPolicyUpdate", request))
+
+    def rollouts(self, since: str | None = None) -> Iterator[pb.RolloutRecord]:
+        request = pb.ReadRolloutsRequest(since=since or "")
+        try:
+            yield from self._stubs[0].ReadRollouts(request, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise KvcoordError.from_rpc(exc) from None
+
+    def workers(self) -> list[WorkerInfo]:
+        response = self._call("ListWorkers", pb.ListWorkersRequest())
+        return [worker_from(w) for w in response.workers]
+
+    def stats(self) -> Stats:
+        return stats_from(self._call("GetStats", pb.GetStatsRequest()))
+
+    def cordon(self, worker_id: str, cordoned: bool = True) -> WorkerInfo:
+        request = pb.CordonRequest(worker_id=worker_id, cordoned=cordoned)
+        return worker_from(self._call("Cordon", request).worker)
+
+
+class AsyncCoordinatorClient:
+    """The asyncio twin of ``CoordinatorClient``: same methods, awaited."""
+
+    def __init__(
+        self, targets: str, token: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+        max_message_bytes: int = 16 * 1024 * 1024,
+    ) -> None:
+        self._targets = Targets.parse(targets)
+        self._metadata = call_metadata(token)
+        self._timeout = timeout
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._channels = [grpc.aio.insecure_channel(t, options=options) for t in self._targets]
+        self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
+
+    async def __aenter__(self) -> AsyncCoordinatorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    async def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        last: KvcoordError | None = None
+        for stub in self._targets.rotation(self._stubs):
+            try:
+                return await getattr(stub, method)(
+                    request, timeout=timeout or self._timeout, metadata=self._metadata
+                )
+            except grpc.RpcError as exc:
+                error = KvcoordError.from_rpc(exc)
+                if not is_transport_failure(error):
+                    raise error from None
+                self._targets.failed()
+                last = error
+        assert last is not None
+        raise last
+
+    async def _parsed(self, method: str, request: Any, parse: Callable[[Any], R]) -> R:
+        return parse(await self._call(method, request))
+
+    async def lookup(
+        self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
+        policy_version: int | None = None,
+    ) -> LookupResult:
+        request = lookup_request(tokens, model, adapter, policy_version)
+        return await self._parsed("Lookup", request, lookup_from)
+
+    async def route(
+        self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
+        min_policy_version: int | None = None, policy_version: int | None = None,
+        routing_policy: str = "",
+    ) -> Route:
+        request = route_request(tokens, model, adapter, min_policy_version, policy_version,
+                                routing_policy)
+        return await self._parsed("Route", request, route_from)
+
+    async def route_batch(
+        self, prompts: Sequence[Prompt], *, model: str | None = None, adapter: str | None = None,
+        min_policy_version: int | None = None, routing_policy: str = "",
+    ) -> RouteBatch:
+        request = batch_request(prompts, model, adapter, min_policy_version, routing_policy)
+        return await self._parsed("RouteBatch", request, batch_from)
+
+    async def policy(self) -> PolicyState:
+        return await self._parsed("GetPolicy", pb.GetPolicyRequest(), policy_from)
+
+    async def begin_policy_update(self, expected_version: int, mode: str = "sync") -> PolicyState:
+        mode_pb = pb.POLICY_MODE_ASYNC if mode == "async" else pb.POLICY_MODE_SYNC
+        request = pb.BeginPolicyUpdateRequest(expected_version=expected_version, mode=mode_pb)
+        return await self._parsed("BeginPolicyUpdate", request, policy_from)
+
+    async def commit_policy_update(self, version: int, timeout: float = 30.0) -> PolicyState:
+        request = pb.CommitPolicyUpdateRequest(version=version, timeout_ms=int(timeout * 1000))
+        return policy_from(await self._call("CommitPolicyUpdate", request, timeout=timeout + 5))
+
+    async def abort_policy_update(self, version: int) -> PolicyState:
+        request = pb.AbortPolicyUpdateRequest(version=version)
+        return await self._parsed("AbortPolicyUpdate", request, policy_from)
+
+    async def workers(self) -> list[WorkerInfo]:
+        response = await self._call("ListWorkers", pb.ListWorkersRequest())
+        return [worker_from(w) for w in response.workers]
+
+    async def stats(self) -> Stats:
+        return await self._parsed("GetStats", pb.GetStatsRequest(), stats_from)
+
+    async def cordon(self, worker_id: str, cordoned: bool = True) -> WorkerInfo:
+        request = pb.CordonRequest(worker_id=worker_id, cordoned=cordoned)
+        response = await self._call("Cordon", request)
+        return worker_from(response.worker)

@@ -1,0 +1,122 @@
+"""The coordinator's configuration: one typed object built from flags and ``KVCOORD_*`` variables.
+
+Every field ``name`` may be set by the environment variable ``KVCOORD_<NAME>`` (upper case);
+command-line flags win over the environment, the environment over the defaults. Validation runs
+once, at construction, and names the offending setting. Every timing knob is here so tests can
+run with sub-second values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ENV_PREFIX = "KVCOORD_"
+
+
+class ConfigError(ValueError):
+    """A setting is missing, malformed or out of range; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    """Settings of one coordinator process (defaults suit a production fleet)."""
+
+    listen: str = "127.0.0.1:50051"
+    redis: str | None = None
+    """Redis URL; unset = the embedded in-memory store (one coordinator process only)."""
+    store_namespace: str = "default"
+    metrics_port: int | None = None
+    page_size: int = 16
+    hash_key: str | None = None
+    """Hex deployment secret for keyed hashing; unset = a fixed development key (warned)."""
+    hash_algorithm: str = "blake2b-128"
+    default_model: str = "default"
+    routing_policy: str = "kv_aware"
+    lease_ms: int = 10_000
+    """A worker whose heartbeats stop for this long becomes unroutable."""
+    heartbeat_ms: int = 2_000
+    drop_grace_ms: int = 30_000
+    """How long an unroutable (disconnected) worker's entries are kept for a quick reconnect."""
+    pending_ttl_ms: int = 2_000
+    """Routing decisions count as cached on the chosen worker for this long unless confirmed."""
+    max_pending_entries: int = 1_000_000
+    max_prompt_tokens: int = 262_144
+    max_batch_prompts: int = 4_096
+    max_events_per_batch: int = 8_192
+    max_message_bytes: int = 16 * 1024 * 1024
+    hash_cache_pages: int = 262_144
+    reaper_interval_ms: int = 500
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        positive = (
+            "page_size", "lease_ms", "heartbeat_ms", "pending_ttl_ms", "max_pending_entries",
+            "max_prompt_tokens", "max_batch_prompts", "max_events_per_batch",
+            "max_message_bytes", "reaper_interval_ms",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.drop_grace_ms < 0 or self.hash_cache_pages < 0:
+            raise ConfigError("drop_grace_ms and hash_cache_pages must be >= 0")
+        if self.heartbeat_ms >= self.lease_ms:
+            raise ConfigError(
+                f"heartbeat_ms ({self.heartbeat_ms}) must be below lease_ms ({self.lease_ms})"
+            )
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port out of range: {self.metrics_port}")
+        if ":" not in self.listen:
+            raise ConfigError(f"listen must be HOST:PORT, got {self.listen!r}")
+
+    @classmethod
+    def from_sources(
+        cls, flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> CoordinatorConfig:
+        """Build from environment then flags (``None`` flag values mean "not given")."""
+        return build_config(cls, flags or {}, env or {})
+
+
+T = typing.TypeVar("T")
+
+
+def build_config(cls: type[T], flags: Mapping[str, Any], env: Mapping[str, str]) -> T:
+    """Construct dataclass ``cls`` from ``KVCOORD_*`` env vars overlaid by non-None ``flags``."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        raw = env.get(ENV_PREFIX + field.name.upper())
+        if raw is not None and raw != "":
+            values[field.name] = parse_value(field.name, raw, hints[field.name])
+        flag = flags.get(field.name)
+        if flag is not None:
+            values[field.name] = flag
+    unknown = set(flags) - {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    if unknown:
+        raise ConfigError(f"unknown settings: {sorted(unknown)}")
+    return cls(**values)
+
+
+def parse_value(name: str, raw: str, hint: Any) -> Any:
+    """Parse one environment string into the field's type (int, str, bool, optional of those)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in args if a is not type(None))
+    try:
+        if hint is bool:
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        if hint is int:
+            return int(raw)
+        if hint is float:
+            return float(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {hint.__name__}"
+        ) from None
+    return raw

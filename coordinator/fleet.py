@@ -1,0 +1,207 @@
+"""The coordinator's in-memory view of its workers: sessions, liveness, load, event sequencing.
+
+Pure core: no grpc, redis or asyncio; time comes from the caller. The store holds the durable
+registry (leases, incarnations); this module holds what routing needs on every request.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from coordinator.errors import FailedPrecondition
+from coordinator.routing import WorkerLoad
+
+
+class WorkerStatus(enum.StrEnum):
+    """Why a worker is or is not routable; the first that applies wins (see ``status``)."""
+
+    READY = "ready"
+    DRAINING = "draining"
+    FENCED = "fenced"
+    CORDONED = "cordoned"
+    DISCONNECTED = "disconnected"
+
+
+class BatchVerdict(enum.Enum):
+    """What to do with an incoming event batch."""
+
+    APPLY = "apply"
+    SKIP = "skip"  # a resync is in progress: the inventory will carry this batch's effect
+    GAP = "gap"  # sequence numbers were skipped: the index may be wrong, ask for a resync
+
+
+@dataclass(slots=True)
+class WorkerSession:
+    """One registered worker incarnation. Mutated only by ``Fleet`` and the session manager."""
+
+    worker_id: str
+    incarnation: int
+    address: str
+    model: str
+    policy_version: int
+    external: bool
+    total_pages: int
+    lease_deadline: float
+    connected: bool = False
+    disconnected_at: float | None = None
+    cordoned: bool = False
+    fenced: bool = False
+    draining: bool = False
+    next_seq: int = 1
+    resync_id: int | None = None
+    load: WorkerLoad = WorkerLoad()
+    # Uncached prefill tokens of each route issued and not yet reported finished, oldest first.
+    inflight: deque[int] = field(default_factory=deque)
+    inflight_tokens: int = 0
+    # current_load() result, rebuilt only when the load changes (it is read on every route).
+    _load_view: WorkerLoad | None = None
+    routed_requests: int = 0
+    routed_tokens: int = 0
+    routed_cached_tokens: int = 0
+
+    def status(self, now: float) -> WorkerStatus:
+        """The worker's routability; DISCONNECTED covers a closed stream and a lapsed lease."""
+        if not self.connected or now >= self.lease_deadline:
+            return WorkerStatus.DISCONNECTED
+        if self.fenced:
+            return WorkerStatus.FENCED
+        if self.draining:
+            return WorkerStatus.DRAINING
+        if self.cordoned:
+            return WorkerStatus.CORDONED
+        return WorkerStatus.READY
+
+    def current_load(self) -> WorkerLoad:
+        """Heartbeat load plus the coordinator's own in-flight accounting."""
+        view = self._load_view
+        if view is None:
+            base = self.load
+            view = self._load_view = WorkerLoad(
+                running_requests=base.running_requests,
+                queued_tokens=base.queued_tokens,
+                free_pages=base.free_pages,
+                total_pages=base.total_pages or self.total_pages,
+                inflight_routes=len(self.inflight),
+                inflight_tokens=self.inflight_tokens,
+            )
+        return view
+
+    def report_load(self, load: WorkerLoad, completed_routes: int) -> None:
+        """Take a heartbeat: the worker's own load, and how many routes it finished since."""
+        self.load = load
+        for _ in range(min(completed_routes, len(self.inflight))):
+            # Finish order is unknown: settle the oldest first.
+            self.inflight_tokens -= self.inflight.popleft()
+        self._load_view = None
+
+    def record_route(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count a route issued to this worker until a heartbeat reports it finished."""
+        uncached = prompt_tokens - cached_tokens
+        self.inflight.append(uncached)
+        self.inflight_tokens += uncached
+        self.routed_requests += 1
+        self.routed_tokens += prompt_tokens
+        self.routed_cached_tokens += cached_tokens
+        self._load_view = None
+
+    def check_batch(self, seq: int) -> BatchVerdict:
+        """Judge a batch's sequence number against the next expected one.
+
+        Raises ``FailedPrecondition`` on a regression (a replay of an applied batch is a protocol
+        violation: the worker resumes from the ``next_seq`` it was told at hello).
+        """
+        if self.resync_id is not None:
+            return BatchVerdict.SKIP
+        if seq < self.next_seq:
+            raise FailedPrecondition(
+                f"sequence regression from worker {self.worker_id!r}: got {seq}, "
+                f"expected {self.next_seq}"
+            )
+        if seq > self.next_seq:
+            return BatchVerdict.GAP
+        self.next_seq = seq + 1
+        return BatchVerdict.APPLY
+
+
+class Fleet:
+    """Worker sessions by id, at most one (the newest incarnation) per worker id."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, WorkerSession] = {}
+        self._epoch = 0
+        self._routable_cache: dict[tuple[int, int, str], list[WorkerSession]] = {}
+
+    def changed(self) -> None:
+        """A session's routability changed (connect, disconnect, cordon, fence, drain)."""
+        self._epoch += 1
+        self._routable_cache.clear()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[WorkerSession]:
+        return iter(list(self._sessions.values()))
+
+    def get(self, worker_id: str) -> WorkerSession | None:
+        return self._sessions.get(worker_id)
+
+    def put(self, session: WorkerSession) -> WorkerSession | None:
+        """Install ``session``, returning the replaced (older incarnation) one, if any."""
+        old = self._sessions.get(session.worker_id)
+        self._sessions[session.worker_id] = session
+        self.changed()
+        return old
+
+    def remove(self, worker_id: str) -> WorkerSession | None:
+        self.changed()
+        return self._sessions.pop(worker_id, None)
+
+    def require(self, worker_id: str, incarnation: int) -> WorkerSession:
+        """The session of exactly this incarnation; FailedPrecondition for unknown or stale."""
+        session = self._sessions.get(worker_id)
+        if session is None:
+            raise FailedPrecondition(f"unknown worker {worker_id!r}: register first")
+        if session.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"stale incarnation {incarnation} for worker {worker_id!r} "
+                f"(current is {session.incarnation}): re-register"
+            )
+        return session
+
+    def routable(
+        self, now: float, *, version: int, min_version: int | None, model: str
+    ) -> list[WorkerSession]:
+        """READY workers of ``model`` serving exactly ``version`` (and at least ``min_version``).
+
+        The filtered list is cached until ``changed()``; leases are re-checked on every call,
+        so a lapsed lease is unroutable at once even before the reaper notices it."""
+        floor = version if min_version is None else max(version, min_version)
+        key = (version, floor, model)
+        cached = self._routable_cache.get(key)
+        if cached is None:
+            cached = self._routable_cache[key] = [
+                s
+                for s in self._sessions.values()
+                if s.policy_version == version
+                and s.policy_version >= floor
+                and s.model == model
+                and s.connected and not (s.fenced or s.draining or s.cordoned)
+            ]
+        return [s for s in cached if now < s.lease_deadline]
+
+    def lapsed(self, now: float) -> list[WorkerSession]:
+        """Connected sessions whose lease ran out (they must be treated as disconnected)."""
+        return [s for s in self._sessions.values() if s.connected and now >= s.lease_deadline]
+
+    def expired(self, now: float, grace: float) -> list[WorkerSession]:
+        """Disconnected sessions past the grace period: their index entries must go."""
+        return [
+            s
+            for s in self._sessions.values()
+            if not s.connected
+            and s.disconnected_at is not None
+            and now - s.disconnected_at >= grace
+        ]

@@ -1,0 +1,266 @@
+"""Lookup, Route and RouteBatch: prompt -> page keys -> index walk -> routing decision.
+
+No grpc or redis here: the servicer converts protos into ``PromptInput`` and ``Scope`` and the
+results back. A request is served under one policy version (the one it asks for, else the
+current serving version); keys are hashed under that version and only workers serving it are
+considered, so a page computed under another version can never count as a hit.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from coordinator.errors import InvalidArgument, Unavailable
+from coordinator.fleet import Fleet, WorkerSession
+from coordinator.hashing import Namespace, PageHasher
+from coordinator.index import PrefixIndex
+from coordinator.routing import (
+    Candidate,
+    KvAwareWeights,
+    NoEligibleWorker,
+    RoutingPolicy,
+    RoutingRequest,
+    execution_order,
+    group_identical,
+    make_policy,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """A validated prompt: packed little-endian u32 tokens, or trusted page keys."""
+
+    token_count: int
+    token_bytes: bytes | None = None
+    page_keys: tuple[bytes, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """The cache namespace of a request, minus the tenant (taken from the caller's identity)."""
+
+    model: str | None = None
+    adapter: str = ""
+    policy_version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    matches: dict[str, int]  # worker id -> matched pages (confirmed holdings only)
+    policy_version: int
+    prompt_pages: int
+    page_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouteResult:
+    worker_id: str
+    address: str
+    matched_pages: int
+    policy_version: int
+    prompt_pages: int
+    page_size: int
+    routing_policy: str
+
+    @property
+    def matched_tokens(self) -> int:
+        return self.matched_pages * self.page_size
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    routes: list[RouteResult]
+    order: list[int]
+
+
+@dataclass(slots=True)
+class SchedulingCounters:
+    lookups: int = 0
+    routes: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Scheduler:
+    """Answers scheduling questions from the index and the fleet; mutates only pending entries,
+    in-flight accounting and counters (a lookup mutates nothing but its counter)."""
+
+    def __init__(
+        self,
+        *,
+        hasher: PageHasher,
+        index: PrefixIndex,
+        fleet: Fleet,
+        page_size: int,
+        default_model: str,
+        default_policy: str,
+        serving_version: Callable[[], int],
+        clock: Callable[[], float],
+        rng: random.Random | None = None,
+        weights: KvAwareWeights | None = None,
+    ) -> None:
+        self._hasher = hasher
+        self._index = index
+        self._fleet = fleet
+        self._page_size = page_size
+        self._default_model = default_model
+        self._serving_version = serving_version
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._weights = weights or KvAwareWeights()
+        self._policies: dict[str, RoutingPolicy] = {}
+        self.default_policy = self._policy(default_policy).name
+        self.counters = SchedulingCounters()
+
+    def _policy(self, name: str) -> RoutingPolicy:
+        policy = self._policies.get(name)
+        if policy is None:
+            try:
+                policy = make_policy(name, self._weights)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+            self._policies[name] = policy
+        return policy
+
+    def namespace(self, scope: Scope) -> Namespace:
+        version = self._serving_version() if scope.policy_version is None else scope.policy_version
+        return Namespace(
+            model=scope.model or self._default_model,
+            adapter=scope.adapter,
+            policy_version=version,
+            page_size=self._page_size,
+        )
+
+    def keys(self, prompt: PromptInput, namespace: Namespace) -> list[bytes]:
+        """The prompt's page keys: hashed here from tokens, or as sent by a trusted caller."""
+        if prompt.page_keys is not None:
+            return list(prompt.page_keys)
+        assert prompt.token_bytes is not None  # PromptInput always carries one body
+        return self._hasher.page_keys(prompt.token_bytes, namespace)
+
+    def lookup(self, prompt: PromptInput, scope: Scope) -> LookupResult:
+        """Every worker serving the version that holds the prompt's first page, with its depth."""
+        ns = self.namespace(scope)
+        keys = self.keys(prompt, ns)
+        self.counters.lookups += 1
+        matches = self._index.match(keys) if keys else {}
+        serving = {
+            worker_id: depth
+            for worker_id, depth in matches.items()
+            if self._serves(worker_id, ns)
+        }
+        return LookupResult(serving, ns.policy_version, len(keys), self._page_size)
+
+    def _serves(self, worker_id: str, ns: Namespace) -> bool:
+        session = self._fleet.get(worker_id)
+        return (
+            session is not None
+            and session.policy_version == ns.policy_version
+            and session.model == ns.model
+        )
+
+    def route(
+        self,
+        prompt: PromptInput,
+        scope: Scope,
+        *,
+        min_policy_version: int | None = None,
+        policy: str = "",
+    ) -> RouteResult:
+        """Choose a worker for one prompt; its keys become pending entries on that worker."""
+        ns = self.namespace(scope)
+        keys = self.keys(prompt, ns)
+        return self._route_keys(keys, prompt.token_count, 1, ns, min_policy_version, policy)
+
+    def route_batch(
+        self,
+        prompts: Sequence[PromptInput],
+        scope: Scope,
+        *,
+        min_policy_version: int | None = None,
+        policy: str = "",
+    ) -> BatchResult:
+        """Route many prompts: identical prompts (GRPO siblings) go to one worker as a group,
+        groups are routed in order so later ones see earlier ones' pending entries, and the
+        returned order runs prompts sharing a prefix back to back."""
+        ns = self.namespace(scope)
+        keys = [self.keys(p, ns) for p in prompts]
+        counts = [p.token_count for p in prompts]
+        routes: list[RouteResult | None] = [None] * len(prompts)
+        for group in group_identical(keys, counts):
+            first = group.members[0]
+            result = self._route_keys(
+                keys[first], counts[first], len(group.members), ns, min_policy_version, policy
+            )
+            for member in group.members:
+                routes[member] = result
+        done = [r for r in routes if r is not None]
+        order = execution_order(keys, [r.worker_id for r in done])
+        return BatchResult(done, order)
+
+    def _route_keys(
+        self,
+        keys: list[bytes],
+        token_count: int,
+        copies: int,
+        ns: Namespace,
+        min_policy_version: int | None,
+        policy_name: str,
+    ) -> RouteResult:
+        policy = self._policy(policy_name or self.default_policy)
+        now = self._clock()
+        eligible = self._fleet.routable(
+            now, version=ns.policy_version, min_version=min_policy_version, model=ns.model
+        )
+        candidates = self._candidates(keys, eligible)
+        request = RoutingRequest(
+            prompt_pages=len(keys), prompt_tokens=token_count, page_size=self._page_size,
+            copies=copies,
+        )
+        try:
+            decision = policy.choose(request, candidates, self._rng)
+        except NoEligibleWorker:
+            raise Unavailable(
+                f"no routable worker serves model {ns.model!r} at policy version "
+                f"{ns.policy_version}" + (
+                    f" (min {min_policy_version})" if min_policy_version is not None else ""
+                ),
+                retry_after_ms=500,
+            ) from None
+        session = self._fleet.get(decision.worker_id)
+        assert session is not None  # candidates come from the fleet
+        confirmed = self._index.match(keys).get(decision.worker_id, 0) if keys else 0
+        if keys:
+            self._index.add_pending(decision.worker_id, keys)
+        cached_tokens = min(confirmed * self._page_size, token_count)
+        for _ in range(copies):
+            session.record_route(token_count, cached_tokens)
+        self.counters.routes += copies
+        self.counters.prompt_tokens += token_count * copies
+        self.counters.cached_tokens += cached_tokens * copies
+        return RouteResult(
+            worker_id=session.worker_id,
+            address=session.address,
+            matched_pages=confirmed,
+            policy_version=ns.policy_version,
+            prompt_pages=len(keys),
+            page_size=self._page_size,
+            routing_policy=policy.name,
+        )
+
+    def _candidates(self, keys: list[bytes], eligible: list[WorkerSession]) -> list[Candidate]:
+        details = self._index.match_detail(keys, include_pending=True) if keys else {}
+        candidates = []
+        for session in eligible:
+            detail = details.get(session.worker_id)
+            candidates.append(
+                Candidate(
+                    worker_id=session.worker_id,
+                    cached_pages=detail.pages if detail else 0,
+                    lower_tier_pages=detail.lower_tier_pages if detail else 0,
+                    load=session.current_load(),
+                )
+            )
+        return candidates

@@ -1,0 +1,297 @@
+"""Values, errors, target lists, request builders and response parsers shared by both SDK clients.
+
+Builders validate on the client so a mistake fails fast with ``ValueError`` before a round trip.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from coordinator.v1 import coordinator_pb2 as pb
+
+KEY_BYTES = 16
+T = TypeVar("T")
+
+
+class KvcoordError(Exception):
+    """A call the coordinator (or the transport) refused. ``code`` is the ``grpc.StatusCode``."""
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, *, retry_after_ms: int | None = None
+    ) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.retry_after_ms = retry_after_ms
+
+    @classmethod
+    def from_rpc(cls, exc: grpc.RpcError) -> KvcoordError:
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+        retry_after: int | None = None
+        trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+        for key, value in trailing or ():
+            if key == "retry-after-ms":
+                retry_after = int(value)
+        return cls(code, details, retry_after_ms=retry_after)
+
+
+def is_transport_failure(error: KvcoordError) -> bool:
+    """UNAVAILABLE raised by the transport (worth another target), not by the coordinator
+    (which always says when to retry)."""
+    return error.code == grpc.StatusCode.UNAVAILABLE and error.retry_after_ms is None
+
+
+class Targets(Sequence[str]):
+    """TARGETS: ``host:port``, a comma-separated list, or one gRPC name (``dns:///...``)."""
+
+    def __init__(self, targets: list[str]) -> None:
+        self._targets = targets
+        self._current = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> Targets:
+        parts = [p.strip() for p in spec.split(",") if p.strip()]
+        if not parts:
+            raise ValueError("no coordinator target given (expected HOST:PORT[,HOST:PORT...])")
+        for part in parts:
+            if "://" not in part and ":" not in part:
+                raise ValueError(f"coordinator target {part!r} is not HOST:PORT")
+        return cls(parts)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._targets[i]
+
+    def __len__(self) -> int:
+        return len(self._targets)
+
+    def rotation(self, items: Sequence[T]) -> Iterator[T]:
+        """Each item once, starting at the target that last worked."""
+        start = self._current
+        for offset in range(len(items)):
+            self._current = (start + offset) % len(items)
+            yield items[self._current]
+
+    def failed(self) -> None:
+        """The current target failed; the next call starts at the one after it."""
+        self._current = (self._current + 1) % len(self._targets)
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+@dataclass(frozen=True, slots=True)
+class PageKeys:
+    """A prompt sent as page keys (trusted roles): concatenated 16-byte digests."""
+
+    keys: bytes
+    token_count: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.keys or len(self.keys) % KEY_BYTES:
+            raise ValueError(
+                f"page keys must be a non-empty multiple of {KEY_BYTES} bytes, "
+                f"got {len(self.keys)}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    matches: dict[str, int]  # worker id -> matched tokens
+    policy_version: int
+    prompt_pages: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    worker_id: str
+    address: str
+    matched_tokens: int
+    policy_version: int
+    matched_pages: int = 0
+    routing_policy: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteBatch:
+    routes: list[Route]
+    order: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    version: int
+    phase: str  # "serving" | "draining"
+    target_version: int | None = None
+    mode: str = "sync"
+    acked_workers: tuple[str, ...] = ()
+    fenced_workers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    worker_id: str
+    address: str
+    policy_version: int
+    state: str
+    incarnation: int = 0
+    external: bool = False
+    cached_pages: int = 0
+    total_pages: int = 0
+    free_pages: int = 0
+    running_requests: int = 0
+    queued_tokens: int = 0
+    inflight_routes: int = 0
+    routed_requests: int = 0
+    routed_tokens: int = 0
+    routed_cached_tokens: int = 0
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.routed_cached_tokens / self.routed_tokens if self.routed_tokens else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    workers: int
+    routable_workers: int
+    index_keys: int
+    index_entries: int
+    pending_entries: int
+    lookups: int
+    routes: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_ratio: float
+    events_applied: int
+    resyncs: int
+    policy_version: int
+    policy_phase: str
+    store: str
+
+
+# ---------------------------------------------------------------- requests
+
+
+def prompt_pb(tokens: Sequence[int] | PageKeys) -> pb.Prompt:
+    """Validate and pack one prompt; ValueError for empty prompts or ids outside uint32."""
+    if isinstance(tokens, PageKeys):
+        return pb.Prompt(page_keys=tokens.keys, token_count=tokens.token_count or 0)
+    if isinstance(tokens, (str, bytes)):
+        raise ValueError("a prompt is a sequence of integer token ids (or PageKeys)")
+    if len(tokens) == 0:
+        raise ValueError("empty prompt: at least one token id is required")
+    try:
+        packed = array("I", tokens)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+    return pb.Prompt(token_ids=packed)
+
+
+def scope_pb(model: str | None, adapter: str | None, version: int | None) -> pb.Scope:
+    scope = pb.Scope(model=model or "", adapter=adapter or "")
+    if version is not None:
+        scope.policy_version = version
+    return scope
+
+
+def lookup_request(
+    tokens: Sequence[int] | PageKeys, model: str | None, adapter: str | None, version: int | None
+) -> pb.LookupRequest:
+    return pb.LookupRequest(prompt=prompt_pb(tokens), scope=scope_pb(model, adapter, version))
+
+
+def route_request(
+    tokens: Sequence[int] | PageKeys, model: str | None, adapter: str | None,
+    min_version: int | None, version: int | None, routing_policy: str,
+) -> pb.RouteRequest:
+    request = pb.RouteRequest(
+        prompt=prompt_pb(tokens), scope=scope_pb(model, adapter, version),
+        routing_policy=routing_policy,
+    )
+    if min_version is not None:
+        request.min_policy_version = min_version
+    return request
+
+
+def batch_request(
+    prompts: Sequence[Sequence[int] | PageKeys], model: str | None, adapter: str | None,
+    min_version: int | None, routing_policy: str,
+) -> pb.RouteBatchRequest:
+    if not prompts:
+        raise ValueError("route_batch needs at least one prompt")
+    request = pb.RouteBatchRequest(
+        prompts=[prompt_pb(p) for p in prompts], scope=scope_pb(model, adapter, None),
+        routing_policy=routing_policy,
+    )
+    if min_version is not None:
+        request.min_policy_version = min_version
+    return request
+
+
+# ---------------------------------------------------------------- responses
+
+_PHASES = {pb.POLICY_PHASE_SERVING: "serving", pb.POLICY_PHASE_DRAINING: "draining"}
+_STATES = {
+    pb.WORKER_STATE_READY: "ready", pb.WORKER_STATE_DRAINING: "draining",
+    pb.WORKER_STATE_FENCED: "fenced", pb.WORKER_STATE_CORDONED: "cordoned",
+    pb.WORKER_STATE_DISCONNECTED: "disconnected",
+}
+
+
+def lookup_from(response: pb.LookupResponse) -> LookupResult:
+    matches = {m.worker_id: m.matched_tokens for m in response.matches}
+    return LookupResult(matches, response.policy_version, response.prompt_pages)
+
+
+def route_from(response: pb.RouteResponse) -> Route:
+    return Route(
+        response.worker_id, response.address, response.matched_tokens, response.policy_version,
+        response.matched_pages, response.routing_policy,
+    )
+
+
+def batch_from(response: pb.RouteBatchResponse) -> RouteBatch:
+    return RouteBatch([route_from(r) for r in response.routes], list(response.order))
+
+
+def policy_from(state: pb.PolicyState) -> PolicyState:
+    return PolicyState(
+        version=state.version,
+        phase=_PHASES.get(state.phase, "unspecified"),
+        target_version=state.target_version if state.HasField("target_version") else None,
+        mode="async" if state.mode == pb.POLICY_MODE_ASYNC else "sync",
+        acked_workers=tuple(state.acked_workers),
+        fenced_workers=tuple(state.fenced_workers),
+    )
+
+
+def worker_from(info: pb.WorkerInfo) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=info.worker_id, address=info.address, policy_version=info.policy_version,
+        state=_STATES.get(info.state, "unspecified"), incarnation=info.incarnation,
+        external=info.external, cached_pages=info.cached_pages, total_pages=info.total_pages,
+        free_pages=info.free_pages, running_requests=info.running_requests,
+        queued_tokens=info.queued_tokens, inflight_routes=info.inflight_routes,
+        routed_requests=info.routed_requests, routed_tokens=info.routed_tokens,
+        routed_cached_tokens=info.routed_cached_tokens,
+    )
+
+
+def stats_from(stats: pb.Stats) -> Stats:
+    return Stats(
+        workers=stats.workers, routable_workers=stats.routable_workers,
+        index_keys=stats.index_keys, index_entries=stats.index_entries,
+        pending_entries=stats.pending_entries, lookups=stats.lookups, routes=stats.routes,
+        prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
+        hit_ratio=stats.hit_ratio, events_applied=stats.events_applied, resyncs=stats.resyncs,
+        policy_version=stats.policy_version,
+        policy_phase=_PHASES.get(stats.policy_phase, "unspecified"), store=stats.store,
+    )
+

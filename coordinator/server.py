@@ -1,0 +1,97 @@
+"""Build and run a coordinator gRPC server: servicer, health, reflection, metrics, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from coordinator.config import CoordinatorConfig
+from coordinator.interceptor import ErrorMappingInterceptor
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.service import CoordinatorService
+from coordinator.servicer import CoordinatorServicer
+from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Message-size limits shared by server and clients (grpc answers RESOURCE_EXHAUSTED)."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+@dataclass(slots=True)
+class RunningCoordinator:
+    """A started coordinator: its bound port, metrics port and a ``stop`` that drains."""
+
+    server: grpc.aio.Server
+    service: CoordinatorService
+    health: health_aio.HealthServicer
+    port: int
+    metrics_port: int | None
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Report NOT_SERVING, let in-flight calls finish for ``grace`` seconds, then close."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.service.stop()
+        log.info("coordinator.stopped", port=self.port)
+
+
+async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
+    """Open the store, bind ``config.listen`` (port 0 picks a free one) and start serving."""
+    service = await CoordinatorService.open(config)
+    metrics = CoordinatorMetrics(service)
+    server = grpc.aio.server(
+        interceptors=[ErrorMappingInterceptor(metrics)],
+        options=channel_options(config.max_message_bytes),
+    )
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(service), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"could not bind {config.listen}")
+    await service.start()
+    await server.start()
+    metrics_port = None
+    if config.metrics_port is not None:
+        metrics_port = metrics.serve(config.metrics_port)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    await health.set("", serving)
+    await health.set(SERVICE_NAME, serving)
+    log.info(
+        "coordinator.serving", listen=config.listen, port=port, metrics_port=metrics_port,
+        store=type(service.store).__name__, page_size=config.page_size,
+        policy_version=service.policy.version,
+    )
+    return RunningCoordinator(server, service, health, port, metrics_port)
+
+
+async def serve_forever(config: CoordinatorConfig) -> None:
+    """Run until SIGINT/SIGTERM, then drain (the k8s termination path)."""
+    running = await start_coordinator(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await running.stop()

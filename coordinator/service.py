@@ -1,0 +1,186 @@
+"""The coordinator's domain service: one object that owns the index, fleet, scheduler, sessions
+and store, and answers the operator questions (workers, stats, cordon, policy state).
+
+The gRPC servicer is a thin adapter over this; tests and the benchmark can drive it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from coordinator.config import CoordinatorConfig
+from coordinator.errors import NotFound
+from coordinator.fleet import Fleet, WorkerSession, WorkerStatus
+from coordinator.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig, PageHasher
+from coordinator.index import PrefixIndex
+from coordinator.scheduling import Scheduler
+from coordinator.sessions import WorkerSessions
+from coordinator.store import MetadataStore, PolicyRecord, open_store
+
+log = structlog.get_logger(__name__)
+
+
+def hash_config_from(config: CoordinatorConfig) -> HashConfig:
+    """The deployment's hash configuration; the development key (with a warning) when unset."""
+    algorithm = HashAlgorithm(config.hash_algorithm)
+    if config.hash_key is None:  # HashConfig itself warns that the development key is public
+        return HashConfig(key=DEV_HASH_KEY, algorithm=algorithm, page_size=config.page_size)
+    return HashConfig.from_hex_key(
+        config.hash_key, algorithm=algorithm, page_size=config.page_size
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """What operators see of one worker (ListWorkers, ``kvcoord status``)."""
+
+    session: WorkerSession
+    status: WorkerStatus
+    cached_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class StatsSnapshot:
+    workers: int
+    routable_workers: int
+    index_keys: int
+    index_entries: int
+    pending_entries: int
+    lookups: int
+    routes: int
+    prompt_tokens: int
+    cached_tokens: int
+    events_applied: int
+    resyncs: int
+    policy: PolicyRecord
+    store: str
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class CoordinatorService:
+    """Composition root of the coordinator's state. ``start``/``stop`` run the reaper task."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        store: MetadataStore,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.clock = clock
+        self.hash_config = hash_config_from(config)
+        self.hasher = PageHasher(self.hash_config, cache_pages=config.hash_cache_pages)
+        self.index = PrefixIndex(
+            clock=clock,
+            pending_ttl=config.pending_ttl_ms / 1000,
+            max_pending=config.max_pending_entries,
+        )
+        self.fleet = Fleet()
+        self.policy = PolicyRecord()
+        self.scheduler = Scheduler(
+            hasher=self.hasher,
+            index=self.index,
+            fleet=self.fleet,
+            page_size=config.page_size,
+            default_model=config.default_model,
+            default_policy=config.routing_policy,
+            serving_version=lambda: self.policy.version,
+            clock=clock,
+            rng=rng,
+        )
+        self.sessions = WorkerSessions(
+            config=config,
+            hash_config=self.hash_config,
+            index=self.index,
+            fleet=self.fleet,
+            store=store,
+            policy=lambda: self.policy,
+            clock=clock,
+        )
+        self._reaper: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(cls, config: CoordinatorConfig, **kwargs: object) -> CoordinatorService:
+        """Open the configured store (embedded when no Redis URL) and load the policy state."""
+        store = await open_store(config.redis, namespace=config.store_namespace)
+        service = cls(config, store, **kwargs)  # type: ignore[arg-type]
+        service.policy = await store.get_policy()
+        return service
+
+    async def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap_forever(), name="kvcoord-reaper")
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await self.store.close()
+
+    async def _reap_forever(self) -> None:
+        interval = self.config.reaper_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.sessions.reap()
+            except Exception:  # the reaper must outlive any one bad pass
+                log.exception("reaper.failed")
+
+    async def refresh_policy(self) -> PolicyRecord:
+        """Re-read the policy state from the store (the source of truth across replicas)."""
+        self.policy = await self.store.get_policy()
+        return self.policy
+
+    def workers(self) -> list[WorkerView]:
+        now = self.clock()
+        views = []
+        for session in sorted(self.fleet, key=lambda s: s.worker_id):
+            cached = len(self.index.worker_keys(session.worker_id))
+            views.append(WorkerView(session, session.status(now), cached))
+        return views
+
+    def cordon(self, worker_id: str, cordoned: bool) -> WorkerView:
+        """Take a worker out of (or back into) routing without disconnecting it."""
+        session = self.fleet.get(worker_id)
+        if session is None:
+            raise NotFound(f"unknown worker {worker_id!r}")
+        session.cordoned = cordoned
+        self.fleet.changed()
+        log.info("worker.cordoned" if cordoned else "worker.uncordoned", worker=worker_id)
+        cached = len(self.index.worker_keys(worker_id))
+        return WorkerView(session, session.status(self.clock()), cached)
+
+    def stats(self) -> StatsSnapshot:
+        now = self.clock()
+        index = self.index.stats()
+        counters = self.scheduler.counters
+        return StatsSnapshot(
+            workers=len(self.fleet),
+            routable_workers=sum(
+                1 for s in self.fleet if s.status(now) is WorkerStatus.READY
+            ),
+            index_keys=index.keys,
+            index_entries=index.holdings,
+            pending_entries=index.pending,
+            lookups=counters.lookups,
+            routes=counters.routes,
+            prompt_tokens=counters.prompt_tokens,
+            cached_tokens=counters.cached_tokens,
+            events_applied=self.sessions.counters.events_applied,
+            resyncs=self.sessions.counters.resyncs,
+            policy=self.policy,
+            store=type(self.store).__name__,
+        )

@@ -1,0 +1,330 @@
+"""Worker sessions: Register, the Sync stream's messages, leases, and the reaper.
+
+Keeps the index true: event batches apply in sequence order per incarnation, a gap asks the
+worker for its full inventory instead of guessing, a regression or a stale incarnation is a
+protocol violation (FailedPrecondition ends the stream). A closed stream or a lapsed lease makes a
+worker unroutable at once; its entries go after a grace period.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from coordinator.config import CoordinatorConfig
+from coordinator.errors import FailedPrecondition, InvalidArgument
+from coordinator.fleet import BatchVerdict, Fleet, WorkerSession
+from coordinator.hashing import HashConfig
+from coordinator.index import PrefixIndex, Tier
+from coordinator.routing import WorkerLoad
+from coordinator.store import MetadataStore, PolicyRecord
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrationRequest:
+    worker_id: str
+    address: str
+    algorithm: str
+    page_size: int
+    fingerprint: bytes
+    total_pages: int
+    policy_version: int
+    external: bool
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    incarnation: int
+    policy: PolicyRecord
+    lease_ms: int
+    heartbeat_ms: int
+    max_events_per_batch: int
+    max_message_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PageEventIn:
+    kind: str  # "stored" | "removed" | "cleared"
+    keys: Sequence[bytes]
+    tier: Tier = Tier.GPU
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatIn:
+    load: WorkerLoad
+    completed_routes: int
+    policy_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryIn:
+    resync_id: int
+    keys: Sequence[bytes]
+    tier: Tier
+    last: bool
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    next_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    resync_id: int
+    reason: str
+
+
+Outbound = Welcome | Ack | Resync
+
+
+@dataclass(slots=True)
+class SyncCounters:
+    events_applied: int = 0
+    resyncs: int = 0
+
+
+@dataclass(slots=True)
+class _Staging:
+    resync_id: int
+    keys_by_tier: dict[str, list[bytes]] = field(default_factory=dict)
+    count: int = 0
+
+
+class WorkerSessions:
+    """Owns the fleet's sessions and applies what workers send to the index."""
+
+    def __init__(
+        self,
+        *,
+        config: CoordinatorConfig,
+        hash_config: HashConfig,
+        index: PrefixIndex,
+        fleet: Fleet,
+        store: MetadataStore,
+        policy: Callable[[], PolicyRecord],
+        clock: Callable[[], float],
+    ) -> None:
+        self._config = config
+        self._hash_config = hash_config
+        self._index = index
+        self._fleet = fleet
+        self._store = store
+        self._policy = policy
+        self._clock = clock
+        self._resync_ids = itertools.count(1)
+        self._stream_ids = itertools.count(1)
+        self._streams: dict[str, int] = {}  # worker id -> id of the stream that owns it
+        self._staging: dict[str, _Staging] = {}
+        self.counters = SyncCounters()
+
+    # ------------------------------------------------------------------ registration
+
+    def _check_hash_config(self, req: RegistrationRequest) -> None:
+        ours = self._hash_config
+        if req.algorithm != ours.algorithm.value:
+            raise FailedPrecondition(
+                f"hash algorithm mismatch: worker uses {req.algorithm!r}, "
+                f"coordinator uses {ours.algorithm.value!r}"
+            )
+        if req.page_size != ours.page_size:
+            raise FailedPrecondition(
+                f"page size mismatch: worker uses {req.page_size}, coordinator uses "
+                f"{ours.page_size}"
+            )
+        if req.fingerprint != ours.fingerprint():
+            raise FailedPrecondition(
+                "hash key mismatch: the worker's KVCOORD_HASH_KEY differs from the coordinator's"
+            )
+
+    async def register(self, req: RegistrationRequest) -> Registration:
+        """Admit a worker under a new incarnation; any older incarnation's entries are dropped."""
+        if not req.worker_id:
+            raise InvalidArgument("worker_id is required")
+        if ":" not in req.address:
+            raise InvalidArgument(f"address must be HOST:PORT, got {req.address!r}")
+        self._check_hash_config(req)
+        cfg = self._config
+        record = await self._store.register_worker(
+            req.worker_id,
+            address=req.address,
+            policy_version=req.policy_version,
+            external=req.external,
+            lease_ms=cfg.lease_ms,
+            info={"model": req.model or cfg.default_model, "total_pages": str(req.total_pages)},
+        )
+        session = WorkerSession(
+            worker_id=req.worker_id,
+            incarnation=record.incarnation,
+            address=req.address,
+            model=req.model or cfg.default_model,
+            policy_version=req.policy_version,
+            external=req.external,
+            total_pages=req.total_pages,
+            lease_deadline=self._clock() + cfg.lease_ms / 1000,
+        )
+        if self._fleet.put(session) is not None:
+            self._index.drop_worker(req.worker_id)
+        self._streams.pop(req.worker_id, None)
+        self._staging.pop(req.worker_id, None)
+        log.info(
+            "worker.registered", worker=req.worker_id, incarnation=record.incarnation,
+            address=req.address, policy_version=req.policy_version,
+        )
+        return Registration(
+            incarnation=record.incarnation,
+            policy=self._policy(),
+            lease_ms=cfg.lease_ms,
+            heartbeat_ms=cfg.heartbeat_ms,
+            max_events_per_batch=cfg.max_events_per_batch,
+            max_message_bytes=cfg.max_message_bytes,
+        )
+
+    async def deregister(self, worker_id: str, incarnation: int) -> None:
+        """Remove a worker for good (graceful shutdown); refused for a stale incarnation."""
+        self._fleet.require(worker_id, incarnation)
+        await self._store.deregister_worker(worker_id, incarnation)
+        self._drop(worker_id, reason="deregistered")
+
+    def _drop(self, worker_id: str, *, reason: str) -> None:
+        self._fleet.remove(worker_id)
+        dropped = self._index.drop_worker(worker_id)
+        self._streams.pop(worker_id, None)
+        self._staging.pop(worker_id, None)
+        log.info("worker.dropped", worker=worker_id, reason=reason, entries=dropped)
+
+    # ------------------------------------------------------------------ the Sync stream
+
+    def hello(
+        self, worker_id: str, incarnation: int, last_acked_seq: int
+    ) -> tuple[WorkerSession, int, list[Outbound]]:
+        """Attach a stream to a session. A newer stream supersedes an older one (the worker
+        reconnected before we noticed the old one die). Returns (session, stream id, replies)."""
+        session = self._fleet.require(worker_id, incarnation)
+        stream_id = next(self._stream_ids)
+        self._streams[worker_id] = stream_id
+        session.connected = True
+        session.disconnected_at = None
+        session.lease_deadline = self._clock() + self._config.lease_ms / 1000
+        self._fleet.changed()
+        replies: list[Outbound] = [Welcome(session.next_seq)]
+        if last_acked_seq >= session.next_seq:
+            # The worker saw acks we have no memory of: our view of it cannot be trusted.
+            replies.append(self._start_resync(session, "acked sequence ahead of coordinator"))
+        log.info("worker.connected", worker=worker_id, incarnation=incarnation, stream=stream_id)
+        return session, stream_id, replies
+
+    def owns(self, session: WorkerSession, stream_id: int) -> bool:
+        """Whether ``stream_id`` is still the stream attached to ``session``."""
+        return (
+            self._streams.get(session.worker_id) == stream_id
+            and self._fleet.get(session.worker_id) is session
+        )
+
+    def disconnect(self, session: WorkerSession, stream_id: int) -> None:
+        """The stream ended: the worker is unroutable from now on (entries kept for the grace)."""
+        if not self.owns(session, stream_id):
+            return
+        del self._streams[session.worker_id]
+        session.connected = False
+        session.disconnected_at = self._clock()
+        self._fleet.changed()
+        log.info("worker.disconnected", worker=session.worker_id, stream=stream_id)
+
+    def _start_resync(self, session: WorkerSession, reason: str) -> Resync:
+        resync_id = next(self._resync_ids)
+        session.resync_id = resync_id
+        self._staging.pop(session.worker_id, None)
+        self.counters.resyncs += 1
+        log.warning("worker.resync", worker=session.worker_id, reason=reason, resync=resync_id)
+        return Resync(resync_id, reason)
+
+    def events(self, session: WorkerSession, seq: int, events: Sequence[PageEventIn]) -> list[Outbound]:
+        """Apply one event batch in order; a gap answers with a resync request, never a guess."""
+        if len(events) > self._config.max_events_per_batch:
+            raise InvalidArgument(
+                f"event batch has {len(events)} events, over the limit of "
+                f"{self._config.max_events_per_batch}"
+            )
+        verdict = session.check_batch(seq)
+        if verdict is BatchVerdict.SKIP:
+            return []
+        if verdict is BatchVerdict.GAP:
+            return [self._start_resync(session, f"sequence gap: got {seq}, "
+                                                f"expected {session.next_seq}")]
+        worker_id = session.worker_id
+        for event in events:
+            if event.kind == "stored":
+                self._index.store(worker_id, event.keys, event.tier)
+            elif event.kind == "removed":
+                self._index.remove(worker_id, event.keys)
+            else:
+                self._index.drop_worker(worker_id)
+        self.counters.events_applied += len(events)
+        return [Ack(seq)]
+
+    async def heartbeat(self, session: WorkerSession, beat: HeartbeatIn) -> list[Outbound]:
+        """Renew the lease (in the store, so every replica sees it) and take the load report."""
+        cfg = self._config
+        if not await self._store.renew_lease(session.worker_id, session.incarnation, cfg.lease_ms):
+            raise FailedPrecondition(
+                f"lease of worker {session.worker_id!r} incarnation {session.incarnation} "
+                "is gone (expired or superseded): re-register"
+            )
+        session.lease_deadline = self._clock() + cfg.lease_ms / 1000
+        session.report_load(beat.load, beat.completed_routes)
+        return []
+
+    def inventory(self, session: WorkerSession, chunk: InventoryIn) -> list[Outbound]:
+        """Stage a resync inventory; the last chunk replaces the worker's holdings at once."""
+        if chunk.resync_id != session.resync_id:
+            raise FailedPrecondition(
+                f"inventory for resync {chunk.resync_id}, but the open resync is "
+                f"{session.resync_id}"
+            )
+        staging = self._staging.get(session.worker_id)
+        if staging is None or staging.resync_id != chunk.resync_id:
+            staging = self._staging[session.worker_id] = _Staging(chunk.resync_id)
+        staging.count += len(chunk.keys)
+        limit = max(session.total_pages, 1) * 4
+        if staging.count > limit:
+            raise InvalidArgument(
+                f"inventory of {staging.count} pages exceeds 4x the worker's {session.total_pages}"
+            )
+        staging.keys_by_tier.setdefault(chunk.tier.value, []).extend(chunk.keys)
+        if not chunk.last:
+            return []
+        del self._staging[session.worker_id]
+        self._index.replace_worker(session.worker_id, staging.keys_by_tier)
+        session.resync_id = None
+        session.next_seq = chunk.seq + 1
+        log.info("worker.resynced", worker=session.worker_id, pages=staging.count, seq=chunk.seq)
+        return [Ack(chunk.seq)]
+
+    # ------------------------------------------------------------------ liveness
+
+    def reap(self) -> None:
+        """Mark lapsed leases unroutable, drop entries of workers gone past the grace period and
+        expire old pending entries. Called periodically by the server."""
+        now = self._clock()
+        for session in self._fleet.lapsed(now):
+            session.connected = False
+            session.disconnected_at = now
+            self._streams.pop(session.worker_id, None)
+            self._fleet.changed()
+            log.warning("worker.lease_lapsed", worker=session.worker_id)
+        for session in self._fleet.expired(now, self._config.drop_grace_ms / 1000):
+            self._drop(session.worker_id, reason="gone past grace period")
+        self._index.expire_pending()

@@ -1,0 +1,292 @@
+"""The metadata store: what must outlive a coordinator process or be shared between replicas.
+
+One protocol, two implementations:
+
+- ``MemoryStore`` (``coordinator.store_memory``): in process, the default without ``--redis``;
+  one coordinator only, nothing survives a restart.
+- ``RedisStore`` (``coordinator.store_redis``): every key under ``kvcoord:{<namespace>}:`` (a
+  hash tag, so a namespace stays on one Redis Cluster slot); multi-key changes are Lua scripts.
+
+The same contract tests (``tests/test_store_contract.py``) run against both. The checks both
+implementations share (argument validation, the ``update_worker`` field rules) live here so the
+two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from coordinator.store_memory import MemoryStore
+    from coordinator.store_redis import RedisStore
+
+__all__ = [
+    "STREAMS",
+    "MemoryStore",
+    "MetadataStore",
+    "PolicyPhase",
+    "PolicyRecord",
+    "RedisStore",
+    "StoreUnavailable",
+    "StreamEntry",
+    "WorkerRecord",
+    "open_store",
+]
+
+STREAMS = frozenset({"events", "rollouts"})
+"""The streams ``append``/``read`` accept; anything else is refused with ValueError."""
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+class StoreUnavailable(Exception):
+    """The backing store cannot be reached (connection refused or lost, timeout, loading).
+
+    The outcome of a mutating call that raised it is unknown: re-read before retrying.
+    """
+
+
+class PolicyPhase(enum.StrEnum):
+    SERVING = "serving"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyRecord:
+    """The fleet's policy state. ``epoch`` increments on every successful CAS, so a watcher
+    can tell that something changed even when (version, phase) came back to the same values."""
+
+    version: int = 0
+    phase: PolicyPhase = PolicyPhase.SERVING
+    target_version: int | None = None
+    mode: str = "sync"
+    epoch: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    """A live worker registration. ``info`` holds the free-form extra fields."""
+
+    worker_id: str
+    incarnation: int
+    address: str
+    policy_version: int
+    external: bool
+    registered_at_ms: int
+    info: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEntry:
+    entry_id: str
+    fields: Mapping[str, str] = field(hash=False)
+
+
+class MetadataStore(Protocol):
+    """What the coordinator keeps outside its process. Every method is a coroutine.
+
+    Worker registry: each registration holds a lease (a TTL) and an incarnation. A calling
+    worker identifies itself by (worker_id, incarnation); a call from any incarnation but the
+    live one is refused (returns False, changes nothing) — that is the fencing.
+    """
+
+    namespace: str
+
+    async def ping(self) -> bool:
+        """True when the store answers; False (never raises) when it cannot be reached."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections. Idempotent."""
+        ...
+
+    async def register_worker(
+        self,
+        worker_id: str,
+        *,
+        address: str,
+        policy_version: int,
+        external: bool = False,
+        lease_ms: int,
+        info: Mapping[str, str] | None = None,
+    ) -> WorkerRecord:
+        """Atomically: take the next incarnation (strictly larger than any before for this id,
+        even after the lease expired or a deregister), replace the worker's record, start its
+        lease of ``lease_ms`` and list it."""
+        ...
+
+    async def renew_lease(self, worker_id: str, incarnation: int, lease_ms: int) -> bool:
+        """Atomically reset the lease to ``lease_ms`` from now. False, and no change, when the
+        lease already expired or ``incarnation`` is not the live one."""
+        ...
+
+    async def get_worker(self, worker_id: str) -> WorkerRecord | None:
+        """The live registration, or None when there is none (never registered, expired,
+        deregistered)."""
+        ...
+
+    async def list_workers(self) -> list[WorkerRecord]:
+        """Live registrations only, sorted by worker id; forgets ids whose lease expired."""
+        ...
+
+    async def deregister_worker(self, worker_id: str, incarnation: int) -> bool:
+        """Remove the live registration. False, and no change, for any other incarnation or
+        when the lease already expired. The incarnation counter is kept."""
+        ...
+
+    async def current_incarnation(self, worker_id: str) -> int:
+        """The last incarnation handed out for this id (live or not); 0 when never
+        registered."""
+        ...
+
+    async def update_worker(self, worker_id: str, incarnation: int, **fields: str) -> bool:
+        """Atomically update ``address``, ``policy_version`` (a decimal string) and/or extra
+        ``info`` fields (any other name) without touching the lease. False, and no change, for
+        a stale incarnation or an expired lease. Raises ValueError for the fields that identify
+        a registration (``worker_id``, ``incarnation``, ``external``, ``registered_at_ms``)."""
+        ...
+
+    async def get_policy(self) -> PolicyRecord:
+        """The stored policy state; ``PolicyRecord()`` when none was ever written."""
+        ...
+
+    async def cas_policy(self, expected: PolicyRecord, new: PolicyRecord) -> bool:
+        """Atomically replace the policy state with ``new`` when the stored state equals
+        ``expected`` in all five fields; the written epoch is ``expected.epoch + 1`` whatever
+        ``new.epoch`` says. False, and no change, when the stored state differs. Raises
+        ValueError, before touching the store, when ``new.version < expected.version``: the
+        version never decreases."""
+        ...
+
+    async def record_ack(self, version: int, worker_id: str, stage: str) -> None:
+        """Record (overwrite) the stage a worker acknowledged for a target version."""
+        ...
+
+    async def get_acks(self, version: int) -> dict[str, str]:
+        """worker_id -> last acknowledged stage for ``version``; empty when none."""
+        ...
+
+    async def append(self, stream: str, fields: Mapping[str, str], *, maxlen: int) -> str:
+        """Append an entry to ``stream`` (one of STREAMS) and return its id ``"<ms>-<seq>"``;
+        ids only increase. The stream keeps at least the newest ``maxlen`` entries and is
+        trimmed from the oldest end: exactly ``maxlen`` in memory, approximately (whole Redis
+        stream nodes, up to ``stream-node-max-entries`` more) on Redis."""
+        ...
+
+    async def read(self, stream: str, *, after: str | None, count: int) -> list[StreamEntry]:
+        """Up to ``count`` entries with ids strictly greater than ``after`` (None: from the
+        oldest kept entry), oldest first. Entries trimmed away are silently skipped."""
+        ...
+
+
+# --- checks both implementations share ------------------------------------------------------
+
+_IDENTITY_FIELDS = frozenset({"worker_id", "incarnation", "external", "registered_at_ms"})
+
+
+def _is_decimal(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def check_namespace(namespace: str) -> str:
+    """Refuse namespaces that would break the Redis key layout (empty, or braces)."""
+    if not namespace or "{" in namespace or "}" in namespace:
+        raise ValueError(f"namespace must be non-empty and free of braces, got {namespace!r}")
+    return namespace
+
+
+def check_worker_id(worker_id: str) -> str:
+    if not worker_id:
+        raise ValueError("worker_id must be non-empty")
+    return worker_id
+
+
+def check_lease(lease_ms: int) -> int:
+    if lease_ms <= 0:
+        raise ValueError(f"lease_ms must be positive, got {lease_ms}")
+    return lease_ms
+
+
+def check_policy_transition(expected: PolicyRecord, new: PolicyRecord) -> None:
+    if new.version < expected.version:
+        raise ValueError(
+            f"policy version never decreases: {expected.version} -> {new.version} refused"
+        )
+    if new.version < 0 or (new.target_version is not None and new.target_version < 0):
+        raise ValueError("policy versions are non-negative")
+
+
+def split_worker_update(fields: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Split ``update_worker`` fields into (record fields, info fields), validated."""
+    refused = sorted(_IDENTITY_FIELDS & fields.keys())
+    if refused:
+        raise ValueError(f"update_worker cannot change {', '.join(refused)}")
+    core = {k: v for k, v in fields.items() if k in ("address", "policy_version")}
+    if "policy_version" in core and not _is_decimal(core["policy_version"]):
+        raise ValueError(
+            f"policy_version must be a decimal integer, got {core['policy_version']!r}"
+        )
+    info = {k: v for k, v in fields.items() if k not in core}
+    return core, info
+
+
+def check_stream(stream: str, *, count_or_maxlen: int) -> None:
+    if stream not in STREAMS:
+        raise ValueError(f"unknown stream {stream!r}; expected one of {sorted(STREAMS)}")
+    if count_or_maxlen <= 0:
+        raise ValueError(f"count/maxlen must be positive, got {count_or_maxlen}")
+
+
+def check_entry_fields(fields: Mapping[str, str]) -> dict[str, str]:
+    if not fields:
+        raise ValueError("a stream entry needs at least one field")
+    return dict(fields)
+
+
+def parse_entry_id(entry_id: str) -> tuple[int, int]:
+    """``"<ms>-<seq>"`` -> (ms, seq); ValueError for anything else."""
+    ms, sep, seq = entry_id.partition("-")
+    if not (sep and _is_decimal(ms) and _is_decimal(seq)):
+        raise ValueError(f"stream entry id must look like '<ms>-<seq>', got {entry_id!r}")
+    return int(ms), int(seq)
+
+
+# --- factory --------------------------------------------------------------------------------
+
+
+async def open_store(
+    url: str | None, *, namespace: str, clock: Callable[[], float] = time.monotonic
+) -> MetadataStore:
+    """``None`` -> a ``MemoryStore`` whose leases use ``clock`` (monotonic seconds); a
+    ``redis://``, ``rediss://`` or ``unix://`` URL -> a connected ``RedisStore`` (leases are
+    Redis TTLs, ``clock`` is unused). Raises ValueError for any other scheme and
+    StoreUnavailable when Redis cannot be reached."""
+    if url is None:
+        from coordinator.store_memory import MemoryStore
+
+        return MemoryStore(namespace=namespace, clock=clock)
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme not in REDIS_SCHEMES:
+        accepted = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
+        raise ValueError(f"unsupported store URL scheme {scheme!r}; accepted: {accepted}")
+    from coordinator.store_redis import RedisStore
+
+    return await RedisStore.connect(url, namespace=namespace)
+
+
+def __getattr__(name: str) -> object:
+    # The implementations import this module for the types above, so importing them at the
+    # top would be circular; resolve the re-exports lazily instead (PEP 562).
+    if name == "MemoryStore":
+        from coordinator.store_memory import MemoryStore
+
+        return MemoryStore
+    if name == "RedisStore":
+        from coordinator.store_redis import RedisStore
+
+        return RedisStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

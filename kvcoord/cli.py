@@ -1,0 +1,174 @@
+"""The ``kvcoord`` command line (contract in DESIGN.md "CLI")."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from coordinator.config import ConfigError, CoordinatorConfig
+from coordinator.sdk_types import KvcoordError
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def _add_target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--coordinator", default=os.environ.get("KVCOORD_COORDINATOR", DEFAULT_TARGET),
+        metavar="TARGETS", help="host:port, a comma-separated list, or dns:///name:port "
+        "(env KVCOORD_COORDINATOR; default %(default)s)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcoord", description="Distributed KV-cache coordinator for LLM inference fleets."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    coord = sub.add_parser("coordinator", help="run a coordinator (gRPC service)")
+    coord.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:50051)")
+    coord.add_argument("--redis", metavar="URL", help="Redis URL; omit for the embedded store")
+    coord.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    coord.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
+    coord.add_argument("--routing-policy", help="kv_aware (default), round_robin, least_loaded")
+    coord.add_argument("--log-level", help="debug, info (default), warning, error")
+
+    route = sub.add_parser("route", help="ask where a prompt should go")
+    _add_target(route)
+    body = route.add_mutually_exclusive_group(required=True)
+    body.add_argument("--tokens", help="comma-separated token ids")
+    body.add_argument("--random", type=int, metavar="N", help="N pseudo-random token ids")
+    route.add_argument("--seed", type=int, default=0, help="seed for --random")
+    route.add_argument("--model")
+    route.add_argument("--lookup", action="store_true", help="only look up, do not route")
+    route.add_argument("--json", action="store_true", help="print JSON")
+
+    status = sub.add_parser("status", help="workers, pages, load and hit rate")
+    _add_target(status)
+    status.add_argument("--json", action="store_true", help="print JSON")
+
+    bench = sub.add_parser("bench", help="run benchmarks (what `make bench` runs)")
+    bench.add_argument("suite", nargs="?", default="coordinator", help="suite (coordinator)")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+
+    sub.add_parser("demo", help="start a coordinator and run a scripted round trip")
+    return parser
+
+
+def _tokens(args: argparse.Namespace) -> list[int]:
+    if args.tokens is not None:
+        try:
+            return [int(t) for t in args.tokens.split(",") if t.strip()]
+        except ValueError:
+            raise SystemExit(f"kvcoord: --tokens must be comma-separated integers: {args.tokens}")
+    rng = random.Random(args.seed)
+    return [rng.randrange(32_000) for _ in range(args.random)]
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from coordinator.logs import configure_logging
+    from coordinator.server import serve_forever
+
+    flags = {
+        "listen": args.listen, "redis": args.redis, "metrics_port": args.metrics_port,
+        "page_size": args.page_size, "routing_policy": args.routing_policy,
+        "log_level": args.log_level,
+    }
+    try:
+        config = CoordinatorConfig.from_sources(flags, os.environ)
+    except ConfigError as exc:
+        print(f"kvcoord coordinator: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level)
+    asyncio.run(serve_forever(config))
+    return 0
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    from coordinator.client import CoordinatorClient
+
+    tokens = _tokens(args)
+    with CoordinatorClient(args.coordinator) as client:
+        if args.lookup:
+            result = client.lookup(tokens, model=args.model)
+            out = {"matches": result.matches, "policy_version": result.policy_version,
+                   "prompt_pages": result.prompt_pages}
+        else:
+            out = asdict(client.route(tokens, model=args.model))
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for key, value in out.items():
+            print(f"{key:>16}: {value}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from coordinator.client import CoordinatorClient
+    from kvcoord.tables import render_table
+
+    with CoordinatorClient(args.coordinator) as client:
+        workers = client.workers()
+        stats = client.stats()
+    if args.json:
+        print(json.dumps({"stats": asdict(stats), "workers": [asdict(w) for w in workers]}))
+        return 0
+    print(
+        f"coordinator {args.coordinator}  store={stats.store}  policy v{stats.policy_version} "
+        f"({stats.policy_phase})  index: {stats.index_keys} keys, {stats.index_entries} entries, "
+        f"{stats.pending_entries} pending  routes={stats.routes}  hit={stats.hit_ratio:.1%}"
+    )
+    rows = [
+        [w.worker_id, w.address, w.state, f"v{w.policy_version}", str(w.incarnation),
+         f"{w.cached_pages}/{w.total_pages}", str(w.free_pages), str(w.running_requests),
+         str(w.queued_tokens), str(w.inflight_routes), str(w.routed_requests),
+         f"{w.hit_ratio:.1%}"]
+        for w in workers
+    ]
+    print(render_table(
+        ["worker", "address", "state", "policy", "inc", "pages", "free", "running", "queued",
+         "inflight", "routed", "hit"], rows,
+    ))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvcoord.bench_runner import run_suite
+
+    return run_suite(args.suite, quick=args.quick)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvcoord.demo import run_demo
+
+    return run_demo()
+
+
+COMMANDS = {
+    "coordinator": cmd_coordinator, "route": cmd_route, "status": cmd_status,
+    "bench": cmd_bench, "demo": cmd_demo,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KvcoordError as exc:
+        print(f"kvcoord {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"kvcoord {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

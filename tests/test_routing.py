@@ -1,0 +1,278 @@
+"""Routing policies and batch ordering: exact choices and exact costs.
+
+Unless a test says otherwise the prompt is 70 tokens at page size 16: 4 indexed pages and a
+6-token tail that every worker computes. Default weights: prefill 1.0, lower tier 0.25,
+queued 1.0, running request 8.0, memory pressure 1.0 (per token of pages short).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable, Sequence
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coordinator.errors import Unavailable
+from coordinator.routing import (
+    POLICIES,
+    BatchGroup,
+    Candidate,
+    Decision,
+    KvAwareWeights,
+    NoEligibleWorker,
+    RoutingRequest,
+    WorkerLoad,
+    execution_order,
+    group_identical,
+    kv_aware_cost,
+    make_policy,
+)
+
+REQUEST = RoutingRequest(prompt_pages=4, prompt_tokens=70, page_size=16)
+
+
+def cand(worker_id: str, cached: int = 0, lower: int = 0, **load: int) -> Candidate:
+    return Candidate(worker_id, cached, lower, WorkerLoad(**load))
+
+
+def choose(name: str, candidates: Sequence[Candidate], **weights: float) -> Decision:
+    policy = make_policy(name, KvAwareWeights(**weights))
+    return policy.choose(REQUEST, candidates, random.Random(0))
+
+
+def test_kv_aware_prefers_the_longest_cached_prefix_when_loads_are_equal() -> None:
+    # uncached tokens: 0*16+6, 2*16+6, 4*16+6
+    candidates = [cand("b", cached=2), cand("a", cached=4), cand("c")]
+    assert [kv_aware_cost(REQUEST, c, KvAwareWeights()) for c in candidates] == [38.0, 6.0, 70.0]
+    assert choose("kv_aware", candidates) == Decision("a", 6.0, 4)
+
+
+def test_kv_aware_prefers_a_less_loaded_worker_when_its_queue_outweighs_the_cache() -> None:
+    # a saves 32 tokens over b but has 100 queued: 6 + 100 = 106 > 38.
+    busy, idle = cand("a", cached=4, queued_tokens=100), cand("b", cached=2)
+    assert choose("kv_aware", [busy, idle]) == Decision("b", 38.0, 2)
+    # With 20 queued the saving wins: 6 + 20 = 26 < 38.
+    assert choose("kv_aware", [cand("a", cached=4, queued_tokens=20), idle]) == Decision(
+        "a", 26.0, 4
+    )
+
+
+def test_kv_aware_counts_routes_in_flight_like_reported_load() -> None:
+    # In-flight tokens are queue: 6 + 40 = 46 > 38.
+    assert choose("kv_aware", [cand("a", cached=4, inflight_tokens=40), cand("b", cached=2)]) == (
+        Decision("b", 38.0, 2)
+    )
+    # Running and in-flight requests cost 8 each: 6 + 8 * 3 = 30 > 22 = 1*16 + 6.
+    busy = cand("a", cached=4, running_requests=2, inflight_routes=1)
+    assert choose("kv_aware", [busy, cand("b", cached=3)]) == Decision("b", 22.0, 3)
+
+
+def test_lower_tier_pages_cost_less_than_recompute_but_more_than_gpu_pages() -> None:
+    gpu, cpu, none = cand("gpu", cached=4), cand("cpu", cached=4, lower=4), cand("none")
+    w = KvAwareWeights()
+    # cpu: 6 uncached + 0.25 * 64 moved up = 22.
+    assert [kv_aware_cost(REQUEST, c, w) for c in (gpu, cpu, none)] == [6.0, 22.0, 70.0]
+    assert choose("kv_aware", [none, cpu, gpu]).worker_id == "gpu"
+    assert choose("kv_aware", [none, cpu]) == Decision("cpu", 22.0, 4)
+
+
+def test_memory_pressure_charges_pages_needed_beyond_free_pages() -> None:
+    # Needs 4 pages + 1 tail page; 2 free -> 3 pages short -> 48 tokens: 70 + 48 = 118.
+    tight = cand("tight", free_pages=2, total_pages=100)
+    roomy = cand("roomy", free_pages=10, total_pages=100)
+    assert kv_aware_cost(REQUEST, tight, KvAwareWeights()) == 118.0
+    assert choose("kv_aware", [tight, roomy]) == Decision("roomy", 70.0, 0)
+    # Lower-tier pages must come back into GPU pages: needs 4 + 1, 1 free -> 64; 6 + 16 + 64.
+    cold_tight = cand("x", cached=4, lower=4, free_pages=1, total_pages=10)
+    assert kv_aware_cost(REQUEST, cold_tight, KvAwareWeights()) == 86.0
+    # Unknown capacity (no heartbeat yet) is not charged as full.
+    assert kv_aware_cost(REQUEST, cand("new"), KvAwareWeights()) == 70.0
+
+
+def test_copies_share_the_indexed_pages_and_each_compute_their_tail() -> None:
+    group = RoutingRequest(prompt_pages=4, prompt_tokens=70, page_size=16, copies=8)
+    w = KvAwareWeights()
+    assert kv_aware_cost(group, cand("warm", cached=4), w) == 48.0  # 8 tails of 6
+    assert kv_aware_cost(group, cand("cold"), w) == 112.0  # 64 once + 48
+    # Needs 4 + 8 tail pages, 5 free: 7 pages short -> 112 more.
+    assert kv_aware_cost(group, cand("cold", free_pages=5, total_pages=100), w) == 224.0
+
+
+def test_weights_are_exchange_rates_the_caller_can_change() -> None:
+    busy, idle = cand("a", cached=4, queued_tokens=100), cand("b", cached=2)
+    assert choose("kv_aware", [busy, idle], queued_token=0.0) == Decision("a", 6.0, 4)
+    assert choose("kv_aware", [busy, idle], queued_token=0.25) == Decision("a", 31.0, 4)
+
+
+def test_kv_aware_breaks_exact_ties_at_random_and_never_picks_a_costlier_worker() -> None:
+    policy, rng = make_policy("kv_aware"), random.Random(7)
+    candidates = [cand("a", cached=2), cand("b", cached=1), cand("c", cached=2)]
+    chosen = [policy.choose(REQUEST, candidates, rng).worker_id for _ in range(200)]
+    assert set(chosen) == {"a", "c"}
+    assert 60 < chosen.count("a") < 140
+
+
+def test_a_unique_best_worker_draws_nothing_from_the_rng() -> None:
+    rng = random.Random(3)
+    before = rng.getstate()
+    make_policy("kv_aware").choose(REQUEST, [cand("a", cached=4), cand("b")], rng)
+    assert rng.getstate() == before
+
+
+def test_round_robin_cycles_in_worker_id_order_and_survives_membership_changes() -> None:
+    policy, rng = make_policy("round_robin"), random.Random(0)
+    steps = [
+        ("w3 w1 w2", "w1"),
+        ("w3 w1 w2", "w2"),
+        ("w3 w1 w2", "w3"),
+        ("w3 w1 w2", "w1"),
+        ("w1 w3", "w3"),  # w2 left: the next id after w1 is w3
+        ("w2 w0 w3 w1", "w0"),  # w0 and w2 joined: nothing after w3, wrap to w0
+        ("w2 w0 w3 w1", "w1"),
+        ("w0 w3", "w3"),  # w1's successor w2 left
+        ("w0 w3", "w0"),
+    ]
+    chosen = [
+        policy.choose(REQUEST, [cand(w) for w in ids.split()], rng).worker_id for ids, _ in steps
+    ]
+    assert chosen == [expected for _, expected in steps]
+    # A fresh policy starts from the smallest id again: the cursor is per instance.
+    assert make_policy("round_robin").choose(REQUEST, [cand("w2"), cand("w1")], rng).worker_id == (
+        "w1"
+    )
+
+
+def test_least_loaded_takes_fewest_requests_then_fewest_tokens_and_ignores_the_cache() -> None:
+    candidates = [
+        cand("a", running_requests=2, queued_tokens=30),  # (2, 30)
+        cand("b", running_requests=1, inflight_routes=1, queued_tokens=10, inflight_tokens=10),
+        cand("c", running_requests=3),  # (3, 0)
+        cand("d", cached=4, running_requests=5),  # warm but busy
+    ]
+    # Its cost is still reported on the kv_aware scale: 70 + 20 queued + 8 * 2 requests.
+    assert choose("least_loaded", candidates) == Decision("b", 106.0, 0)
+
+
+def test_least_loaded_breaks_ties_at_random() -> None:
+    policy, rng = make_policy("least_loaded"), random.Random(11)
+    candidates = [
+        cand("a", queued_tokens=5),
+        cand("b", queued_tokens=5),
+        cand("c", queued_tokens=6),
+    ]
+    chosen = {policy.choose(REQUEST, candidates, rng).worker_id for _ in range(100)}
+    assert chosen == {"a", "b"}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_no_candidates_raises_no_eligible_worker(name: str) -> None:
+    with pytest.raises(NoEligibleWorker) as raised:
+        make_policy(name).choose(REQUEST, [], random.Random(0))
+    assert isinstance(raised.value, Unavailable)  # the interceptor answers UNAVAILABLE
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_candidate_caching_more_pages_than_the_prompt_has_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="more pages than the prompt"):
+        make_policy(name).choose(REQUEST, [cand("a", cached=5)], random.Random(0))
+
+
+def test_registry_names_every_policy_and_cannot_be_changed() -> None:
+    assert sorted(POLICIES) == ["kv_aware", "least_loaded", "round_robin"]
+    assert all(make_policy(name).name == name for name in POLICIES)
+    with pytest.raises(TypeError):
+        POLICIES["mine"] = POLICIES["kv_aware"]  # type: ignore[index]
+
+
+def test_unknown_policy_name_is_refused_with_the_known_names() -> None:
+    with pytest.raises(ValueError, match="'fastest'; known: kv_aware, least_loaded, round_robin"):
+        make_policy("fastest")
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(KvAwareWeights)])
+@pytest.mark.parametrize("bad", [-0.5, math.nan, math.inf])
+def test_weights_must_be_finite_and_non_negative(field: str, bad: float) -> None:
+    with pytest.raises(ValueError, match=f"KvAwareWeights.{field} must be >= 0"):
+        KvAwareWeights(**{field: bad})
+    assert getattr(KvAwareWeights(**{field: 0.0}), field) == 0.0
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: WorkerLoad(queued_tokens=-1),
+        lambda: Candidate("a", 2, 3, WorkerLoad()),
+        lambda: Candidate("a", -1, 0, WorkerLoad()),
+        lambda: RoutingRequest(prompt_pages=5, prompt_tokens=70, page_size=16),
+        lambda: RoutingRequest(prompt_pages=0, prompt_tokens=70, page_size=0),
+        lambda: RoutingRequest(prompt_pages=4, prompt_tokens=70, page_size=16, copies=0),
+    ],
+)
+def test_inconsistent_inputs_are_refused(build: Callable[[], object]) -> None:
+    with pytest.raises(ValueError):
+        build()
+
+
+def k(n: int) -> bytes:
+    return bytes([n]) * 16
+
+
+A, B, C, D, E = k(1), k(2), k(3), k(4), k(5)
+# 0, 2 and 7 are siblings; 1 shares their first two pages only; 4 has their pages but a longer
+# tail; 3 and 5 have no full page; 6 is a prefix of 0; 8 shares nothing.
+BATCH_KEYS = [[A, B, C], [A, B, D], [A, B, C], [], [A, B, C], [], [A, B], [A, B, C], [E]]
+BATCH_TOKENS: list[Sequence[int] | int] = [50, 50, 50, 5, list(range(55)), 5, 40, 50, 20]
+
+
+def test_group_identical_groups_same_keys_and_length_in_first_seen_order() -> None:
+    assert group_identical(BATCH_KEYS, BATCH_TOKENS) == [
+        BatchGroup((0, 2, 7)),
+        BatchGroup((1,)),
+        BatchGroup((3,)),
+        BatchGroup((4,)),
+        BatchGroup((5,)),
+        BatchGroup((6,)),
+        BatchGroup((8,)),
+    ]
+    with pytest.raises(ValueError):
+        group_identical(BATCH_KEYS, BATCH_TOKENS[:-1])
+
+
+def test_execution_order_walks_the_prefix_trie_with_siblings_adjacent() -> None:
+    assigned = ["w1", "w2", "w1", "w2", "w1", "w1", "w2", "w1", "w2"]
+    # Empty keys first (5 before 3: by worker), then [A,B], its extensions, then [E].
+    assert execution_order(BATCH_KEYS, assigned) == [5, 3, 6, 0, 2, 4, 7, 1, 8]
+    # Identical prompts split over workers stay together per worker, each in input order.
+    assert execution_order([[A]] * 4, ["w2", "w1", "w2", "w1"]) == [1, 3, 0, 2]
+    with pytest.raises(ValueError):
+        execution_order(BATCH_KEYS, assigned[:-1])
+
+
+def common_prefix(x: Sequence[bytes], y: Sequence[bytes]) -> int:
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    return n
+
+
+@given(
+    st.lists(
+        st.tuples(st.lists(st.sampled_from([A, B, C]), max_size=4), st.sampled_from(["w1", "w2"])),
+        max_size=12,
+    )
+)
+def test_execution_order_keeps_every_shared_prefix_contiguous(
+    prompts: list[tuple[list[bytes], str]],
+) -> None:
+    keys = [p[0] for p in prompts]
+    order = execution_order(keys, [p[1] for p in prompts])
+    assert sorted(order) == list(range(len(prompts)))
+    walked = [keys[i] for i in order]
+    for p in range(len(walked)):
+        for q in range(p + 1, len(walked)):
+            shared = common_prefix(walked[p], walked[q])
+            assert all(common_prefix(walked[p], walked[r]) >= shared for r in range(p, q))

@@ -1,0 +1,248 @@
+"""Real coordinator server + scripted workers speaking Register/Sync through the generated stubs."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from coordinator.client import AsyncCoordinatorClient, KvcoordError
+from coordinator.hashing import HashConfig
+from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from kvcoord.scripted_worker import ScriptedWorker
+from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
+
+PROMPT = list(range(1000, 1000 + 16 * 8 + 5))  # 8 full pages and a partial one
+
+
+async def test_lookup_reports_each_workers_leading_depth_and_route_prefers_longest() -> None:
+    async with running_coordinator() as coord:
+        a = ScriptedWorker(target(coord), "a", hash_config=DEV_HASH)
+        b = ScriptedWorker(target(coord), "b", hash_config=DEV_HASH)
+        await a.start()
+        await b.start()
+        keys = a.keys(PROMPT)
+        assert len(keys) == 8
+        assert (await a.store(keys[:6])).ack.seq == 1
+        assert (await b.store(keys[:2])).ack.seq == 1
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            result = await client.lookup(PROMPT)
+            assert result.matches == {"a": 96, "b": 32}
+            assert result.policy_version == 0
+            route = await client.route(PROMPT)
+            assert (route.worker_id, route.matched_tokens) == ("a", 96)
+            assert route.address == "a.local:7000"
+            # A middle page evicted: a's depth is its leading run, not its page count.
+            await a.remove([keys[3]])
+            assert (await client.lookup(PROMPT)).matches == {"a": 48, "b": 32}
+        await a.close()
+        await b.close()
+
+
+async def test_sequence_gap_triggers_resync_that_restores_the_exact_inventory() -> None:
+    async with running_coordinator() as coord:
+        w = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH)
+        await w.start()
+        p_keys = w.keys(PROMPT)
+        other = list(range(5000, 5000 + 64))
+        q_keys = w.keys(other)
+        await w.store(p_keys)
+        # Batch 5 when 2 is expected: the coordinator must not apply it, and must ask.
+        await w.send_events(
+            [pb.PageEvent(kind=pb.PageEvent.KIND_STORED, page_keys=b"".join(q_keys))], seq=5
+        )
+        reply = await w.next_message()  # auto_resync answered the request with `held`
+        assert reply.ack.seq == w.seq == 1
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            assert (await client.lookup(other)).matches == {}
+            assert (await client.lookup(PROMPT)).matches == {"w": 128}
+            assert (await client.stats()).resyncs == 1
+            # The stream continues from the inventory's sequence number.
+            assert (await w.store(q_keys)).ack.seq == 2
+            assert (await client.lookup(other)).matches == {"w": 64}
+        await w.close()
+
+
+async def test_sequence_regression_ends_the_stream_with_failed_precondition() -> None:
+    async with running_coordinator() as coord:
+        w = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH)
+        await w.start()
+        await w.store(w.keys(PROMPT))
+        await w.send_events([], seq=1)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await w.next_message()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "sequence regression" in (err.value.details() or "")
+        await w.close()
+
+
+async def test_unknown_worker_and_stale_incarnation_are_refused() -> None:
+    async with running_coordinator() as coord:
+        ghost = ScriptedWorker(target(coord), "ghost", hash_config=DEV_HASH)
+        await ghost.register()
+        ghost.worker_id = "never-registered"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await ghost.connect()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "unknown worker" in (err.value.details() or "")
+        await ghost.close()
+
+        w = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH)
+        first = await w.register()
+        second = await w.register()
+        assert (first.incarnation, second.incarnation) == (1, 2)
+        w.incarnation = first.incarnation
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await w.connect()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "stale incarnation" in (err.value.details() or "")
+        await w.close()
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        (HashConfig(key=b"k" * 32), "hash key mismatch"),
+        (HashConfig(key=DEV_HASH.key, page_size=32), "page size mismatch"),
+    ],
+)
+async def test_register_with_a_different_hash_config_is_refused(
+    config: HashConfig, needle: str
+) -> None:
+    async with running_coordinator() as coord:
+        w = ScriptedWorker(target(coord), "w", hash_config=config)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await w.register()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert needle in (err.value.details() or "")
+        await w.close()
+
+
+async def test_closed_stream_makes_worker_unroutable_at_once_and_reconnect_restores_it() -> None:
+    async with running_coordinator() as coord:
+        w = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH)
+        await w.start()
+        await w.store(w.keys(PROMPT))
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            assert (await client.route(PROMPT)).worker_id == "w"
+            await w.disconnect()
+
+            async def unroutable() -> bool:
+                return (await client.workers())[0].state == "disconnected"
+
+            await eventually(unroutable, what="worker marked disconnected")
+            with pytest.raises(KvcoordError) as err:
+                await client.route(PROMPT)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert err.value.retry_after_ms is not None
+            welcome = await w.connect()
+            assert welcome.welcome.next_seq == 2
+            route = await client.route(PROMPT)
+            assert (route.worker_id, route.matched_tokens) == ("w", 128)
+        await w.close()
+
+
+async def test_lapsed_lease_makes_worker_unroutable_and_heartbeats_keep_it() -> None:
+    async with running_coordinator(lease_ms=400, heartbeat_ms=100) as coord:
+        quiet = ScriptedWorker(target(coord), "quiet", hash_config=DEV_HASH)
+        busy = ScriptedWorker(target(coord), "busy", hash_config=DEV_HASH)
+        await quiet.start()
+        await busy.start()
+        async with AsyncCoordinatorClient(target(coord)) as client:
+
+            async def quiet_lapsed() -> bool:
+                await busy.heartbeat(running_requests=1)
+                states = {w.worker_id: w.state for w in await client.workers()}
+                return states == {"quiet": "disconnected", "busy": "ready"}
+
+            await eventually(quiet_lapsed, what="quiet worker's lease to lapse")
+            for _ in range(5):
+                assert (await client.route(PROMPT)).worker_id == "busy"
+        await quiet.close()
+        await busy.close()
+
+
+async def test_entries_of_a_worker_gone_past_the_grace_period_are_dropped() -> None:
+    async with running_coordinator(drop_grace_ms=100) as coord:
+        w = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH)
+        await w.start()
+        await w.store(w.keys(PROMPT))
+        await w.disconnect()
+        async with AsyncCoordinatorClient(target(coord)) as client:
+
+            async def dropped() -> bool:
+                stats = await client.stats()
+                return stats.workers == 0 and stats.index_entries == 0
+
+            await eventually(dropped, what="entries dropped after grace")
+            assert (await client.lookup(PROMPT)).matches == {}
+        await w.close()
+
+
+async def test_route_batch_keeps_grpo_siblings_together_and_adjacent() -> None:
+    async with running_coordinator() as coord:
+        workers = [ScriptedWorker(target(coord), f"w{i}", hash_config=DEV_HASH) for i in range(3)]
+        for w in workers:
+            await w.start()
+        prompts = [[p * 100 + t for t in range(64)] for p in range(3)]
+        batch = [prompts[i % 3] for i in range(12)]  # 3 prompts x 4 samples, interleaved
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            result = await client.route_batch(batch)
+        assert sorted(result.order) == list(range(12))
+        for p in range(3):
+            members = [i for i in range(12) if i % 3 == p]
+            assert len({result.routes[i].worker_id for i in members}) == 1
+            positions = sorted(result.order.index(i) for i in members)
+            assert positions == list(range(positions[0], positions[0] + 4))
+        for w in workers:
+            await w.close()
+
+
+async def test_cordoned_worker_is_never_chosen() -> None:
+    async with running_coordinator() as coord:
+        a = ScriptedWorker(target(coord), "a", hash_config=DEV_HASH)
+        b = ScriptedWorker(target(coord), "b", hash_config=DEV_HASH)
+        await a.start()
+        await b.start()
+        await a.store(a.keys(PROMPT))
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            info = await client.cordon("a")
+            assert info.state == "cordoned"
+            for _ in range(5):
+                assert (await client.route(PROMPT)).worker_id == "b"
+            with pytest.raises(KvcoordError) as err:
+                await client.cordon("nobody")
+            assert err.value.code == grpc.StatusCode.NOT_FOUND
+        await a.close()
+        await b.close()
+
+
+async def test_deregister_removes_worker_and_its_entries() -> None:
+    async with running_coordinator() as coord:
+        w = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH)
+        await w.start()
+        await w.store(w.keys(PROMPT))
+        async with grpc.aio.insecure_channel(target(coord)) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Deregister(pb.DeregisterRequest(worker_id="w", incarnation=99))
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            await stub.Deregister(pb.DeregisterRequest(worker_id="w", incarnation=w.incarnation))
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            stats = await client.stats()
+            assert (stats.workers, stats.index_entries) == (0, 0)
+        await w.close()
+
+
+@pytest.mark.redis
+async def test_redis_backed_coordinator_serves_and_counts_incarnations(redis_url: str) -> None:
+    async with running_coordinator(redis=redis_url) as coord:
+        w = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH)
+        await w.start()
+        await w.store(w.keys(PROMPT))
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            assert (await client.lookup(PROMPT)).matches == {"w": 128}
+            assert (await client.stats()).store == "RedisStore"
+        await w.disconnect()
+        assert (await w.register()).incarnation == 2
+        await w.close()
