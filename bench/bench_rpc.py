@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from bench.workload import conversation_pool, fresh_prompts
-from coordinator.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
+from coordinator.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher, tokens_to_bytes
 from coordinator.v1 import coordinator_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,8 +110,13 @@ def _route_payloads(quick: bool) -> dict[str, list[bytes]]:
         "token_ids": [
             pb.RouteRequest(prompt=pb.Prompt(token_ids=t)).SerializeToString() for t in pool
         ],
+        "token_bytes": [
+            pb.RouteRequest(prompt=pb.Prompt(token_bytes=tokens_to_bytes(t))).SerializeToString()
+            for t in pool
+        ],
         "token_ids_fresh": [
-            pb.RouteRequest(prompt=pb.Prompt(token_ids=t)).SerializeToString() for t in fresh
+            pb.RouteRequest(prompt=pb.Prompt(token_bytes=tokens_to_bytes(t))).SerializeToString()
+            for t in fresh
         ],
     }
 
@@ -123,7 +128,7 @@ def _batch_payloads(quick: bool, prompts: int = 16, samples: int = 4) -> list[by
         group = pool[start:start + prompts]
         batch = [group[i % len(group)] for i in range(len(group) * samples)]
         batches.append(pb.RouteBatchRequest(
-            prompts=[pb.Prompt(token_ids=t) for t in batch]
+            prompts=[pb.Prompt(token_bytes=tokens_to_bytes(t)) for t in batch]
         ).SerializeToString())
     return batches
 
@@ -152,6 +157,6 @@ def bench_rpc(workers: int = 64, quick: bool = False) -> dict[str, Any]:
             out[f"coordinator.route.{name}"]["per_s"] / out[f"echo.route.{name}"]["per_s"]
         )
     out["ratio.batch_vs_unary"] = (
-        out["coordinator.route_batch"]["per_s"] / out["coordinator.route.token_ids"]["per_s"]
+        out["coordinator.route_batch"]["per_s"] / out["coordinator.route.token_bytes"]["per_s"]
     )
     return out

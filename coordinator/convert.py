@@ -7,11 +7,9 @@ the field and the limit.
 
 from __future__ import annotations
 
-from array import array
-
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import FailedPrecondition, InvalidArgument
-from coordinator.hashing import split_page_keys
+from coordinator.hashing import split_page_keys, tokens_to_bytes
 from coordinator.index import Tier
 from coordinator.routing import WorkerLoad
 from coordinator.scheduling import LookupResult, PromptInput, RouteResult, Scope
@@ -71,19 +69,27 @@ def prompt_from(prompt: pb.Prompt, config: CoordinatorConfig, what: str = "promp
     """Validate one prompt: exactly one body, within the token limit, whole 16-byte keys."""
     n_tokens = len(prompt.token_ids)
     n_key_bytes = len(prompt.page_keys)
+    n_token_bytes = len(prompt.token_bytes)
     limit = config.max_prompt_tokens
-    if n_tokens and n_key_bytes:
-        raise InvalidArgument(f"{what}: set token_ids or page_keys, not both")
+    if (n_tokens > 0) + (n_key_bytes > 0) + (n_token_bytes > 0) > 1:
+        raise InvalidArgument(f"{what}: set one of token_ids, token_bytes or page_keys, not both")
+    if n_token_bytes:
+        if n_token_bytes % 4:
+            raise InvalidArgument(
+                f"{what}: {n_token_bytes} bytes of token_bytes is not a multiple of 4"
+            )
+        if n_token_bytes // 4 > limit:
+            raise InvalidArgument(
+                f"{what}: {n_token_bytes // 4} tokens is over the limit of {limit}"
+            )
+        return PromptInput(token_count=n_token_bytes // 4, token_bytes=prompt.token_bytes)
     if n_tokens:
         if n_tokens > limit:
             raise InvalidArgument(f"{what}: {n_tokens} tokens is over the limit of {limit}")
-        # One C-level conversion to little-endian u32 bytes; the hasher never re-reads tokens.
-        packed = array("I", prompt.token_ids)
-        if packed.itemsize != 4:  # pragma: no cover - only on exotic platforms
-            raise InvalidArgument("platform array('I') is not 32-bit")
-        return PromptInput(token_count=n_tokens, token_bytes=packed.tobytes())
+        # One conversion to little-endian u32 bytes; the hasher never re-reads tokens.
+        return PromptInput(token_count=n_tokens, token_bytes=tokens_to_bytes(prompt.token_ids))
     if not n_key_bytes:
-        raise InvalidArgument(f"{what} is empty: send token_ids or page_keys")
+        raise InvalidArgument(f"{what} is empty: send token_ids, token_bytes or page_keys")
     keys = page_keys_from(prompt.page_keys, what)
     covered = len(keys) * config.page_size
     token_count = prompt.token_count or covered

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from coordinator.errors import FailedPrecondition
-from coordinator.routing import WorkerLoad
+from coordinator.routing import Candidate, WorkerLoad
 
 
 class WorkerStatus(enum.StrEnum):
@@ -58,6 +58,7 @@ class WorkerSession:
     inflight_tokens: int = 0
     # current_load() result, rebuilt only when the load changes (it is read on every route).
     _load_view: WorkerLoad | None = None
+    _idle_candidate: Candidate | None = None
     routed_requests: int = 0
     routed_tokens: int = 0
     routed_cached_tokens: int = 0
@@ -88,6 +89,15 @@ class WorkerSession:
                 inflight_tokens=self.inflight_tokens,
             )
         return view
+
+    def idle_candidate(self) -> Candidate:
+        """This worker as a routing candidate holding none of the prompt (the common case),
+        reused until its load changes."""
+        candidate = self._idle_candidate
+        if candidate is None or candidate.load is not self._load_view:
+            candidate = self._idle_candidate = Candidate(self.worker_id, 0, 0,
+                                                         self.current_load())
+        return candidate
 
     def report_load(self, load: WorkerLoad, completed_routes: int) -> None:
         """Take a heartbeat: the worker's own load, and how many routes it finished since."""

@@ -214,10 +214,38 @@ class KvAwarePolicy:
     def choose(
         self, request: RoutingRequest, candidates: Sequence[Candidate], rng: random.Random
     ) -> Decision:
-        chosen, (cost,) = _lowest(
-            candidates, lambda c: (kv_aware_cost(request, c, self.weights),), rng
-        )
-        return Decision(chosen.worker_id, cost, chosen.cached_pages)
+        # kv_aware_cost with the request's constant terms hoisted out of the loop: this runs
+        # for every eligible worker on every route. Same arithmetic, so costs (and ties) are
+        # identical to kv_aware_cost's.
+        w, page, pages = self.weights, request.page_size, request.prompt_pages
+        tail = request.prompt_tokens - pages * page
+        tail_pages = request.copies * math.ceil(tail / page)
+        tail_cost = request.copies * tail
+        best = math.inf
+        tied: list[Candidate] = []
+        for c in candidates:
+            cached, lower, load = c.cached_pages, c.lower_tier_pages, c.load
+            if cached > pages:
+                raise ValueError(f"worker {c.worker_id!r} caches more pages than the prompt has")
+            missing = pages - cached
+            cost = (
+                w.prefill_token * (missing * page + tail_cost)
+                + w.lower_tier_token * lower * page
+                + w.queued_token * (load.queued_tokens + load.inflight_tokens)
+                + w.running_request * (load.running_requests + load.inflight_routes)
+            )
+            if load.total_pages > 0:
+                cost += w.memory_pressure * max(
+                    0, missing + lower + tail_pages - load.free_pages
+                ) * page
+            if cost < best:
+                best, tied = cost, [c]
+            elif cost == best:
+                tied.append(c)
+        if not tied:
+            raise NoEligibleWorker("no eligible worker for this request")
+        chosen = tied[0] if len(tied) == 1 else rng.choice(tied)
+        return Decision(chosen.worker_id, best, chosen.cached_pages)
 
 
 class RoundRobinPolicy:

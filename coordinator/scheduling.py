@@ -232,8 +232,9 @@ class Scheduler:
         session = self._fleet.get(decision.worker_id)
         assert session is not None  # candidates come from the fleet
         confirmed = self._index.match(keys).get(decision.worker_id, 0) if keys else 0
-        if keys:
-            self._index.add_pending(decision.worker_id, keys)
+        if confirmed < len(keys):
+            # Pages the worker already holds need no pending entry.
+            self._index.add_pending(decision.worker_id, keys[confirmed:])
         cached_tokens = min(confirmed * self._page_size, token_count)
         for _ in range(copies):
             session.record_route(token_count, cached_tokens)
@@ -255,12 +256,11 @@ class Scheduler:
         candidates = []
         for session in eligible:
             detail = details.get(session.worker_id)
-            candidates.append(
-                Candidate(
-                    worker_id=session.worker_id,
-                    cached_pages=detail.pages if detail else 0,
-                    lower_tier_pages=detail.lower_tier_pages if detail else 0,
-                    load=session.current_load(),
-                )
-            )
+            if detail is None:
+                candidates.append(session.idle_candidate())
+            else:
+                candidates.append(Candidate(
+                    session.worker_id, detail.pages, detail.lower_tier_pages,
+                    session.current_load(),
+                ))
         return candidates

@@ -5,13 +5,13 @@ Builders validate on the client so a mistake fails fast with ``ValueError`` befo
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 
+from coordinator.hashing import tokens_to_bytes
 from coordinator.v1 import coordinator_pb2 as pb
 
 KEY_BYTES = 16
@@ -188,10 +188,11 @@ def prompt_pb(tokens: Sequence[int] | PageKeys) -> pb.Prompt:
     if len(tokens) == 0:
         raise ValueError("empty prompt: at least one token id is required")
     try:
-        packed = array("I", tokens)
-    except (OverflowError, TypeError) as exc:
+        packed = tokens_to_bytes(tokens)
+    except (ValueError, OverflowError, TypeError) as exc:
         raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
-    return pb.Prompt(token_ids=packed)
+    # Packed bytes, not the repeated field: see Prompt.token_bytes in the proto.
+    return pb.Prompt(token_bytes=packed)
 
 
 def scope_pb(model: str | None, adapter: str | None, version: int | None) -> pb.Scope:

@@ -32,11 +32,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_coordinator_process(port: int, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def start_coordinator_process(
+    port: int, *extra_args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """``kvcoord coordinator`` in its own process group (so teardown reaches every child)."""
     return subprocess.Popen(
         [sys.executable, "-m", "kvcoord.cli", "coordinator", "--listen", f"127.0.0.1:{port}",
-         "--log-level", "warning"],
+         "--log-level", "warning", *extra_args],
         env={**os.environ, **(env or {})}, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
@@ -61,13 +63,15 @@ def wait_healthy(target: str, process: subprocess.Popen[bytes], timeout: float =
 
 
 def stop_process(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    """SIGTERM the process group (graceful drain), SIGKILL it if it lingers past 10 s."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 async def round_trip(target: str) -> None:

@@ -52,14 +52,16 @@ POLICY_MODE_SYNC: PolicyMode
 POLICY_MODE_ASYNC: PolicyMode
 
 class Prompt(_message.Message):
-    __slots__ = ("token_ids", "page_keys", "token_count")
+    __slots__ = ("token_ids", "page_keys", "token_count", "token_bytes")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     page_keys: bytes
     token_count: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., page_keys: _Optional[bytes] = ..., token_count: _Optional[int] = ...) -> None: ...
+    token_bytes: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., page_keys: _Optional[bytes] = ..., token_count: _Optional[int] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class Scope(_message.Message):
     __slots__ = ("model", "adapter", "policy_version")

@@ -1,0 +1,212 @@
+"""Benchmarks of the pure core (hashing, prefix index) and of NVIDIA Dynamo's Rust peer.
+
+Every function returns a flat dict of numbers; the `make bench` runner prints and writes them.
+Timings use ``time.perf_counter_ns``; each figure is the median over repeated runs. Units are
+in the key names (``_us`` microseconds, ``_per_s`` rates).
+
+Workload ("realistic" for a chat fleet): prompts of 4,096 tokens (256 pages of 16), each
+starting with one of 16 shared 1,024-token system prompts followed by its own 3,072 tokens;
+``prompts_per_worker`` prompts per worker, prompt i cached on worker i mod W. Queries are
+prompts of that population (a full hit on one worker, the system prompt on many).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.hashing import HashAlgorithm, HashConfig, Namespace, PageHasher
+from coordinator.index import PrefixIndex
+
+PAGE = 16
+PROMPT_TOKENS = 4096
+SYSTEM_TOKENS = 1024
+SYSTEM_PROMPTS = 16
+TURNS = 10
+TURN_TOKENS = 400
+_KEY = bytes(range(32))
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    prompts: list[list[int]]  # token ids
+    owners: list[int]  # worker index of each prompt
+
+
+def make_workload(workers: int, prompts_per_worker: int = 8, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    systems = [_random_tokens(rng, SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
+    prompts = [
+        rng.choice(systems) + _random_tokens(rng, PROMPT_TOKENS - SYSTEM_TOKENS)
+        for _ in range(workers * prompts_per_worker)
+    ]
+    return Workload(prompts, [i % workers for i in range(len(prompts))])
+
+
+def conversation(seed: int = 1) -> list[list[int]]:
+    """The token lists of a 10-turn conversation, each turn appending ~400 tokens."""
+    rng = random.Random(seed)
+    history: list[int] = []
+    turns = []
+    for _ in range(TURNS):
+        history = history + _random_tokens(rng, TURN_TOKENS + rng.randrange(-8, 9))
+        turns.append(history)
+    return turns
+
+
+def bench_hashing(repeats: int = 7) -> dict[str, float]:
+    """Per-4,096-token cost cold and warm, and a 10-turn conversation, per algorithm.
+
+    ``conv_cached_us``: every turn hashed in full through one cached hasher (what the
+    coordinator does); ``conv_uncached_us``: the same without a cache; ``conv_new_pages_us``:
+    hashing each page exactly once (the lower bound the cache approaches).
+    """
+    rng = random.Random(2)
+    out: dict[str, float] = {}
+    turns = conversation()
+    ns = Namespace()
+    for algorithm in HashAlgorithm:
+        config = HashConfig(_KEY, algorithm)
+        label = algorithm.value.split("-")[0]
+        prompts = [_random_tokens(rng, PROMPT_TOKENS) for _ in range(repeats)]
+        hasher = PageHasher(config)
+        cold = [_time_ns(lambda p=p: hasher.page_keys(p, ns)) for p in prompts]
+        warm = [_time_ns(lambda p=p: hasher.page_keys(p, ns)) for p in prompts]
+        out[f"{label}_4096_cold_us"] = statistics.median(cold) / 1e3
+        out[f"{label}_4096_warm_us"] = statistics.median(warm) / 1e3
+
+        def whole_conversation(cache_pages: int) -> None:
+            h = PageHasher(config, cache_pages=cache_pages)
+            for turn in turns:
+                h.page_keys(turn, ns)
+
+        out[f"{label}_conv_cached_us"] = _median_us(lambda: whole_conversation(262_144), repeats)
+        out[f"{label}_conv_uncached_us"] = _median_us(lambda: whole_conversation(0), repeats)
+        final = turns[-1]
+        out[f"{label}_conv_new_pages_us"] = _median_us(
+            lambda: PageHasher(config, cache_pages=0).page_keys(final, ns), repeats
+        )
+    return out
+
+
+def bench_index(workers: int, prompts_per_worker: int = 8, repeats: int = 3) -> dict[str, float]:
+    """Store throughput and match latency for 256-page prompts over ``workers`` workers."""
+    load = make_workload(workers, prompts_per_worker)
+    hasher = PageHasher(HashConfig(_KEY))
+    keys = [hasher.page_keys(p, Namespace()) for p in load.prompts]
+    names = [f"worker-{w}" for w in range(workers)]
+    pages = sum(map(len, keys))
+    store_s: list[float] = []
+    index = PrefixIndex(clock=time.monotonic)
+    for _ in range(repeats):
+        index = PrefixIndex(clock=time.monotonic)
+        start = time.perf_counter_ns()
+        for owner, prompt_keys in zip(load.owners, keys, strict=True):
+            index.store(names[owner], prompt_keys)
+        store_s.append((time.perf_counter_ns() - start) / 1e9)
+    queries = random.Random(3).choices(keys, k=2000)
+    match = _latencies_us(index.match, queries, repeats)
+    detail = _latencies_us(
+        lambda q: index.match_detail(q, include_pending=True), queries, repeats
+    )
+    return {
+        "workers": workers,
+        "pages": pages,
+        "store_pages_per_s": pages / statistics.median(store_s),
+        "match_p50_us": match[0],
+        "match_mean_us": match[1],
+        "match_detail_p50_us": detail[0],
+        "holders_of_first_page": len(index.match(queries[0][:1])),
+    }
+
+
+def bench_dynamo_peer(
+    worker_counts: Sequence[int] = (64, 1024), prompts_per_worker: int = 8, repeats: int = 3
+) -> dict[str, float] | None:
+    """The same workloads through NVIDIA Dynamo's Rust radix tree (``ai-dynamo-runtime``).
+
+    Calls used: ``compute_block_hash_for_seq(tokens, kv_block_size) -> list[int]`` (per-block
+    xxh3 of the block's tokens; Dynamo chains them in the tree, and re-hashes every block on
+    every request), ``RadixTree().apply_event(worker_id: int, event_json: bytes)`` with a
+    ``{"event_id", "data": {"stored": {"parent_hash", "blocks": [{"block_hash",
+    "tokens_hash"}]}}, "dp_rank"}`` event, ``RadixTree.find_matches(local_hashes).scores ->
+    {(worker_id, dp_rank): blocks}`` and ``remove_worker(worker_id)``. The tree applies
+    events on a background thread, so a store run is timed up to the first find_matches
+    after it. Returns None when ``dynamo._core`` does not import.
+    """
+    try:
+        from dynamo._core import RadixTree, compute_block_hash_for_seq
+    except ImportError:
+        return None
+    rng = random.Random(2)
+    out: dict[str, float] = {}
+    prompts = [_random_tokens(rng, PROMPT_TOKENS) for _ in range(repeats)]
+    out["xxh3_4096_us"] = statistics.median(
+        _time_ns(lambda p=p: compute_block_hash_for_seq(p, PAGE)) for p in prompts
+    ) / 1e3
+    turns = conversation()
+    out["conv_us"] = _median_us(
+        lambda: [compute_block_hash_for_seq(t, PAGE) for t in turns], repeats
+    )
+    hasher = PageHasher(HashConfig(_KEY))
+    for workers in worker_counts:
+        load = make_workload(workers, prompts_per_worker)
+        local = [compute_block_hash_for_seq(p, PAGE) for p in load.prompts]
+        events = []
+        for i, (tokens, hashes) in enumerate(zip(load.prompts, local, strict=True)):
+            # block_hash: any chained per-prefix id; our keys' first 8 bytes serve.
+            chained = [int.from_bytes(k[:8], "little") for k in hasher.page_keys(tokens, Namespace())]
+            blocks = [{"block_hash": b, "tokens_hash": t} for b, t in zip(chained, hashes, strict=True)]
+            stored = {"stored": {"parent_hash": None, "blocks": blocks}}
+            events.append(json.dumps({"event_id": i, "data": stored, "dp_rank": 0}).encode())
+        pages = sum(map(len, local))
+        store_s = []
+        tree: Any = None
+        for _ in range(repeats):
+            tree = RadixTree()
+            start = time.perf_counter_ns()
+            for owner, event in zip(load.owners, events, strict=True):
+                tree.apply_event(owner, event)
+            tree.find_matches(local[0])  # waits for the background thread to catch up
+            store_s.append((time.perf_counter_ns() - start) / 1e9)
+        queries = random.Random(3).choices(local, k=2000)
+        p50, mean = _latencies_us(lambda q: tree.find_matches(q).scores, queries, repeats)
+        out[f"w{workers}_store_pages_per_s"] = pages / statistics.median(store_s)
+        out[f"w{workers}_match_p50_us"] = p50
+        out[f"w{workers}_match_mean_us"] = mean
+    return out
+
+
+def _random_tokens(rng: random.Random, n: int) -> list[int]:
+    # randbytes is ~50x faster than n randrange calls; ids below 2**17 like a real vocabulary.
+    raw = array("I", rng.randbytes(4 * n))
+    return [t & 0x1FFFF for t in raw]
+
+
+def _time_ns(fn: Callable[[], object]) -> int:
+    start = time.perf_counter_ns()
+    fn()
+    return time.perf_counter_ns() - start
+
+
+def _median_us(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm up imports and allocator
+    return statistics.median(_time_ns(fn) for _ in range(repeats)) / 1e3
+
+
+def _latencies_us(
+    fn: Callable[[Any], object], queries: Sequence[Any], repeats: int
+) -> tuple[float, float]:
+    """(median of per-run p50, median of per-run mean) over ``repeats`` passes of queries."""
+    p50s, means = [], []
+    for _ in range(repeats):
+        lat = [_time_ns(lambda q=q: fn(q)) for q in queries]
+        p50s.append(statistics.median(lat) / 1e3)
+        means.append(statistics.fmean(lat) / 1e3)
+    return statistics.median(p50s), statistics.median(means)

@@ -1,0 +1,108 @@
+"""``kvcoord bench`` / ``make bench``: run a suite from the source tree's ``bench/`` package, print
+tables, write ``bench/results/<suite>.json``. Baselines are measured in the same run."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvcoord.tables import render_table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def _flat_rows(section: dict[str, Any], prefix: str = "") -> list[list[str]]:
+    rows: list[list[str]] = []
+    for key, value in section.items():
+        if isinstance(value, dict):
+            rows.extend(_flat_rows(value, f"{prefix}{key}."))
+        else:
+            rows.append([f"{prefix}{key}", _fmt(value)])
+    return rows
+
+
+def _targets(results: dict[str, Any]) -> list[list[str]]:
+    """The issue's targets, each with the measured value and whether it holds."""
+    rpc = results["rpc"]
+    rows = [
+        ["Route, page keys / echo", ">= 0.85x", rpc["ratio.route.page_keys"]],
+        ["Route, token ids (SDK: token_bytes) / echo", ">= 0.70x",
+         rpc["ratio.route.token_bytes"]],
+        ["Route, token ids (repeated uint32) / echo", ">= 0.70x", rpc["ratio.route.token_ids"]],
+        ["Route, fresh token ids / echo", "(cold hash)", rpc["ratio.route.token_ids_fresh"]],
+        ["RouteBatch / unary Route prompts/s", ">= 10x", rpc["ratio.batch_vs_unary"]],
+    ]
+    thresholds = {">= 0.85x": 0.85, ">= 0.70x": 0.70, ">= 10x": 10.0}
+    out = []
+    for name, target, value in rows:
+        limit = thresholds.get(target)
+        verdict = "-" if limit is None else ("met" if value >= limit else "MISSED")
+        out.append([name, target, f"{value:.2f}x", verdict])
+    peer = results.get("dynamo")
+    if peer:
+        for key, value in peer.items():
+            if key.startswith("speedup."):
+                out.append([f"vs Dynamo: {key[8:]}", ">= 2x" if "hash" not in key else "-",
+                            f"{value:.2f}x", "-"])
+    return out
+
+
+def run_coordinator_suite(quick: bool) -> dict[str, Any]:
+    from bench.bench_core import bench_dynamo_peer, bench_hashing, bench_index
+    from bench.bench_rpc import bench_rpc
+
+    results: dict[str, Any] = {}
+    steps = [
+        ("hashing", bench_hashing),
+        ("index_64_workers", lambda: bench_index(64)),
+        ("index_1024_workers", lambda: bench_index(1024)),
+        ("dynamo", bench_dynamo_peer),
+        ("rpc", lambda: bench_rpc(64, quick=quick)),
+    ]
+    for i, (name, step) in enumerate(steps, 1):
+        print(f"[{i}/{len(steps)}] {name} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        results[name] = step()
+        print(f"      done in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+    return results
+
+
+def run_suite(suite: str, *, quick: bool = False) -> int:
+    if suite != "coordinator":
+        print(f"kvcoord bench: unknown suite {suite!r}; known: coordinator", file=sys.stderr)
+        return 2
+    if not (ROOT / "bench" / "__init__.py").exists():
+        print("kvcoord bench: run from a source checkout (bench/ not found)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(ROOT))
+    os.chdir(ROOT)
+    results = run_coordinator_suite(quick)
+    for name, section in results.items():
+        if section is None:
+            print(f"\n{name}: not measured (optional peer package not installed)")
+            continue
+        print(f"\n{name}")
+        print(render_table(["measure", "value"], _flat_rows(section)))
+    print("\ntargets")
+    print(render_table(["what", "target", "measured", "verdict"], _targets(results)))
+    report = {
+        "suite": suite, "quick": quick, "python": platform.python_version(),
+        "machine": platform.machine(), "cpus": os.cpu_count(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results,
+    }
+    out = ROOT / "bench" / "results" / f"{suite}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    print(f"\nwrote {out.relative_to(ROOT)}")
+    return 0

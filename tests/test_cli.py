@@ -1,0 +1,107 @@
+"""The `kvcoord` command line as a user runs it: real subprocesses, real ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from kvcoord.demo import free_port, start_coordinator_process, stop_process, wait_healthy
+
+KVCOORD = [sys.executable, "-m", "kvcoord.cli"]
+
+
+def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*KVCOORD, *args], capture_output=True, text=True, timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.fixture
+def coordinator_process() -> Iterator[str]:
+    port = free_port()
+    process = start_coordinator_process(port)
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_healthy(target, process)
+        yield target
+    finally:
+        stop_process(process)
+
+
+def test_status_route_and_lookup_against_a_running_coordinator(coordinator_process: str) -> None:
+    status = run_cli("status", "--coordinator", coordinator_process, "--json")
+    assert status.returncode == 0, status.stderr
+    data = json.loads(status.stdout)
+    assert data["workers"] == []
+    assert (data["stats"]["policy_version"], data["stats"]["store"]) == (0, "MemoryStore")
+
+    table = run_cli("status", "--coordinator", coordinator_process)
+    assert table.returncode == 0
+    assert "store=MemoryStore" in table.stdout and "worker" in table.stdout
+
+    lookup = run_cli("route", "--coordinator", coordinator_process, "--random", "64", "--lookup",
+                     "--json")
+    assert lookup.returncode == 0, lookup.stderr
+    assert json.loads(lookup.stdout) == {"matches": {}, "policy_version": 0, "prompt_pages": 4}
+
+    # No worker registered: routing is refused with the status and a reason, exit code 1.
+    route = run_cli("route", "--coordinator", coordinator_process, "--tokens", "1,2,3")
+    assert route.returncode == 1
+    assert "UNAVAILABLE" in route.stderr and "no routable worker" in route.stderr
+
+
+def test_bad_flags_and_bad_tokens_exit_with_a_clear_message() -> None:
+    bad_tokens = run_cli("route", "--tokens", "1,x,3")
+    assert bad_tokens.returncode != 0
+    assert "comma-separated integers" in bad_tokens.stderr
+    bad_env = subprocess.run(
+        [*KVCOORD, "coordinator", "--listen", "127.0.0.1:0"], capture_output=True, text=True,
+        env={**os.environ, "KVCOORD_LEASE_MS": "soon"}, timeout=30, stdin=subprocess.DEVNULL,
+    )
+    assert bad_env.returncode == 2
+    assert "KVCOORD_LEASE_MS='soon' is not a valid int" in bad_env.stderr
+    unreachable = run_cli("status", "--coordinator", f"127.0.0.1:{free_port()}")
+    assert unreachable.returncode == 1
+    assert "UNAVAILABLE" in unreachable.stderr
+
+
+def test_coordinator_serves_metrics_and_exits_cleanly_on_sigterm() -> None:
+    port, metrics_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [*KVCOORD, "coordinator", "--listen", f"127.0.0.1:{port}", "--metrics-port",
+         str(metrics_port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+    )
+    try:
+        wait_healthy(f"127.0.0.1:{port}", process)
+        run_cli("route", "--coordinator", f"127.0.0.1:{port}", "--random", "32", "--lookup")
+        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+        assert 'kvcoord_coordinator_requests_total{code="OK",method="Lookup"} 1.0' in body
+        assert "kvcoord_index_keys 0.0" in body
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+        logs = process.stderr.read().decode() if process.stderr else ""
+        assert '"event": "coordinator.stopped"' in logs
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.redis
+def test_coordinator_runs_on_redis(redis_url: str) -> None:
+    port = free_port()
+    process = start_coordinator_process(port, "--redis", redis_url)
+    try:
+        wait_healthy(f"127.0.0.1:{port}", process)
+        status = run_cli("status", "--coordinator", f"127.0.0.1:{port}", "--json")
+        assert json.loads(status.stdout)["stats"]["store"] == "RedisStore"
+    finally:
+        stop_process(process)
