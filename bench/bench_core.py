@@ -67,32 +67,37 @@ def bench_hashing(repeats: int = 7) -> dict[str, float]:
     coordinator does); ``conv_uncached_us``: the same without a cache; ``conv_new_pages_us``:
     hashing each page exactly once (the lower bound the cache approaches).
     """
-    rng = random.Random(2)
     out: dict[str, float] = {}
-    turns = conversation()
-    ns = Namespace()
     for algorithm in HashAlgorithm:
-        config = HashConfig(_KEY, algorithm)
         label = algorithm.value.split("-")[0]
-        prompts = [_random_tokens(rng, PROMPT_TOKENS) for _ in range(repeats)]
-        hasher = PageHasher(config)
-        cold = [_time_ns(lambda p=p: hasher.page_keys(p, ns)) for p in prompts]
-        warm = [_time_ns(lambda p=p: hasher.page_keys(p, ns)) for p in prompts]
-        out[f"{label}_4096_cold_us"] = statistics.median(cold) / 1e3
-        out[f"{label}_4096_warm_us"] = statistics.median(warm) / 1e3
-
-        def whole_conversation(cache_pages: int) -> None:
-            h = PageHasher(config, cache_pages=cache_pages)
-            for turn in turns:
-                h.page_keys(turn, ns)
-
-        out[f"{label}_conv_cached_us"] = _median_us(lambda: whole_conversation(262_144), repeats)
-        out[f"{label}_conv_uncached_us"] = _median_us(lambda: whole_conversation(0), repeats)
-        final = turns[-1]
-        out[f"{label}_conv_new_pages_us"] = _median_us(
-            lambda: PageHasher(config, cache_pages=0).page_keys(final, ns), repeats
-        )
+        for name, value in _bench_algorithm(HashConfig(_KEY, algorithm), repeats).items():
+            out[f"{label}_{name}"] = value
     return out
+
+
+def _bench_algorithm(config: HashConfig, repeats: int) -> dict[str, float]:
+    ns = Namespace()
+    rng = random.Random(2)
+    prompts = [_random_tokens(rng, PROMPT_TOKENS) for _ in range(repeats)]
+    hasher = PageHasher(config)
+    cold = [_time_ns(lambda p=p: hasher.page_keys(p, ns)) for p in prompts]
+    warm = [_time_ns(lambda p=p: hasher.page_keys(p, ns)) for p in prompts]
+    turns = conversation()
+
+    def whole_conversation(cache_pages: int) -> None:
+        h = PageHasher(config, cache_pages=cache_pages)
+        for turn in turns:
+            h.page_keys(turn, ns)
+
+    return {
+        "4096_cold_us": statistics.median(cold) / 1e3,
+        "4096_warm_us": statistics.median(warm) / 1e3,
+        "conv_cached_us": _median_us(lambda: whole_conversation(262_144), repeats),
+        "conv_uncached_us": _median_us(lambda: whole_conversation(0), repeats),
+        "conv_new_pages_us": _median_us(
+            lambda: PageHasher(config, cache_pages=0).page_keys(turns[-1], ns), repeats
+        ),
+    }
 
 
 def bench_index(workers: int, prompts_per_worker: int = 8, repeats: int = 3) -> dict[str, float]:
@@ -112,9 +117,7 @@ def bench_index(workers: int, prompts_per_worker: int = 8, repeats: int = 3) -> 
         store_s.append((time.perf_counter_ns() - start) / 1e9)
     queries = random.Random(3).choices(keys, k=2000)
     match = _latencies_us(index.match, queries, repeats)
-    detail = _latencies_us(
-        lambda q: index.match_detail(q, include_pending=True), queries, repeats
-    )
+    detail = _latencies_us(lambda q: index.match_detail(q, include_pending=True), queries, repeats)
     return {
         "workers": workers,
         "pages": pages,
@@ -136,51 +139,62 @@ def bench_dynamo_peer(
     every request), ``RadixTree().apply_event(worker_id: int, event_json: bytes)`` with a
     ``{"event_id", "data": {"stored": {"parent_hash", "blocks": [{"block_hash",
     "tokens_hash"}]}}, "dp_rank"}`` event, ``RadixTree.find_matches(local_hashes).scores ->
-    {(worker_id, dp_rank): blocks}`` and ``remove_worker(worker_id)``. The tree applies
+    {(worker_id, dp_rank): blocks}``. The tree applies
     events on a background thread, so a store run is timed up to the first find_matches
     after it. Returns None when ``dynamo._core`` does not import.
     """
     try:
-        from dynamo._core import RadixTree, compute_block_hash_for_seq
+        from dynamo._core import compute_block_hash_for_seq
     except ImportError:
         return None
     rng = random.Random(2)
     out: dict[str, float] = {}
     prompts = [_random_tokens(rng, PROMPT_TOKENS) for _ in range(repeats)]
-    out["xxh3_4096_us"] = statistics.median(
-        _time_ns(lambda p=p: compute_block_hash_for_seq(p, PAGE)) for p in prompts
-    ) / 1e3
+    out["xxh3_4096_us"] = (
+        statistics.median(
+            _time_ns(lambda p=p: compute_block_hash_for_seq(p, PAGE)) for p in prompts
+        )
+        / 1e3
+    )
     turns = conversation()
     out["conv_us"] = _median_us(
         lambda: [compute_block_hash_for_seq(t, PAGE) for t in turns], repeats
     )
-    hasher = PageHasher(HashConfig(_KEY))
     for workers in worker_counts:
-        load = make_workload(workers, prompts_per_worker)
-        local = [compute_block_hash_for_seq(p, PAGE) for p in load.prompts]
-        events = []
-        for i, (tokens, hashes) in enumerate(zip(load.prompts, local, strict=True)):
-            # block_hash: any chained per-prefix id; our keys' first 8 bytes serve.
-            chained = [int.from_bytes(k[:8], "little") for k in hasher.page_keys(tokens, Namespace())]
-            blocks = [{"block_hash": b, "tokens_hash": t} for b, t in zip(chained, hashes, strict=True)]
-            stored = {"stored": {"parent_hash": None, "blocks": blocks}}
-            events.append(json.dumps({"event_id": i, "data": stored, "dp_rank": 0}).encode())
-        pages = sum(map(len, local))
-        store_s = []
-        tree: Any = None
-        for _ in range(repeats):
-            tree = RadixTree()
-            start = time.perf_counter_ns()
-            for owner, event in zip(load.owners, events, strict=True):
-                tree.apply_event(owner, event)
-            tree.find_matches(local[0])  # waits for the background thread to catch up
-            store_s.append((time.perf_counter_ns() - start) / 1e9)
-        queries = random.Random(3).choices(local, k=2000)
-        p50, mean = _latencies_us(lambda q: tree.find_matches(q).scores, queries, repeats)
-        out[f"w{workers}_store_pages_per_s"] = pages / statistics.median(store_s)
-        out[f"w{workers}_match_p50_us"] = p50
-        out[f"w{workers}_match_mean_us"] = mean
+        for name, value in _bench_radix_tree(workers, prompts_per_worker, repeats).items():
+            out[f"w{workers}_{name}"] = value
     return out
+
+
+def _bench_radix_tree(workers: int, prompts_per_worker: int, repeats: int) -> dict[str, float]:
+    from dynamo._core import RadixTree, compute_block_hash_for_seq
+
+    load = make_workload(workers, prompts_per_worker)
+    hasher = PageHasher(HashConfig(_KEY))
+    local = [compute_block_hash_for_seq(p, PAGE) for p in load.prompts]
+    events = []
+    for i, (tokens, hashes) in enumerate(zip(load.prompts, local, strict=True)):
+        # block_hash: any chained per-prefix id will do; our keys' first 8 bytes serve.
+        chained = [int.from_bytes(k[:8], "little") for k in hasher.page_keys(tokens, Namespace())]
+        blocks = [{"block_hash": b, "tokens_hash": t} for b, t in zip(chained, hashes, strict=True)]
+        stored = {"stored": {"parent_hash": None, "blocks": blocks}}
+        events.append(json.dumps({"event_id": i, "data": stored, "dp_rank": 0}).encode())
+    store_s = []
+    tree: Any = None
+    for _ in range(repeats):
+        tree = RadixTree()
+        start = time.perf_counter_ns()
+        for owner, event in zip(load.owners, events, strict=True):
+            tree.apply_event(owner, event)
+        tree.find_matches(local[0])  # returns once the background thread has caught up
+        store_s.append((time.perf_counter_ns() - start) / 1e9)
+    queries = random.Random(3).choices(local, k=2000)
+    p50, mean = _latencies_us(lambda q: tree.find_matches(q).scores, queries, repeats)
+    return {
+        "store_pages_per_s": sum(map(len, local)) / statistics.median(store_s),
+        "match_p50_us": p50,
+        "match_mean_us": mean,
+    }
 
 
 def _random_tokens(rng: random.Random, n: int) -> list[int]:

@@ -25,6 +25,11 @@ from coordinator.v1 import coordinator_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = 32
+_ALL_CPUS = sorted(os.sched_getaffinity(0))
+# The server gets the last core, the load-generating client the others: the server is then
+# the bottleneck and requests/s measures its capacity, not the client's.
+SERVER_CPUS = {_ALL_CPUS[-1]}
+CLIENT_CPUS = set(_ALL_CPUS[:-1]) or SERVER_CPUS
 ROUTE = "/coordinator.v1.Coordinator/Route"
 ROUTE_BATCH = "/coordinator.v1.Coordinator/RouteBatch"
 
@@ -37,6 +42,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _pinned(cpus: set[int]) -> list[str]:
+    """A taskset prefix so server and client do not contend for one core (when there are 2+)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        return []
+    return ["taskset", "-c", ",".join(map(str, sorted(cpus)))]
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -46,7 +58,8 @@ class ServerProcess:
     def __init__(self, mode: str, workers: int) -> None:
         self.port = _free_port()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "bench.rpc_server", mode, str(self.port), str(workers)],
+            [*_pinned(SERVER_CPUS), sys.executable, "-m", "bench.rpc_server", mode,
+             str(self.port), str(workers)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
         assert self.process.stdout is not None
@@ -71,25 +84,33 @@ async def _drive(target: str, method: str, payloads: Sequence[bytes], total: int
                ("grpc.max_receive_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(target, options=options) as channel:
         call = channel.unary_unary(method)
-        counter = iter(range(total))
 
-        async def lane() -> None:
-            for i in counter:
-                await call(payloads[i % len(payloads)])
+        async def run(calls: int) -> None:
+            counter = iter(range(calls))
 
-        await asyncio.gather(*(lane() for _ in range(min(CONCURRENCY, total // 4 or 1))))
+            async def lane() -> None:
+                for i in counter:
+                    await call(payloads[i % len(payloads)])
+
+            await asyncio.gather(*(lane() for _ in range(CONCURRENCY)))
+
+        await run(_warmup(total))
         started = time.perf_counter()
-        counter = iter(range(total))
-        await asyncio.gather(*(lane() for _ in range(CONCURRENCY)))
+        await run(total)
         return time.perf_counter() - started
+
+
+def _warmup(total: int) -> int:
+    return max(1, total // 4)
 
 
 def _measure(server: ServerProcess, method: str, payloads: Sequence[bytes], total: int,
              items_per_call: int = 1) -> dict[str, float]:
+    os.sched_setaffinity(0, CLIENT_CPUS)
     cpu_before = server.cpu()
     seconds = asyncio.run(_drive(server.target, method, payloads, total))
     cpu = server.cpu() - cpu_before
-    calls = total + max(1, total // 4)  # warm-up calls also burn server CPU
+    calls = total + _warmup(total)  # warm-up calls also burn server CPU
     return {
         "per_s": total * items_per_call / seconds,
         "server_cpu_us": cpu / (calls * items_per_call) * 1e6,

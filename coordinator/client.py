@@ -24,15 +24,15 @@ from coordinator.sdk_types import (
     Stats,
     Targets,
     WorkerInfo,
-    batch_request,
     batch_from,
+    batch_request,
     call_metadata,
     is_transport_failure,
-    lookup_request,
     lookup_from,
+    lookup_request,
     policy_from,
-    route_request,
     route_from,
+    route_request,
     stats_from,
     worker_from,
 )
@@ -120,10 +120,12 @@ class CoordinatorClient:
 
     def route_batch(
         self, prompts: Sequence[Prompt], *, model: str | None = None, adapter: str | None = None,
-        min_policy_version: int | None = None, routing_policy: str = "",
+        min_policy_version: int | None = None, policy_version: int | None = None,
+        routing_policy: str = "",
     ) -> RouteBatch:
         """Route many prompts at once; ``order`` runs siblings sharing a prefix back to back."""
-        request = batch_request(prompts, model, adapter, min_policy_version, routing_policy)
+        request = batch_request(prompts, model, adapter, min_policy_version, policy_version,
+                                routing_policy)
         return batch_from(self._call("RouteBatch", request))
 
     def policy(self) -> PolicyState:
@@ -225,9 +227,11 @@ class AsyncCoordinatorClient:
 
     async def route_batch(
         self, prompts: Sequence[Prompt], *, model: str | None = None, adapter: str | None = None,
-        min_policy_version: int | None = None, routing_policy: str = "",
+        min_policy_version: int | None = None, policy_version: int | None = None,
+        routing_policy: str = "",
     ) -> RouteBatch:
-        request = batch_request(prompts, model, adapter, min_policy_version, routing_policy)
+        request = batch_request(prompts, model, adapter, min_policy_version, policy_version,
+                                routing_policy)
         return await self._parsed("RouteBatch", request, batch_from)
 
     async def policy(self) -> PolicyState:

@@ -13,7 +13,10 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from coordinator.routing import KvAwareWeights
 
 ENV_PREFIX = "KVCOORD_"
 
@@ -51,7 +54,16 @@ class CoordinatorConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     hash_cache_pages: int = 262_144
     reaper_interval_ms: int = 500
+    max_inflight_per_worker: int = 65_536
+    """In-flight routes remembered per worker; beyond it the oldest are assumed finished (a
+    worker that never reports completions must not grow the coordinator without bound)."""
     log_level: str = "info"
+    # kv_aware routing weights (coordinator.routing.KvAwareWeights documents each).
+    kv_prefill_token: float = 1.0
+    kv_lower_tier_token: float = 0.25
+    kv_queued_token: float = 1.0
+    kv_running_request: float = 8.0
+    kv_memory_pressure: float = 1.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -72,6 +84,54 @@ class CoordinatorConfig:
             raise ConfigError(f"metrics_port out of range: {self.metrics_port}")
         if ":" not in self.listen:
             raise ConfigError(f"listen must be HOST:PORT, got {self.listen!r}")
+        self._check_choices()
+        if self.hash_key is not None:
+            try:
+                key = bytes.fromhex(self.hash_key)
+            except ValueError:
+                raise ConfigError("hash_key (KVCOORD_HASH_KEY) must be hex") from None
+            if not 16 <= len(key) <= 64:
+                raise ConfigError(
+                    f"hash_key must be 16..64 bytes (32..128 hex digits), got {len(key)} bytes"
+                )
+        if self.page_size > 4096:
+            raise ConfigError(f"page_size must be <= 4096, got {self.page_size}")
+        if self.max_inflight_per_worker <= 0:
+            raise ConfigError("max_inflight_per_worker must be > 0")
+        if not self.store_namespace or any(c in self.store_namespace for c in "{}"):
+            raise ConfigError(
+                f"store_namespace must be non-empty without braces, got {self.store_namespace!r}"
+            )
+
+    def _check_choices(self) -> None:
+        # Imported here: config is read by every entry point; keep its import light.
+        from coordinator.hashing import HashAlgorithm
+        from coordinator.routing import POLICIES
+
+        algorithms = [a.value for a in HashAlgorithm]
+        if self.hash_algorithm not in algorithms:
+            raise ConfigError(f"hash_algorithm must be one of {algorithms}, "
+                              f"got {self.hash_algorithm!r}")
+        if self.routing_policy not in POLICIES:
+            raise ConfigError(f"routing_policy must be one of {sorted(POLICIES)}, "
+                              f"got {self.routing_policy!r}")
+        levels = ("debug", "info", "warning", "error")
+        if self.log_level.lower() not in levels:
+            raise ConfigError(f"log_level must be one of {levels}, got {self.log_level!r}")
+        try:
+            self.kv_weights()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def kv_weights(self) -> KvAwareWeights:
+        """The kv_aware routing weights of this configuration."""
+        from coordinator.routing import KvAwareWeights
+
+        return KvAwareWeights(
+            prefill_token=self.kv_prefill_token, lower_tier_token=self.kv_lower_tier_token,
+            queued_token=self.kv_queued_token, running_request=self.kv_running_request,
+            memory_pressure=self.kv_memory_pressure,
+        )
 
     @classmethod
     def from_sources(

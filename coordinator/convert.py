@@ -73,6 +73,8 @@ def prompt_from(prompt: pb.Prompt, config: CoordinatorConfig, what: str = "promp
     limit = config.max_prompt_tokens
     if (n_tokens > 0) + (n_key_bytes > 0) + (n_token_bytes > 0) > 1:
         raise InvalidArgument(f"{what}: set one of token_ids, token_bytes or page_keys, not both")
+    if prompt.token_count and not n_key_bytes:
+        raise InvalidArgument(f"{what}: token_count is only for prompts sent as page_keys")
     if n_token_bytes:
         if n_token_bytes % 4:
             raise InvalidArgument(

@@ -52,7 +52,7 @@ class WorkerSession:
     draining: bool = False
     next_seq: int = 1
     resync_id: int | None = None
-    load: WorkerLoad = WorkerLoad()
+    load: WorkerLoad = field(default_factory=WorkerLoad)
     # Uncached prefill tokens of each route issued and not yet reported finished, oldest first.
     inflight: deque[int] = field(default_factory=deque)
     inflight_tokens: int = 0
@@ -107,11 +107,14 @@ class WorkerSession:
             self.inflight_tokens -= self.inflight.popleft()
         self._load_view = None
 
-    def record_route(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """Count a route issued to this worker until a heartbeat reports it finished."""
+    def record_route(self, prompt_tokens: int, cached_tokens: int, max_inflight: int) -> None:
+        """Count a route issued to this worker until a heartbeat reports it finished; at most
+        ``max_inflight`` are remembered (the oldest are then assumed finished)."""
         uncached = prompt_tokens - cached_tokens
         self.inflight.append(uncached)
         self.inflight_tokens += uncached
+        if len(self.inflight) > max_inflight:
+            self.inflight_tokens -= self.inflight.popleft()
         self.routed_requests += 1
         self.routed_tokens += prompt_tokens
         self.routed_cached_tokens += cached_tokens
@@ -192,6 +195,8 @@ class Fleet:
         key = (version, floor, model)
         cached = self._routable_cache.get(key)
         if cached is None:
+            if len(self._routable_cache) >= 256:  # keys come from requests: stay bounded
+                self._routable_cache.clear()
             cached = self._routable_cache[key] = [
                 s
                 for s in self._sessions.values()

@@ -134,22 +134,19 @@ def load_hash_config(env: Mapping[str, str] | None = None) -> HashConfig:
     """Read ``KVCOORD_HASH_KEY`` (hex), ``KVCOORD_HASH_ALGORITHM``, ``KVCOORD_PAGE_SIZE``.
 
     ``env`` defaults to ``os.environ``. No (or an empty) key means :data:`DEV_HASH_KEY`, with
-    a warning. Bad values raise ValueError naming the variable.
+    a warning. A bad value raises ValueError naming the variables (never echoing the key).
     """
     env = os.environ if env is None else env
-    algorithm = env.get("KVCOORD_HASH_ALGORITHM", "") or HashAlgorithm.BLAKE2B
-    raw_page_size = env.get("KVCOORD_PAGE_SIZE", "") or "16"
-    try:
-        page_size = int(raw_page_size)
-    except ValueError:
-        raise ValueError(f"KVCOORD_PAGE_SIZE must be an integer, got {raw_page_size!r}") from None
     hex_key = env.get("KVCOORD_HASH_KEY", "")
-    if not hex_key:
-        return HashConfig(DEV_HASH_KEY, _parse_algorithm(algorithm), page_size)
     try:
-        return HashConfig.from_hex_key(hex_key, _parse_algorithm(algorithm), page_size)
+        algorithm = _parse_algorithm(env.get("KVCOORD_HASH_ALGORITHM") or HashAlgorithm.BLAKE2B)
+        page_size = int(env.get("KVCOORD_PAGE_SIZE") or 16)
+        if not hex_key:
+            return HashConfig(DEV_HASH_KEY, algorithm, page_size)
+        return HashConfig.from_hex_key(hex_key, algorithm, page_size)
     except ValueError as exc:
-        raise ValueError(f"KVCOORD_HASH_KEY: {exc}") from None
+        variables = "KVCOORD_HASH_KEY, KVCOORD_HASH_ALGORITHM, KVCOORD_PAGE_SIZE"
+        raise ValueError(f"bad hash configuration in {variables}: {exc}") from None
 
 
 def encode_root(namespace: Namespace, algorithm: HashAlgorithm) -> bytes:
@@ -209,7 +206,7 @@ class PageHasher:
     ``cache_pages`` entries in two generations: lookups hit either, new entries go into the
     young one, and when the young one is full the old one is dropped whole (O(1) eviction,
     roughly LRU because hits in the old generation are promoted). ``cache_pages=0`` disables
-    it. Memory is about 300 bytes per entry (~75 MiB at the default of 262,144 pages).
+    it. Memory is about 200 bytes per entry (~50 MiB at the default of 262,144 pages).
     Not thread-safe.
     """
 

@@ -51,6 +51,8 @@ class MatchDetail:
 
 
 class IndexStats(NamedTuple):
+    """Sizes, for metrics and GetStats."""
+
     keys: int  # distinct keys with at least one confirmed holder
     holdings: int  # confirmed (worker, key) pairs
     pending: int  # live pending (worker, key) entries
@@ -272,7 +274,8 @@ class PrefixIndex:
             _require(w.bit == 1 << w.slot, f"{name}: bit does not match slot")
             _require(w.spilled.keys() <= w.held, f"{name}: a spilled key is not held")
             _require(w.pending.keys().isdisjoint(w.held), f"{name}: a held key is pending")
-            for masks, keys in zip(expected, (w.held, w.spilled, w.pending), strict=True):
+            sets: tuple[Iterable[bytes], ...] = (w.held, w.spilled, w.pending)
+            for masks, keys in zip(expected, sets, strict=True):
                 for key in keys:
                     masks[key] = masks.get(key, 0) | w.bit
             _require(
@@ -282,7 +285,7 @@ class PrefixIndex:
         for actual, wanted, label in zip(
             (self._holders, self._lower, self._pending),
             expected,
-            ("holder", "lower", "pending"),
+            ("holders", "lower", "pending"),
             strict=True,
         ):
             _require(actual == wanted, f"{label} masks disagree with the workers' key sets")

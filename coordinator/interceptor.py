@@ -8,54 +8,47 @@ traceback and answered INTERNAL without leaking details.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+import types
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 import structlog
+from google.protobuf.descriptor import ServiceDescriptor
 
 from coordinator.errors import DomainError, Unavailable
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.store import StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
 Behavior = Callable[..., Any]
+# A store outage is usually a Redis restart or failover: seconds, not milliseconds.
+STORE_RETRY_MS = 1000
 
 
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Maps ``DomainError`` to status codes and records per-method counts and latencies."""
+class ErrorMappingInterceptor:
+    """Maps ``DomainError`` to status codes and records per-method counts and latencies.
+
+    It wraps each servicer method once, at registration (``wrap``), rather than acting as a
+    ``grpc.aio.ServerInterceptor``: grpc.aio's interceptor path re-creates the handler and
+    schedules extra tasks on every call, which measured ~450 us per Route on this project's
+    benchmark machine, more than the routing work itself.
+    """
 
     def __init__(self, metrics: CoordinatorMetrics) -> None:
         self._metrics = metrics
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(method, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                self._wrap_stream(method, handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+    def wrap(self, servicer: Any, service: ServiceDescriptor) -> Any:
+        """A servicer whose every RPC of ``service`` goes through the error mapping."""
+        wrapped = types.SimpleNamespace()
+        for method in service.methods:
+            behavior = getattr(servicer, method.name)
+            if method.server_streaming:
+                setattr(wrapped, method.name, self._wrap_stream(method.name, behavior))
+            else:
+                setattr(wrapped, method.name, self._wrap_unary(method.name, behavior))
+        return wrapped
 
     def _record(self, method: str, code: str, started: float) -> None:
         self._metrics.requests.labels(method, code).inc()
@@ -67,6 +60,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             code = "OK"
             try:
                 return await behavior(request, context)
+            except StoreUnavailable as exc:
+                code = "UNAVAILABLE"
+                await _abort(context, Unavailable(f"metadata store unavailable: {exc}",
+                                                  retry_after_ms=STORE_RETRY_MS))
             except DomainError as exc:
                 code = exc.status_name
                 await _abort(context, exc)
@@ -87,6 +84,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             try:
                 async for response in behavior(request, context):
                     yield response
+            except StoreUnavailable as exc:
+                code = "UNAVAILABLE"
+                await _abort(context, Unavailable(f"metadata store unavailable: {exc}",
+                                                  retry_after_ms=STORE_RETRY_MS))
             except DomainError as exc:
                 code = exc.status_name
                 await _abort(context, exc)
@@ -108,8 +109,9 @@ async def _abort(context: grpc.aio.ServicerContext, exc: DomainError) -> None:
 
 
 def _passthrough_or_internal(exc: Exception, method: str) -> str:
-    """Aborts raised by grpc itself pass through; anything else is our bug."""
+    """An abort grpc already carries (a handler called ``context.abort``) passes through with
+    its own code label; anything else is our bug."""
     if isinstance(exc, grpc.aio.AbortError):
-        return "ABORTED_BY_HANDLER"
+        return "ABORTED_IN_HANDLER"
     log.exception("rpc.internal_error", method=method)
     return "INTERNAL"

@@ -3,11 +3,13 @@ coordinators in one process (tests, benchmarks) never collide."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from coordinator.service import CoordinatorService, StatsSnapshot
+from coordinator.service import CoordinatorService
 
 
 class CoordinatorMetrics:
@@ -29,27 +31,44 @@ class CoordinatorMetrics:
             self._bind(service)
 
     def _bind(self, service: CoordinatorService) -> None:
-        def gauge(name: str, doc: str, read: Callable[[StatsSnapshot], float]) -> None:
-            Gauge(name, doc, registry=self.registry).set_function(lambda: read(service.stats()))
-
-        gauge("kvcoord_coordinator_workers", "Registered workers", lambda s: s.workers)
-        gauge("kvcoord_coordinator_routable_workers", "Workers that can take routes",
-              lambda s: s.routable_workers)
-        gauge("kvcoord_index_keys", "Distinct page keys in the global index", lambda s: s.index_keys)
-        gauge("kvcoord_index_entries", "(key, worker) holdings in the global index",
-              lambda s: s.index_entries)
-        gauge("kvcoord_index_pending_entries", "Pending (routed, unconfirmed) entries",
-              lambda s: s.pending_entries)
-        gauge("kvcoord_route_prompt_tokens", "Prompt tokens routed since start",
-              lambda s: s.prompt_tokens)
-        gauge("kvcoord_route_cached_tokens", "Routed prompt tokens already cached on the target",
-              lambda s: s.cached_tokens)
-        gauge("kvcoord_sync_events_applied", "Page events applied from workers",
-              lambda s: s.events_applied)
-        gauge("kvcoord_sync_resyncs", "Resync requests sent to workers", lambda s: s.resyncs)
-        gauge("kvcoord_policy_version", "Current policy version", lambda s: s.policy.version)
+        self.registry.register(_StateCollector(service))
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Expose ``/metrics`` over HTTP; returns the bound port (``port=0`` picks a free one)."""
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         return int(server.server_port)
+
+
+class _StateCollector(Collector):
+    """Reads the service's stats once per scrape and exposes them as gauges and counters."""
+
+    def __init__(self, service: CoordinatorService) -> None:
+        self._service = service
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._service.stats()
+        gauges = [
+            ("kvcoord_coordinator_workers", "Registered workers", s.workers),
+            ("kvcoord_coordinator_routable_workers", "Workers that can take routes",
+             s.routable_workers),
+            ("kvcoord_index_keys", "Distinct page keys in the global index", s.index_keys),
+            ("kvcoord_index_entries", "(key, worker) holdings in the global index",
+             s.index_entries),
+            ("kvcoord_index_pending_entries", "Pending (routed, unconfirmed) entries",
+             s.pending_entries),
+            ("kvcoord_policy_version", "Current policy version", s.policy.version),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = [
+            ("kvcoord_lookups", "Lookups answered", s.lookups),
+            ("kvcoord_routes", "Prompts routed", s.routes),
+            ("kvcoord_route_prompt_tokens", "Prompt tokens routed", s.prompt_tokens),
+            ("kvcoord_route_cached_tokens", "Routed prompt tokens already cached on the target",
+             s.cached_tokens),
+            ("kvcoord_sync_events_applied", "Page events applied from workers",
+             s.events_applied),
+            ("kvcoord_sync_resyncs", "Resync requests sent to workers", s.resyncs),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)

@@ -100,7 +100,9 @@ class Scheduler:
         clock: Callable[[], float],
         rng: random.Random | None = None,
         weights: KvAwareWeights | None = None,
+        max_inflight: int = 65_536,
     ) -> None:
+        self.max_inflight = max_inflight
         self._hasher = hasher
         self._index = index
         self._fleet = fleet
@@ -113,6 +115,9 @@ class Scheduler:
         self._policies: dict[str, RoutingPolicy] = {}
         self.default_policy = self._policy(default_policy).name
         self.counters = SchedulingCounters()
+        # Told to callers refused for lack of a worker: about one heartbeat, when load and
+        # liveness news next arrives.
+        self.retry_after_ms = 500
 
     def _policy(self, name: str) -> RoutingPolicy:
         policy = self._policies.get(name)
@@ -141,25 +146,21 @@ class Scheduler:
         return self._hasher.page_keys(prompt.token_bytes, namespace)
 
     def lookup(self, prompt: PromptInput, scope: Scope) -> LookupResult:
-        """Every worker serving the version that holds the prompt's first page, with its depth."""
+        """Every routable worker serving the version that holds the prompt's first page, with
+        its confirmed depth. Workers Route would never pick (disconnected, cordoned, fenced,
+        draining, another version or model) are left out, so a scheduler acting on a lookup
+        never sends work to them."""
         ns = self.namespace(scope)
         keys = self.keys(prompt, ns)
         self.counters.lookups += 1
         matches = self._index.match(keys) if keys else {}
-        serving = {
-            worker_id: depth
-            for worker_id, depth in matches.items()
-            if self._serves(worker_id, ns)
-        }
-        return LookupResult(serving, ns.policy_version, len(keys), self._page_size)
-
-    def _serves(self, worker_id: str, ns: Namespace) -> bool:
-        session = self._fleet.get(worker_id)
-        return (
-            session is not None
-            and session.policy_version == ns.policy_version
-            and session.model == ns.model
+        if not matches:
+            return LookupResult({}, ns.policy_version, len(keys), self._page_size)
+        routable = self._fleet.routable(
+            self._clock(), version=ns.policy_version, min_version=None, model=ns.model
         )
+        serving = {s.worker_id: matches[s.worker_id] for s in routable if s.worker_id in matches}
+        return LookupResult(serving, ns.policy_version, len(keys), self._page_size)
 
     def route(
         self,
@@ -227,7 +228,7 @@ class Scheduler:
                 f"{ns.policy_version}" + (
                     f" (min {min_policy_version})" if min_policy_version is not None else ""
                 ),
-                retry_after_ms=500,
+                retry_after_ms=self.retry_after_ms,
             ) from None
         session = self._fleet.get(decision.worker_id)
         assert session is not None  # candidates come from the fleet
@@ -237,7 +238,7 @@ class Scheduler:
             self._index.add_pending(decision.worker_id, keys[confirmed:])
         cached_tokens = min(confirmed * self._page_size, token_count)
         for _ in range(copies):
-            session.record_route(token_count, cached_tokens)
+            session.record_route(token_count, cached_tokens, self.max_inflight)
         self.counters.routes += copies
         self.counters.prompt_tokens += token_count * copies
         self.counters.cached_tokens += cached_tokens * copies

@@ -223,12 +223,12 @@ def route_request(
 
 def batch_request(
     prompts: Sequence[Sequence[int] | PageKeys], model: str | None, adapter: str | None,
-    min_version: int | None, routing_policy: str,
+    min_version: int | None, version: int | None, routing_policy: str,
 ) -> pb.RouteBatchRequest:
     if not prompts:
         raise ValueError("route_batch needs at least one prompt")
     request = pb.RouteBatchRequest(
-        prompts=[prompt_pb(p) for p in prompts], scope=scope_pb(model, adapter, None),
+        prompts=[prompt_pb(p) for p in prompts], scope=scope_pb(model, adapter, version),
         routing_policy=routing_policy,
     )
     if min_version is not None:

@@ -55,11 +55,11 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     """Open the store, bind ``config.listen`` (port 0 picks a free one) and start serving."""
     service = await CoordinatorService.open(config)
     metrics = CoordinatorMetrics(service)
-    server = grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor(metrics)],
-        options=channel_options(config.max_message_bytes),
-    )
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(service), server)
+    server = grpc.aio.server(options=channel_options(config.max_message_bytes))
+    errors = ErrorMappingInterceptor(metrics)
+    descriptor = pb.DESCRIPTOR.services_by_name["Coordinator"]
+    servicer = errors.wrap(CoordinatorServicer(service), descriptor)
+    pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

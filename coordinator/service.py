@@ -100,6 +100,8 @@ class CoordinatorService:
             serving_version=lambda: self.policy.version,
             clock=clock,
             rng=rng,
+            weights=config.kv_weights(),
+            max_inflight=config.max_inflight_per_worker,
         )
         self.sessions = WorkerSessions(
             config=config,

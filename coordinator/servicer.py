@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -22,7 +22,7 @@ from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 
 _POLICY_LATER = "arrives with policy versions (issue 4); GetPolicy is served"
 
-Context = grpc.aio.ServicerContext
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]

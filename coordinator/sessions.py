@@ -153,6 +153,8 @@ class WorkerSessions:
         """Admit a worker under a new incarnation; any older incarnation's entries are dropped."""
         if not req.worker_id:
             raise InvalidArgument("worker_id is required")
+        if req.total_pages <= 0:
+            raise InvalidArgument(f"total_pages must be > 0, got {req.total_pages}")
         if ":" not in req.address:
             raise InvalidArgument(f"address must be HOST:PORT, got {req.address!r}")
         self._check_hash_config(req)
@@ -220,7 +222,11 @@ class WorkerSessions:
         session.lease_deadline = self._clock() + self._config.lease_ms / 1000
         self._fleet.changed()
         replies: list[Outbound] = [Welcome(session.next_seq)]
-        if last_acked_seq >= session.next_seq:
+        if session.resync_id is not None:
+            # The stream that carried the open resync died: ask again on this one, or the
+            # worker (which never saw the request) would wait forever for acks.
+            replies.append(self._start_resync(session, "resync interrupted by reconnect"))
+        elif last_acked_seq >= session.next_seq:
             # The worker saw acks we have no memory of: our view of it cannot be trusted.
             replies.append(self._start_resync(session, "acked sequence ahead of coordinator"))
         log.info("worker.connected", worker=worker_id, incarnation=incarnation, stream=stream_id)
@@ -251,7 +257,9 @@ class WorkerSessions:
         log.warning("worker.resync", worker=session.worker_id, reason=reason, resync=resync_id)
         return Resync(resync_id, reason)
 
-    def events(self, session: WorkerSession, seq: int, events: Sequence[PageEventIn]) -> list[Outbound]:
+    def events(
+        self, session: WorkerSession, seq: int, events: Sequence[PageEventIn]
+    ) -> list[Outbound]:
         """Apply one event batch in order; a gap answers with a resync request, never a guess."""
         if len(events) > self._config.max_events_per_batch:
             raise InvalidArgument(
@@ -270,6 +278,8 @@ class WorkerSessions:
                 self._index.store(worker_id, event.keys, event.tier)
             elif event.kind == "removed":
                 self._index.remove(worker_id, event.keys)
+            elif event.keys:
+                raise InvalidArgument(f"event batch {seq}: a CLEARED event carries no page keys")
             else:
                 self._index.drop_worker(worker_id)
         self.counters.events_applied += len(events)

@@ -66,7 +66,9 @@ def _tokens(args: argparse.Namespace) -> list[int]:
         try:
             return [int(t) for t in args.tokens.split(",") if t.strip()]
         except ValueError:
-            raise SystemExit(f"kvcoord: --tokens must be comma-separated integers: {args.tokens}")
+            raise SystemExit(
+                f"kvcoord: --tokens must be comma-separated integers: {args.tokens}"
+            ) from None
     rng = random.Random(args.seed)
     return [rng.randrange(32_000) for _ in range(args.random)]
 

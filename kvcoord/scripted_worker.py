@@ -125,7 +125,9 @@ class ScriptedWorker:
         await self.send(pb.SyncRequest(events=pb.EventBatch(seq=seq, events=list(events))))
         return seq
 
-    async def store(self, keys: Sequence[bytes], tier: int = pb.TIER_GPU) -> pb.SyncResponse:
+    async def store(
+        self, keys: Sequence[bytes], tier: pb.Tier = pb.TIER_GPU
+    ) -> pb.SyncResponse:
         """Report pages stored and wait for the coordinator's ack."""
         self.held.update(keys)
         event = pb.PageEvent(kind=pb.PageEvent.KIND_STORED, page_keys=b"".join(keys), tier=tier)

@@ -86,6 +86,7 @@ def test_coordinator_serves_metrics_and_exits_cleanly_on_sigterm() -> None:
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
         assert 'kvcoord_coordinator_requests_total{code="OK",method="Lookup"} 1.0' in body
         assert "kvcoord_index_keys 0.0" in body
+        assert "kvcoord_lookups_total 1.0" in body
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=15) == 0
         logs = process.stderr.read().decode() if process.stderr else ""

@@ -58,7 +58,7 @@ def test_store_counts_only_new_holdings_and_remove_ignores_unknown_keys(
 ) -> None:
     assert idx.store("w1", A[:4]) == 4
     assert idx.store("w1", A[2:6] + A[2:3]) == 2
-    assert idx.remove("w1", chain("zz", 3) + [A[0]]) == 1
+    assert idx.remove("w1", [*chain("zz", 3), A[0]]) == 1
     assert idx.remove("nobody", A) == 0
     assert idx.worker_keys("w1") == frozenset(A[1:6])
     assert idx.stats() == IndexStats(keys=5, holdings=5, pending=0, workers=1)

@@ -16,7 +16,11 @@ TTL = 2.0
 WORKERS = ["w0", "w1", "w2", "w3"]
 # A small universe of chained prompts: p1 and p2 share p0's first three pages.
 _P0 = [bytes([0, i]) * 8 for i in range(6)]
-PROMPTS = [_P0, _P0[:3] + [bytes([1, i]) * 8 for i in range(4)], [bytes([2, i]) * 8 for i in range(5)]]
+PROMPTS = [
+    _P0,
+    _P0[:3] + [bytes([1, i]) * 8 for i in range(4)],
+    [bytes([2, i]) * 8 for i in range(5)],
+]
 PROMPTS.append(PROMPTS[1][:3] + PROMPTS[2][:2])
 KEYS = sorted({k for p in PROMPTS for k in p})
 TIER_ORDER = {Tier.DISK: 0, Tier.CPU: 1, Tier.GPU: 2}
@@ -141,7 +145,5 @@ class IndexMachine(RuleBasedStateMachine):
             assert all(self.index.tier_of(worker, k) is t for k, t in held.items())
 
 
-IndexMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=30, deadline=None
-)
+IndexMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 TestIndexStateful = IndexMachine.TestCase

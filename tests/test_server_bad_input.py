@@ -44,6 +44,8 @@ BAD_ROUTES = [
      grpc.StatusCode.INVALID_ARGUMENT, "not both"),
     (pb.RouteRequest(prompt=_prompt(token_bytes=b"\x01\x00\x00\x00", page_keys=b"x" * 16)),
      grpc.StatusCode.INVALID_ARGUMENT, "not both"),
+    (pb.RouteRequest(prompt=_prompt(token_ids=[1, 2], token_count=2)),
+     grpc.StatusCode.INVALID_ARGUMENT, "token_count is only for prompts sent as page_keys"),
     (pb.RouteRequest(prompt=_prompt(token_bytes=b"\x01\x00\x00")),
      grpc.StatusCode.INVALID_ARGUMENT, "3 bytes of token_bytes is not a multiple of 4"),
     (pb.RouteRequest(prompt=_prompt(token_bytes=b"\x00" * 4 * 1025)),

@@ -246,3 +246,119 @@ async def test_redis_backed_coordinator_serves_and_counts_incarnations(redis_url
         await w.disconnect()
         assert (await w.register()).incarnation == 2
         await w.close()
+
+
+async def test_resync_interrupted_by_a_reconnect_is_asked_again_on_the_new_stream() -> None:
+    async with running_coordinator() as coord:
+        w = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH, auto_resync=False)
+        await w.start()
+        await w.store(w.keys(PROMPT))
+        await w.send_events([], seq=9)  # a gap: the coordinator asks for a resync
+        first = await w.next_message()
+        assert first.resync.reason.startswith("sequence gap")
+        await w.disconnect()  # ...and the stream dies before the worker answers
+        welcome = await w.connect()
+        assert welcome.welcome.next_seq == 2
+        again = await w.next_message()
+        assert again.resync.resync_id != first.resync.resync_id
+        await w.send_inventory(again.resync.resync_id)
+        assert (await w.next_message()).ack.seq == 1
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            assert (await client.lookup(PROMPT)).matches == {"w": 128}
+        await w.close()
+
+
+async def test_lookup_leaves_out_workers_route_would_never_pick() -> None:
+    async with running_coordinator() as coord:
+        live = ScriptedWorker(target(coord), "live", hash_config=DEV_HASH)
+        gone = ScriptedWorker(target(coord), "gone", hash_config=DEV_HASH)
+        held = ScriptedWorker(target(coord), "held", hash_config=DEV_HASH)
+        for w in (live, gone, held):
+            await w.start()
+            await w.store(w.keys(PROMPT))
+        await gone.disconnect()
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            await client.cordon("held")
+
+            async def only_live() -> bool:
+                return (await client.lookup(PROMPT)).matches == {"live": 128}
+
+            await eventually(only_live, what="lookup to show only the routable worker")
+            stats = await client.stats()
+            assert stats.index_entries == 3 * 8  # the others' entries are kept for the grace
+        for w in (live, gone, held):
+            await w.close()
+
+
+async def test_in_flight_routes_spread_a_burst_until_heartbeats_settle_them() -> None:
+    async with running_coordinator() as coord:
+        a = ScriptedWorker(target(coord), "a", hash_config=DEV_HASH)
+        b = ScriptedWorker(target(coord), "b", hash_config=DEV_HASH)
+        await a.start()
+        await b.start()
+        prompts = [[p * 1000 + t for t in range(64)] for p in range(6)]
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            chosen = [(await client.route(p)).worker_id for p in prompts]
+            assert sorted(chosen) == ["a", "a", "a", "b", "b", "b"]
+            before = {w.worker_id: w.inflight_routes for w in await client.workers()}
+            assert before == {"a": 3, "b": 3}
+            await a.heartbeat(completed_routes=3)
+
+            async def settled() -> bool:
+                now = {w.worker_id: w.inflight_routes for w in await client.workers()}
+                return now == {"a": 0, "b": 3}
+
+            await eventually(settled, what="a's completions to settle")
+            assert (await client.route([9] * 64)).worker_id == "a"
+        await a.close()
+        await b.close()
+
+
+async def test_cleared_event_drops_everything_and_must_not_carry_keys() -> None:
+    async with running_coordinator() as coord:
+        w = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH)
+        await w.start()
+        await w.store(w.keys(PROMPT))
+        await w.send_events([pb.PageEvent(kind=pb.PageEvent.KIND_CLEARED)])
+        assert (await w.next_message()).ack.seq == 2
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            assert (await client.lookup(PROMPT)).matches == {}
+        await w.send_events([pb.PageEvent(kind=pb.PageEvent.KIND_CLEARED, page_keys=b"k" * 16)])
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await w.next_message()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "CLEARED event carries no page keys" in (err.value.details() or "")
+        await w.close()
+
+
+async def test_register_without_capacity_is_refused() -> None:
+    async with running_coordinator() as coord:
+        w = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH, total_pages=0)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await w.register()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "total_pages must be > 0" in (err.value.details() or "")
+        await w.close()
+
+
+@pytest.mark.redis
+async def test_redis_outage_answers_unavailable_and_lookups_keep_serving() -> None:
+    from tests.conftest import skip_without_redis
+    from tests.redis_server import RedisServer
+
+    skip_without_redis()
+    with RedisServer() as redis_server:
+        async with running_coordinator(redis=redis_server.url) as coord:
+            w = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH)
+            await w.start()
+            await w.store(w.keys(PROMPT))
+            redis_server.stop()
+            other = ScriptedWorker(target(coord), "other", hash_config=DEV_HASH)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await other.register()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "metadata store unavailable" in (err.value.details() or "")
+            async with AsyncCoordinatorClient(target(coord)) as client:
+                assert (await client.lookup(PROMPT)).matches == {"w": 128}
+            await w.close()
+            await other.close()
