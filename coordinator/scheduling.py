@@ -187,7 +187,16 @@ class Scheduler:
         groups are routed in order so later ones see earlier ones' pending entries, and the
         returned order runs prompts sharing a prefix back to back."""
         ns = self.namespace(scope)
-        keys = [self.keys(p, ns) for p in prompts]
+        # Siblings in a batch are byte-identical: hash each distinct prompt once.
+        memo: dict[bytes | tuple[bytes, ...], list[bytes]] = {}
+        keys = []
+        for p in prompts:
+            body = p.token_bytes if p.token_bytes is not None else p.page_keys
+            assert body is not None  # PromptInput always carries one body
+            found = memo.get(body)
+            if found is None:
+                found = memo[body] = self.keys(p, ns)
+            keys.append(found)
         counts = [p.token_count for p in prompts]
         routes: list[RouteResult | None] = [None] * len(prompts)
         for group in group_identical(keys, counts):
