@@ -18,7 +18,8 @@ from coordinator.config import CoordinatorConfig
 from coordinator.fleet import WorkerSession
 from coordinator.hashing import Namespace
 from coordinator.logs import configure_logging
-from coordinator.server import channel_options, start_coordinator
+from coordinator.sdk_types import channel_options
+from coordinator.server import start_coordinator
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -27,6 +27,7 @@ from coordinator.sdk_types import (
     batch_from,
     batch_request,
     call_metadata,
+    channel_options,
     is_transport_failure,
     lookup_from,
     lookup_request,
@@ -67,11 +68,8 @@ class CoordinatorClient:
         self._targets = Targets.parse(targets)
         self._metadata = call_metadata(token)
         self._timeout = timeout
-        self._options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
-        self._channels = [grpc.insecure_channel(t, options=self._options) for t in self._targets]
+        options = channel_options(max_message_bytes)
+        self._channels = [grpc.insecure_channel(t, options=options) for t in self._targets]
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
 
     def __enter__(self) -> CoordinatorClient:
@@ -173,10 +171,7 @@ class AsyncCoordinatorClient:
         self._targets = Targets.parse(targets)
         self._metadata = call_metadata(token)
         self._timeout = timeout
-        options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
+        options = channel_options(max_message_bytes)
         self._channels = [grpc.aio.insecure_channel(t, options=options) for t in self._targets]
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
 

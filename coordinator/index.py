@@ -30,6 +30,10 @@ KEY_BYTES = 16
 _V = TypeVar("_V")
 # bin(mask) digits -> 0/1 selector bytes for itertools.compress: bit -> worker in C, no loop.
 _BITS_TO_SELECTORS = bytes.maketrans(b"01", b"\x00\x01")
+# Up to this many blocks, _by_depth writes whole blocks (at most this many times the holders
+# of keys[0]) instead of decoding a fresh "lost at this end" mask per block.
+_OVERWRITE_BLOCKS = 4
+_NAMES_MEMO = 1024  # masks whose worker lists are memoised (each a tuple of names)
 
 
 class Tier(enum.StrEnum):
@@ -43,11 +47,14 @@ class Tier(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class MatchDetail:
     """One worker's match: ``pages`` deep, of which ``lower_tier_pages`` are held only in CPU or
-    DISK and ``pending_pages`` are pending (unconfirmed) entries."""
+    DISK and ``pending_pages`` are pending (unconfirmed) entries. ``confirmed_pages`` is the
+    leading run of confirmed holdings alone (pending ignored): what :meth:`PrefixIndex.match`
+    reports, at most ``pages``; equal to ``pages`` when pending entries were not counted."""
 
     pages: int
     lower_tier_pages: int
     pending_pages: int
+    confirmed_pages: int
 
 
 class IndexStats(NamedTuple):
@@ -89,6 +96,9 @@ class PrefixIndex:
         self._max_pending = max_pending
         self._workers: dict[str, _Worker] = {}
         self._slots: list[str | None] = []  # slot -> worker; None when free
+        # mask -> its workers, memoised: a popular prefix's holder mask recurs across lookups,
+        # and decoding a 1,000-slot mask costs ~10 us. Cleared whenever the slot table changes.
+        self._names: dict[int, tuple[str, ...]] = {}
         self._free_slots: list[int] = []  # heap: reuse low slots so masks stay short
         self._holders: dict[bytes, int] = {}
         self._lower: dict[bytes, int] = {}
@@ -181,8 +191,10 @@ class PrefixIndex:
     ) -> dict[str, MatchDetail]:
         """Like :meth:`match`, with tier and pending counts per worker.
 
-        With ``include_pending`` a live pending entry counts as held; expired entries are
-        dropped first (the only mutation, invisible to callers but for the memory it frees).
+        With ``include_pending`` a live pending entry counts as held (``pages``), and
+        ``confirmed_pages`` still gives the confirmed depth, from the same walk: a router needs
+        no second :meth:`match`. Expired entries are dropped first (the only mutation,
+        invisible to callers but for the memory it frees).
         """
         _check_read_keys(keys)
         if include_pending:
@@ -190,12 +202,21 @@ class PrefixIndex:
         with_pending = include_pending and bool(self._pending)
         runs = self._runs(keys, with_pending)
         lower = self._tier_counts(self._lower, keys, runs)
-        pend = self._tier_counts(self._pending, keys, runs) if with_pending else Counter()
+        first_pending: dict[str, int] = {}
+        pend = (
+            self._tier_counts(self._pending, keys, runs, first_pending)
+            if with_pending
+            else Counter[str]()
+        )
         # Details are immutable: share one per depth among the (usual) workers with nothing in
         # lower tiers or pending, so a 1,000-worker answer builds a handful of objects.
-        out = self._by_depth(runs, lambda depth: MatchDetail(depth, 0, 0))
+        out = self._by_depth(runs, _plain_detail)
         for worker in lower.keys() | pend.keys():
-            out[worker] = MatchDetail(out[worker].pages, lower[worker], pend[worker])
+            depth = out[worker].pages
+            # Held and pending keys are disjoint, so the confirmed run ends at the first
+            # pending key of the worker's run.
+            confirmed = first_pending.get(worker, depth)
+            out[worker] = MatchDetail(depth, lower[worker], pend[worker], confirmed)
         return out
 
     def worker_keys(self, worker_id: str) -> frozenset[bytes]:
@@ -306,6 +327,7 @@ class PrefixIndex:
                 slot = len(self._slots)
                 self._slots.append(worker_id)
             w = self._workers[worker_id] = _Worker(slot, 1 << slot)
+            self._names.clear()
         return w
 
     def _release(self, w: _Worker, keys: set[bytes]) -> int:
@@ -363,32 +385,63 @@ class PrefixIndex:
 
     def _by_depth(self, runs: list[tuple[int, int]], value: Callable[[int], _V]) -> dict[str, _V]:
         """``{worker: value(depth)}``; ``value`` is called once per distinct depth."""
-        # The workers a block loses at its end are exactly those whose depth is that end.
         out: dict[str, _V] = {}
+        if len(runs) <= _OVERWRITE_BLOCKS:
+            # Masks shrink block by block, so writing every block's workers in order leaves
+            # each worker at its deepest block. Block masks are holder masks of shared
+            # prefixes, which recur across lookups and hit the names memo.
+            for mask, end in runs:
+                out.update(zip(self._workers_in(mask), repeat(value(end))))
+            return out
+        # Many blocks: write each worker once. The workers a block loses at its end are
+        # exactly those whose depth is that end.
         for i, (mask, end) in enumerate(runs):
             after = runs[i + 1][0] if i + 1 < len(runs) else 0
             out.update(zip(self._workers_in(mask & ~after), repeat(value(end))))
         return out
 
     def _tier_counts(
-        self, masks: dict[bytes, int], keys: Sequence[bytes], runs: list[tuple[int, int]]
+        self,
+        masks: dict[bytes, int],
+        keys: Sequence[bytes],
+        runs: list[tuple[int, int]],
+        first: dict[str, int] | None = None,
     ) -> Counter[str]:
-        # Per worker, how many of its matched keys carry its bit in `masks` (a worker matched
-        # the keys of every block whose mask contains it).
+        """Per worker, how many of its matched keys carry its bit in ``masks`` (a worker
+        matched the keys of every block whose mask contains it); ``first`` receives each
+        counted worker's first such position."""
         counts: Counter[str] = Counter()
         if masks:
+            get = masks.get
             start = 0
             for running, end in runs:
-                block = map(masks.get, keys[start:end], repeat(0))
-                for hit in filter(None, map(and_, block, repeat(running))):
-                    counts.update(self._workers_in(hit))
-                start = end
+                hits = map(and_, map(get, keys[start:end], repeat(0)), repeat(running))
+                # Entries come in runs (a route marks a whole tail pending): count per group.
+                for hit, group in groupby(hits):
+                    n = countOf(group, hit)
+                    if hit:
+                        for worker in self._workers_in(hit):
+                            counts[worker] += n
+                            if first is not None:
+                                first.setdefault(worker, start)
+                    start += n
         return counts
 
-    def _workers_in(self, mask: int) -> Iterable[str]:
-        selectors = bin(mask)[:1:-1].encode().translate(_BITS_TO_SELECTORS)  # LSB first
-        # Bits are only ever set for occupied slots, so no None is selected.
-        return cast("Iterable[str]", compress(self._slots, selectors))
+    def _workers_in(self, mask: int) -> tuple[str, ...]:
+        names = self._names.get(mask)
+        if names is None:
+            selectors = bin(mask)[:1:-1].encode().translate(_BITS_TO_SELECTORS)  # LSB first
+            # Bits are only ever set for occupied slots, so no None is selected.
+            names = tuple(cast("Iterable[str]", compress(self._slots, selectors)))
+            if len(self._names) >= _NAMES_MEMO:
+                self._names.clear()
+            self._names[mask] = names
+        return names
+
+
+def _plain_detail(depth: int) -> MatchDetail:
+    """A worker's detail with nothing in lower tiers or pending."""
+    return MatchDetail(depth, 0, 0, depth)
 
 
 def _set_bits(masks: dict[bytes, int], keys: Iterable[bytes], bit: int) -> None:

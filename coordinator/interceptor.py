@@ -60,18 +60,9 @@ class ErrorMappingInterceptor:
             code = "OK"
             try:
                 return await behavior(request, context)
-            except StoreUnavailable as exc:
-                code = "UNAVAILABLE"
-                await _abort(context, Unavailable(f"metadata store unavailable: {exc}",
-                                                  retry_after_ms=STORE_RETRY_MS))
-            except DomainError as exc:
-                code = exc.status_name
-                await _abort(context, exc)
             except Exception as exc:
-                code = _passthrough_or_internal(exc, method)
-                if code != "INTERNAL":
-                    raise
-                await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+                code = _status_of(exc, method)
+                await _answer(context, exc, code)
             finally:
                 self._record(method, code, started)
 
@@ -84,34 +75,35 @@ class ErrorMappingInterceptor:
             try:
                 async for response in behavior(request, context):
                     yield response
-            except StoreUnavailable as exc:
-                code = "UNAVAILABLE"
-                await _abort(context, Unavailable(f"metadata store unavailable: {exc}",
-                                                  retry_after_ms=STORE_RETRY_MS))
-            except DomainError as exc:
-                code = exc.status_name
-                await _abort(context, exc)
             except Exception as exc:
-                code = _passthrough_or_internal(exc, method)
-                if code != "INTERNAL":
-                    raise
-                await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+                code = _status_of(exc, method)
+                await _answer(context, exc, code)
             finally:
                 self._record(method, code, started)
 
         return stream
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: DomainError) -> None:
-    if isinstance(exc, Unavailable) and exc.retry_after_ms is not None:
-        context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
-    await context.abort(grpc.StatusCode[exc.status_name], str(exc))
-
-
-def _passthrough_or_internal(exc: Exception, method: str) -> str:
-    """An abort grpc already carries (a handler called ``context.abort``) passes through with
-    its own code label; anything else is our bug."""
+def _status_of(exc: Exception, method: str) -> str:
+    """The status code name ``exc`` is answered with (its metrics label too)."""
+    if isinstance(exc, StoreUnavailable):
+        return "UNAVAILABLE"
+    if isinstance(exc, DomainError):
+        return exc.status_name
     if isinstance(exc, grpc.aio.AbortError):
-        return "ABORTED_IN_HANDLER"
+        return "ABORTED_IN_HANDLER"  # a handler called context.abort: grpc carries the status
     log.exception("rpc.internal_error", method=method)
     return "INTERNAL"
+
+
+async def _answer(context: grpc.aio.ServicerContext, exc: Exception, code: str) -> None:
+    """Abort the call with ``code``; re-raise an abort grpc already carries."""
+    if isinstance(exc, StoreUnavailable):
+        exc = Unavailable(f"metadata store unavailable: {exc}", retry_after_ms=STORE_RETRY_MS)
+    if isinstance(exc, DomainError):
+        if isinstance(exc, Unavailable) and exc.retry_after_ms is not None:
+            context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+        await context.abort(grpc.StatusCode[code], str(exc))
+    if code == "ABORTED_IN_HANDLER":
+        raise exc
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error")

@@ -82,6 +82,14 @@ class Targets(Sequence[str]):
         self._current = (self._current + 1) % len(self._targets)
 
 
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Message-size limits shared by servers and clients (grpc answers RESOURCE_EXHAUSTED)."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 

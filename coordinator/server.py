@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from coordinator.config import CoordinatorConfig
 from coordinator.interceptor import ErrorMappingInterceptor
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.sdk_types import channel_options
 from coordinator.service import CoordinatorService
 from coordinator.servicer import CoordinatorServicer
 from coordinator.v1 import coordinator_pb2 as pb
@@ -23,14 +24,6 @@ from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Message-size limits shared by server and clients (grpc answers RESOURCE_EXHAUSTED)."""
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
 
 
 @dataclass(slots=True)

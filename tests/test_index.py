@@ -49,7 +49,7 @@ def test_a_middle_page_evicted_ends_the_match_there(idx: PrefixIndex) -> None:
     idx.store("w2", A)
     assert idx.remove("w1", [A[4]]) == 1
     assert idx.match(A) == {"w1": 4, "w2": 8}
-    assert idx.match_detail(A) == {"w1": MatchDetail(4, 0, 0), "w2": MatchDetail(8, 0, 0)}
+    assert idx.match_detail(A) == {"w1": MatchDetail(4, 0, 0, 4), "w2": MatchDetail(8, 0, 0, 8)}
     idx.check_integrity()
 
 
@@ -76,7 +76,7 @@ def test_drop_worker_forgets_it_and_slot_reuse_does_not_resurrect(idx: PrefixInd
     idx.store("w9", A[7:])  # takes w2's freed slot
     assert idx.workers() == ["w1", "w9"]
     assert idx.match(A) == {"w1": 8}
-    assert idx.match_detail(A, include_pending=True) == {"w1": MatchDetail(8, 0, 0)}
+    assert idx.match_detail(A, include_pending=True) == {"w1": MatchDetail(8, 0, 0, 8)}
     assert idx.worker_keys("w9") == frozenset(A[7:])
     assert idx.tier_of("w9", A[3]) is None
     assert idx.stats() == IndexStats(keys=8, holdings=9, pending=0, workers=2)
@@ -89,11 +89,11 @@ def test_tiers_are_kept_per_holder_and_restoring_moves_them(idx: PrefixIndex) ->
     idx.store("w1", A[6:], "disk")
     idx.store("w2", A, "cpu")
     assert [idx.tier_of("w1", k) for k in A] == ["gpu"] * 4 + ["cpu"] * 2 + ["disk"] * 2
-    assert idx.match_detail(A) == {"w1": MatchDetail(8, 4, 0), "w2": MatchDetail(8, 8, 0)}
+    assert idx.match_detail(A) == {"w1": MatchDetail(8, 4, 0, 8), "w2": MatchDetail(8, 8, 0, 8)}
     assert idx.store("w1", A[5:7], "gpu") == 0  # a tier change is not a new holding
     assert idx.store("w2", A[:1], "disk") == 0
     assert idx.tier_of("w1", A[6]) is Tier.GPU and idx.tier_of("w2", A[0]) is Tier.DISK
-    assert idx.match_detail(A) == {"w1": MatchDetail(8, 2, 0), "w2": MatchDetail(8, 8, 0)}
+    assert idx.match_detail(A) == {"w1": MatchDetail(8, 2, 0, 8), "w2": MatchDetail(8, 8, 0, 8)}
     idx.check_integrity()
 
 
@@ -103,7 +103,7 @@ def test_replace_worker_makes_holdings_exactly_the_inventory(idx: PrefixIndex) -
     assert idx.worker_keys("w1") == frozenset(A[:4] + A[7:])
     assert idx.tier_of("w1", A[0]) is Tier.GPU  # listed twice: the faster tier wins
     assert idx.tier_of("w1", A[3]) is Tier.CPU
-    assert idx.match_detail(A) == {"w1": MatchDetail(4, 2, 0)}
+    assert idx.match_detail(A) == {"w1": MatchDetail(4, 2, 0, 4)}
     idx.replace_worker("w1", {})
     assert idx.worker_keys("w1") == frozenset() and idx.match(A) == {}
     idx.check_integrity()
@@ -116,16 +116,16 @@ def test_pending_entries_are_seen_by_match_detail_only_and_expire(
     assert idx.add_pending("w1", A) == 6  # the two confirmed keys are never made pending
     assert idx.add_pending("w2", A[:3]) == 3
     assert idx.match(A) == {"w1": 2}
-    assert idx.match_detail(A) == {"w1": MatchDetail(2, 0, 0)}
+    assert idx.match_detail(A) == {"w1": MatchDetail(2, 0, 0, 2)}
     assert idx.match_detail(A, include_pending=True) == {
-        "w1": MatchDetail(8, 0, 6),
-        "w2": MatchDetail(3, 0, 3),
+        "w1": MatchDetail(8, 0, 6, 2),
+        "w2": MatchDetail(3, 0, 3, 0),
     }
     assert idx.stats().pending == 9
     clock.now += 1.999
     assert idx.expire_pending() == 0
     clock.now += 0.001  # deadline reached: gone
-    assert idx.match_detail(A, include_pending=True) == {"w1": MatchDetail(2, 0, 0)}
+    assert idx.match_detail(A, include_pending=True) == {"w1": MatchDetail(2, 0, 0, 2)}
     assert idx.stats().pending == 0
     idx.check_integrity()
 
@@ -140,8 +140,8 @@ def test_store_confirms_pending_and_a_refresh_restarts_the_ttl(
     assert idx.pending_keys("w1") == frozenset(A[1:6])
     clock.now += 1.0  # the first record expires; only A[1] still carries its deadline
     assert idx.expire_pending() == 1
-    assert idx.match_detail(A, include_pending=True) == {"w1": MatchDetail(1, 1, 0)}
-    assert idx.match_detail(A[2:], include_pending=True) == {"w1": MatchDetail(4, 0, 4)}
+    assert idx.match_detail(A, include_pending=True) == {"w1": MatchDetail(1, 1, 0, 1)}
+    assert idx.match_detail(A[2:], include_pending=True) == {"w1": MatchDetail(4, 0, 4, 0)}
     idx.check_integrity()
     clock.now += 1.0
     assert idx.expire_pending() == 4
@@ -201,3 +201,30 @@ def test_many_workers_get_exact_depths(idx: PrefixIndex) -> None:
     assert idx.match(keys) == expected
     assert {w: d.pages for w, d in idx.match_detail(keys).items()} == expected
     idx.check_integrity()
+
+
+def test_confirmed_pages_is_the_confirmed_run_inside_the_pending_inclusive_one(
+    idx: PrefixIndex,
+) -> None:
+    idx.store("w1", A[:3])
+    idx.store("w1", A[4:6], "cpu")  # a hole at A[3], filled below by a pending entry
+    idx.add_pending("w1", A[3:4] + A[6:])
+    idx.store("w2", A[:2], "disk")
+    idx.add_pending("w2", A[2:5])
+    idx.store("w2", A[5:7])  # after the pending run: confirmed depth stays 2
+    assert idx.match(A) == {"w1": 3, "w2": 2}
+    assert idx.match_detail(A, include_pending=True) == {
+        "w1": MatchDetail(8, 2, 3, 3),
+        "w2": MatchDetail(7, 2, 3, 2),
+    }
+    assert idx.match_detail(A) == {"w1": MatchDetail(3, 0, 0, 3), "w2": MatchDetail(2, 2, 0, 2)}
+    idx.check_integrity()
+
+
+def test_worker_names_follow_slot_reuse_between_lookups(idx: PrefixIndex) -> None:
+    idx.store("w1", A)
+    assert idx.match(A) == {"w1": 8}  # memoises slot 0's name
+    idx.drop_worker("w1")
+    idx.store("w2", A[:5])  # reuses slot 0: the same mask now names w2
+    assert idx.match(A) == {"w2": 5}
+    assert idx.match_detail(A) == {"w2": MatchDetail(5, 0, 0, 5)}

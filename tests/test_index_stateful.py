@@ -113,16 +113,20 @@ class IndexMachine(RuleBasedStateMachine):
         for worker, held in self.held.items():
             live = {k for k, d in self.pending[worker].items() if d > self.now}
             depth = lower = pend = 0
+            confirmed: int | None = None  # set at the first pending key of the run
             for key in keys:
                 if key in held:
                     lower += held[key] is not Tier.GPU
                 elif include_pending and key in live:
                     pend += 1
+                    confirmed = depth if confirmed is None else confirmed
                 else:
                     break
                 depth += 1
             if depth:
-                out[worker] = MatchDetail(depth, lower, pend)
+                out[worker] = MatchDetail(
+                    depth, lower, pend, depth if confirmed is None else confirmed
+                )
         return out
 
     @invariant()
@@ -134,7 +138,12 @@ class IndexMachine(RuleBasedStateMachine):
                 assert self.index.match(keys) == {w: d.pages for w, d in confirmed.items()}
                 assert self.index.match_detail(keys) == confirmed
                 with_pending = self._model_detail(keys, include_pending=True)
-                assert self.index.match_detail(keys, include_pending=True) == with_pending
+                detail = self.index.match_detail(keys, include_pending=True)
+                assert detail == with_pending
+                # What a router reads instead of a second match(): the confirmed depth of
+                # every worker in the pending-inclusive answer.
+                for worker, d in detail.items():
+                    assert d.confirmed_pages == confirmed.get(worker, MatchDetail(0, 0, 0, 0)).pages
 
     @invariant()
     def structures_agree(self) -> None:
