@@ -105,7 +105,11 @@ def bench_index(workers: int, prompts_per_worker: int = 8, repeats: int = 3) -> 
     load = make_workload(workers, prompts_per_worker)
     hasher = PageHasher(HashConfig(_KEY))
     keys = [hasher.page_keys(p, Namespace()) for p in load.prompts]
-    names = [f"worker-{w}" for w in range(workers)]
+    return {"workers": workers, **_bench_prefix_index(load, keys, repeats)}
+
+
+def _bench_prefix_index(load: Workload, keys: list[list[bytes]], repeats: int) -> dict[str, float]:
+    names = [f"worker-{w}" for w in sorted(set(load.owners))]
     pages = sum(map(len, keys))
     store_s: list[float] = []
     index = PrefixIndex(clock=time.monotonic)
@@ -119,7 +123,6 @@ def bench_index(workers: int, prompts_per_worker: int = 8, repeats: int = 3) -> 
     match = _latencies_us(index.match, queries, repeats)
     detail = _latencies_us(lambda q: index.match_detail(q, include_pending=True), queries, repeats)
     return {
-        "workers": workers,
         "pages": pages,
         "store_pages_per_s": pages / statistics.median(store_s),
         "match_p50_us": match[0],
@@ -132,7 +135,13 @@ def bench_index(workers: int, prompts_per_worker: int = 8, repeats: int = 3) -> 
 def bench_dynamo_peer(
     worker_counts: Sequence[int] = (64, 1024), prompts_per_worker: int = 8, repeats: int = 3
 ) -> dict[str, float] | None:
-    """The same workloads through NVIDIA Dynamo's Rust radix tree (``ai-dynamo-runtime``).
+    """The same workloads through NVIDIA Dynamo's Rust radix tree (``ai-dynamo-runtime``),
+    and ours on the same inputs in the same run.
+
+    ``speedup.<what>`` is Dynamo's time over ours (ours faster => > 1.0): ``hash_4096_*``
+    (one 4,096-token prompt, cold and warm chain cache, against Dynamo's per-block xxh3, which
+    has no cache), ``hash_conversation_*`` (a 10-turn conversation), ``w<N>_store``,
+    ``w<N>_match`` (p50) and ``w<N>_match_detail`` (ours with pending, p50).
 
     Calls used: ``compute_block_hash_for_seq(tokens, kv_block_size) -> list[int]`` (per-block
     xxh3 of the block's tokens; Dynamo chains them in the tree, and re-hashes every block on
@@ -149,33 +158,54 @@ def bench_dynamo_peer(
         return None
     rng = random.Random(2)
     out: dict[str, float] = {}
-    prompts = [_random_tokens(rng, PROMPT_TOKENS) for _ in range(repeats)]
-    out["xxh3_4096_us"] = (
+    prompts = [_random_tokens(rng, PROMPT_TOKENS) for _ in range(max(repeats, 7))]
+    dynamo_hash = (
         statistics.median(
             _time_ns(lambda p=p: compute_block_hash_for_seq(p, PAGE)) for p in prompts
         )
         / 1e3
     )
+    out["xxh3_4096_us"] = dynamo_hash
     turns = conversation()
     out["conv_us"] = _median_us(
         lambda: [compute_block_hash_for_seq(t, PAGE) for t in turns], repeats
     )
+    # Ours on the same prompts, in the same run (speedup > 1: ours is faster).
+    for algorithm in HashAlgorithm:
+        label = algorithm.value.split("-")[0]
+        ours = _bench_algorithm(HashConfig(_KEY, algorithm), len(prompts))
+        for phase in ("cold", "warm"):
+            out[f"ours_{label}_4096_{phase}_us"] = ours[f"4096_{phase}_us"]
+            out[f"speedup.hash_4096_{label}_{phase}"] = dynamo_hash / ours[f"4096_{phase}_us"]
+        out[f"ours_{label}_conv_cached_us"] = ours["conv_cached_us"]
+        out[f"speedup.hash_conversation_{label}"] = out["conv_us"] / ours["conv_cached_us"]
     for workers in worker_counts:
-        for name, value in _bench_radix_tree(workers, prompts_per_worker, repeats).items():
+        load = make_workload(workers, prompts_per_worker)
+        hasher = PageHasher(HashConfig(_KEY))
+        keys = [hasher.page_keys(p, Namespace()) for p in load.prompts]
+        ours = _bench_prefix_index(load, keys, repeats)
+        theirs = _bench_radix_tree(load, keys, repeats)
+        for name, value in theirs.items():
             out[f"w{workers}_{name}"] = value
+        for name in ("store_pages_per_s", "match_p50_us", "match_detail_p50_us"):
+            out[f"w{workers}_ours_{name}"] = ours[name]
+        w = f"w{workers}"
+        out[f"speedup.{w}_store"] = ours["store_pages_per_s"] / theirs["store_pages_per_s"]
+        out[f"speedup.{w}_match"] = theirs["match_p50_us"] / ours["match_p50_us"]
+        # match_detail(include_pending=True): the router's whole walk (pending-inclusive and
+        # confirmed depths) against the same find_matches.
+        out[f"speedup.{w}_match_detail"] = theirs["match_p50_us"] / ours["match_detail_p50_us"]
     return out
 
 
-def _bench_radix_tree(workers: int, prompts_per_worker: int, repeats: int) -> dict[str, float]:
+def _bench_radix_tree(load: Workload, keys: list[list[bytes]], repeats: int) -> dict[str, float]:
     from dynamo._core import RadixTree, compute_block_hash_for_seq
 
-    load = make_workload(workers, prompts_per_worker)
-    hasher = PageHasher(HashConfig(_KEY))
     local = [compute_block_hash_for_seq(p, PAGE) for p in load.prompts]
     events = []
-    for i, (tokens, hashes) in enumerate(zip(load.prompts, local, strict=True)):
+    for i, (prompt_keys, hashes) in enumerate(zip(keys, local, strict=True)):
         # block_hash: any chained per-prefix id will do; our keys' first 8 bytes serve.
-        chained = [int.from_bytes(k[:8], "little") for k in hasher.page_keys(tokens, Namespace())]
+        chained = [int.from_bytes(k[:8], "little") for k in prompt_keys]
         blocks = [{"block_hash": b, "tokens_hash": t} for b, t in zip(chained, hashes, strict=True)]
         stored = {"stored": {"parent_hash": None, "blocks": blocks}}
         events.append(json.dumps({"event_id": i, "data": stored, "dp_rank": 0}).encode())

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from coordinator.errors import FailedPrecondition
 from coordinator.routing import Candidate, WorkerLoad
@@ -23,6 +24,9 @@ class WorkerStatus(enum.StrEnum):
     FENCED = "fenced"
     CORDONED = "cordoned"
     DISCONNECTED = "disconnected"
+
+
+_FLOOR = attrgetter("load_floor")
 
 
 class BatchVerdict(enum.Enum):
@@ -59,6 +63,10 @@ class WorkerSession:
     # current_load() result, rebuilt only when the load changes (it is read on every route).
     _load_view: WorkerLoad | None = None
     _idle_candidate: Candidate | None = None
+    # The load terms of the router's cost (routing.load_floor), kept current on every load
+    # change so the fleet can hand idle workers to the router cheapest first.
+    load_floor: float = 0.0
+    floor_of: Callable[[WorkerLoad], float] | None = None
     routed_requests: int = 0
     routed_tokens: int = 0
     routed_cached_tokens: int = 0
@@ -105,7 +113,12 @@ class WorkerSession:
         for _ in range(min(completed_routes, len(self.inflight))):
             # Finish order is unknown: settle the oldest first.
             self.inflight_tokens -= self.inflight.popleft()
+        self._load_changed()
+
+    def _load_changed(self) -> None:
         self._load_view = None
+        if self.floor_of is not None:
+            self.load_floor = self.floor_of(self.current_load())
 
     def record_route(self, prompt_tokens: int, cached_tokens: int, max_inflight: int) -> None:
         """Count a route issued to this worker until a heartbeat reports it finished; at most
@@ -115,10 +128,10 @@ class WorkerSession:
         self.inflight_tokens += uncached
         if len(self.inflight) > max_inflight:
             self.inflight_tokens -= self.inflight.popleft()
+        self._load_changed()
         self.routed_requests += 1
         self.routed_tokens += prompt_tokens
         self.routed_cached_tokens += cached_tokens
-        self._load_view = None
 
     def check_batch(self, seq: int) -> BatchVerdict:
         """Judge a batch's sequence number against the next expected one.
@@ -142,7 +155,8 @@ class WorkerSession:
 class Fleet:
     """Worker sessions by id, at most one (the newest incarnation) per worker id."""
 
-    def __init__(self) -> None:
+    def __init__(self, load_floor: Callable[[WorkerLoad], float] | None = None) -> None:
+        self._load_floor = load_floor
         self._sessions: dict[str, WorkerSession] = {}
         self._epoch = 0
         self._routable_cache: dict[tuple[int, int, str], list[WorkerSession]] = {}
@@ -165,6 +179,8 @@ class Fleet:
         """Install ``session``, returning the replaced (older incarnation) one, if any."""
         old = self._sessions.get(session.worker_id)
         self._sessions[session.worker_id] = session
+        session.floor_of = self._load_floor
+        session._load_changed()
         self.changed()
         return old
 
@@ -187,10 +203,12 @@ class Fleet:
     def routable(
         self, now: float, *, version: int, min_version: int | None, model: str
     ) -> list[WorkerSession]:
-        """READY workers of ``model`` serving exactly ``version`` (and at least ``min_version``).
+        """READY workers of ``model`` serving exactly ``version`` (and at least ``min_version``),
+        in ascending ``load_floor`` order (least loaded first).
 
-        The filtered list is cached until ``changed()``; leases are re-checked on every call,
-        so a lapsed lease is unroutable at once even before the reaper notices it."""
+        The filtered list is cached until ``changed()`` and re-sorted per call (nearly sorted:
+        one route changes one worker's load); leases are re-checked on every call, so a lapsed
+        lease is unroutable at once even before the reaper notices it."""
         floor = version if min_version is None else max(version, min_version)
         key = (version, floor, model)
         cached = self._routable_cache.get(key)
@@ -205,6 +223,7 @@ class Fleet:
                 and s.model == model
                 and s.connected and not (s.fenced or s.draining or s.cordoned)
             ]
+        cached.sort(key=_FLOOR)
         return [s for s in cached if now < s.lease_deadline]
 
     def lapsed(self, now: float) -> list[WorkerSession]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from itertools import chain
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
@@ -143,15 +144,34 @@ class NoEligibleWorker(Unavailable):
 
 
 class RoutingPolicy(Protocol):
-    """Chooses one of ``candidates`` for ``request``. Never mutates the arguments; draws
-    randomness only from ``rng``; raises NoEligibleWorker when ``candidates`` is empty and
-    ValueError when a candidate claims more cached pages than the prompt has."""
+    """Chooses one of ``candidates`` (and ``idle``) for ``request``. Never mutates the
+    arguments; draws randomness only from ``rng``; raises NoEligibleWorker when there is no
+    candidate at all and ValueError when a candidate claims more cached pages than the prompt
+    has.
+
+    ``idle`` holds further candidates that cache none of the prompt, in ascending
+    ``load_floor`` order under the policy's weights. A policy may stop reading it once no
+    later candidate can win (kv_aware does: a fleet's idle workers then cost O(few), not
+    O(fleet), per route); the others read it all.
+    """
 
     name: str
 
     def choose(
-        self, request: RoutingRequest, candidates: Sequence[Candidate], rng: random.Random
+        self,
+        request: RoutingRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        idle: Iterable[Candidate] = (),
     ) -> Decision: ...
+
+
+def load_floor(load: WorkerLoad, weights: KvAwareWeights) -> float:
+    """The load terms of ``kv_aware_cost`` (queued and running work): what a worker costs
+    beyond the prompt's own prefill, and a lower bound on that for a worker caching none of it."""
+    return weights.queued_token * (load.queued_tokens + load.inflight_tokens) + (
+        weights.running_request * (load.running_requests + load.inflight_routes)
+    )
 
 
 def kv_aware_cost(request: RoutingRequest, candidate: Candidate, weights: KvAwareWeights) -> float:
@@ -212,7 +232,11 @@ class KvAwarePolicy:
         self.weights = weights
 
     def choose(
-        self, request: RoutingRequest, candidates: Sequence[Candidate], rng: random.Random
+        self,
+        request: RoutingRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        idle: Iterable[Candidate] = (),
     ) -> Decision:
         # kv_aware_cost with the request's constant terms hoisted out of the loop: this runs
         # for every eligible worker on every route. Same arithmetic, so costs (and ties) are
@@ -221,9 +245,14 @@ class KvAwarePolicy:
         tail = request.prompt_tokens - pages * page
         tail_pages = request.copies * math.ceil(tail / page)
         tail_cost = request.copies * tail
+        # Any worker caching nothing pays at least the whole prefill plus its load floor.
+        idle_base = w.prefill_token * (pages * page + tail_cost)
         best = math.inf
         tied: list[Candidate] = []
-        for c in candidates:
+        holders = len(candidates)
+        for i, c in enumerate(chain(candidates, idle)):
+            if i >= holders and idle_base + load_floor(c.load, w) > best:
+                break  # idle arrives cheapest floor first: no later one can win
             cached, lower, load = c.cached_pages, c.lower_tier_pages, c.load
             if cached > pages:
                 raise ValueError(f"worker {c.worker_id!r} caches more pages than the prompt has")
@@ -260,8 +289,13 @@ class RoundRobinPolicy:
         self._last: str | None = None
 
     def choose(
-        self, request: RoutingRequest, candidates: Sequence[Candidate], rng: random.Random
+        self,
+        request: RoutingRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        idle: Iterable[Candidate] = (),
     ) -> Decision:
+        candidates = [*candidates, *idle]
         if not candidates:
             raise NoEligibleWorker("no eligible worker for this request")
         last = self._last
@@ -282,13 +316,17 @@ class LeastLoadedPolicy:
         self.weights = weights
 
     def choose(
-        self, request: RoutingRequest, candidates: Sequence[Candidate], rng: random.Random
+        self,
+        request: RoutingRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        idle: Iterable[Candidate] = (),
     ) -> Decision:
         def load(c: Candidate) -> tuple[float, ...]:
             w = c.load
             return (w.running_requests + w.inflight_routes, w.queued_tokens + w.inflight_tokens)
 
-        chosen, _ = _lowest(candidates, load, rng)
+        chosen, _ = _lowest([*candidates, *idle], load, rng)
         cost = kv_aware_cost(request, chosen, self.weights)
         return Decision(chosen.worker_id, cost, chosen.cached_pages)
 

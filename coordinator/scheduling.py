@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from coordinator.errors import InvalidArgument, Unavailable
 from coordinator.fleet import Fleet, WorkerSession
 from coordinator.hashing import Namespace, PageHasher
-from coordinator.index import PrefixIndex
+from coordinator.index import MatchDetail, PrefixIndex
 from coordinator.routing import (
     Candidate,
     KvAwareWeights,
@@ -224,13 +224,16 @@ class Scheduler:
         eligible = self._fleet.routable(
             now, version=ns.policy_version, min_version=min_policy_version, model=ns.model
         )
-        candidates = self._candidates(keys, eligible)
+        details = self._index.match_detail(keys, include_pending=True) if keys else {}
         request = RoutingRequest(
             prompt_pages=len(keys), prompt_tokens=token_count, page_size=self._page_size,
             copies=copies,
         )
         try:
-            decision = policy.choose(request, candidates, self._rng)
+            decision = policy.choose(
+                request, self._holders(details, eligible), self._rng,
+                idle=(s.idle_candidate() for s in eligible if s.worker_id not in details),
+            )
         except NoEligibleWorker:
             raise Unavailable(
                 f"no routable worker serves model {ns.model!r} at policy version "
@@ -261,16 +264,11 @@ class Scheduler:
             routing_policy=policy.name,
         )
 
-    def _candidates(self, keys: list[bytes], eligible: list[WorkerSession]) -> list[Candidate]:
-        details = self._index.match_detail(keys, include_pending=True) if keys else {}
-        candidates = []
-        for session in eligible:
-            detail = details.get(session.worker_id)
-            if detail is None:
-                candidates.append(session.idle_candidate())
-            else:
-                candidates.append(Candidate(
-                    session.worker_id, detail.pages, detail.lower_tier_pages,
-                    session.current_load(),
-                ))
-        return candidates
+    @staticmethod
+    def _holders(details: dict[str, MatchDetail], eligible: list[WorkerSession]) -> list[Candidate]:
+        """Eligible workers holding some of the prompt (pending included), as candidates."""
+        return [
+            Candidate(s.worker_id, d.pages, d.lower_tier_pages, s.current_load())
+            for s in eligible
+            if (d := details.get(s.worker_id)) is not None
+        ]

@@ -20,6 +20,7 @@ from coordinator.errors import NotFound
 from coordinator.fleet import Fleet, WorkerSession, WorkerStatus
 from coordinator.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig, PageHasher
 from coordinator.index import PrefixIndex
+from coordinator.routing import load_floor
 from coordinator.scheduling import Scheduler
 from coordinator.sessions import WorkerSessions
 from coordinator.store import MetadataStore, PolicyRecord, open_store
@@ -88,7 +89,8 @@ class CoordinatorService:
             pending_ttl=config.pending_ttl_ms / 1000,
             max_pending=config.max_pending_entries,
         )
-        self.fleet = Fleet()
+        weights = config.kv_weights()
+        self.fleet = Fleet(load_floor=lambda load: load_floor(load, weights))
         self.policy = PolicyRecord()
         self.scheduler = Scheduler(
             hasher=self.hasher,
@@ -100,7 +102,7 @@ class CoordinatorService:
             serving_version=lambda: self.policy.version,
             clock=clock,
             rng=rng,
-            weights=config.kv_weights(),
+            weights=weights,
             max_inflight=config.max_inflight_per_worker,
         )
         self.sessions = WorkerSessions(

@@ -134,6 +134,23 @@ def test_warm_cache_counts_hits_and_gives_identical_keys() -> None:
     assert set(other_ns).isdisjoint(first)
 
 
+def test_run_entries_find_a_long_cached_prefix_and_stop_exactly_where_it_ends() -> None:
+    hasher = PageHasher(HashConfig(KEY))
+    cold = PageHasher(HashConfig(KEY), cache_pages=0)
+    first = list(range(40 * 16 + 5))  # 40 pages: runs of 16 at pages 0 and 16, then 8 more
+    assert hasher.page_keys(first, Namespace()) == cold.page_keys(first, Namespace())
+    assert (hasher.hits, hasher.misses) == (0, 40)
+    diverged = first[: 37 * 16 + 3] + [7] * 200  # shares 37 pages, then 12 new pages
+    keys = hasher.page_keys(diverged, Namespace())
+    assert keys == cold.page_keys(diverged, Namespace())
+    assert (hasher.hits, hasher.misses) == (37, 52)
+    again = hasher.page_keys(tokens_to_bytes(diverged), Namespace())  # runs now cover 48 pages
+    assert again == keys and (hasher.hits, hasher.misses) == (37 + 49, 52)
+    mid_run = first[: 16 * 16] + [9] * 16 + first[17 * 16 :]  # page 16 differs: all new after
+    assert hasher.page_keys(mid_run, Namespace()) == cold.page_keys(mid_run, Namespace())
+    assert (hasher.hits, hasher.misses) == (37 + 49 + 16, 52 + 24)
+
+
 def test_chain_cache_is_bounded() -> None:
     hasher = PageHasher(HashConfig(KEY), cache_pages=8)
     for prompt in range(20):
@@ -143,6 +160,10 @@ def test_chain_cache_is_bounded() -> None:
         HashConfig(KEY), cache_pages=0
     ).page_keys([19] * 64, Namespace())
     assert hasher.hits == 4  # the newest prompt survived the rotations
+    runs = PageHasher(HashConfig(KEY), cache_pages=40)
+    for prompt in range(10):
+        runs.page_keys([prompt] * 512, Namespace())  # 32 pages and 2 run entries each
+        assert runs.cache_len() <= 40 + 32 + 2
 
 
 def test_bytes_input_is_taken_as_encoded_tokens() -> None:

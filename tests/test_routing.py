@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 from hypothesis import given
@@ -22,6 +22,7 @@ from coordinator.routing import (
     BatchGroup,
     Candidate,
     Decision,
+    KvAwarePolicy,
     KvAwareWeights,
     NoEligibleWorker,
     RoutingRequest,
@@ -29,6 +30,7 @@ from coordinator.routing import (
     execution_order,
     group_identical,
     kv_aware_cost,
+    load_floor,
     make_policy,
 )
 
@@ -276,3 +278,63 @@ def test_execution_order_keeps_every_shared_prefix_contiguous(
         for q in range(p + 1, len(walked)):
             shared = common_prefix(walked[p], walked[q])
             assert all(common_prefix(walked[p], walked[r]) >= shared for r in range(p, q))
+
+
+def test_kv_aware_reads_idle_workers_only_until_none_can_win() -> None:
+    weights = KvAwareWeights()
+    request = RoutingRequest(prompt_pages=4, prompt_tokens=70, page_size=16)
+    idle = sorted(
+        [cand(f"i{n}", queued_tokens=10 * n, total_pages=100, free_pages=100) for n in range(50)],
+        key=lambda c: load_floor(c.load, weights),
+    )
+    seen: list[str] = []
+
+    def stream() -> Iterator[Candidate]:
+        for c in idle:
+            seen.append(c.worker_id)
+            yield c
+
+    holder = cand("h", cached=2, queued_tokens=80, total_pages=100, free_pages=100)
+    decision = make_policy("kv_aware").choose(request, [holder], random.Random(0), idle=stream())
+    # h: 38 uncached + 80 queued = 118; i0: 70 + 0 = 70 wins; i1's floor 70 + 10 > 70: stop.
+    assert (decision.worker_id, decision.cost) == ("i0", 70.0)
+    assert seen == ["i0", "i1"]
+    seen.clear()
+    holder = cand("h", cached=2, queued_tokens=25, total_pages=100, free_pages=100)
+    decision = make_policy("kv_aware").choose(request, [holder], random.Random(0), idle=stream())
+    # h: 38 + 25 = 63 beats even i0's floor (70): i0 is read, not costed; nothing after it.
+    assert (decision.worker_id, decision.cost) == ("h", 63.0)
+    assert seen == ["i0"]
+
+
+loads = st.builds(
+    WorkerLoad,
+    running_requests=st.integers(0, 4), queued_tokens=st.integers(0, 200),
+    free_pages=st.integers(0, 20), total_pages=st.sampled_from([0, 20]),
+    inflight_routes=st.integers(0, 3), inflight_tokens=st.integers(0, 100),
+)
+
+
+@given(
+    holders=st.lists(st.tuples(st.integers(1, 6), loads), max_size=4),
+    idle_loads=st.lists(loads, max_size=12),
+)
+def test_kv_aware_with_idle_in_floor_order_costs_the_same_as_reading_everyone(
+    holders: list[tuple[int, WorkerLoad]], idle_loads: list[WorkerLoad]
+) -> None:
+    weights = KvAwareWeights()
+    request = RoutingRequest(prompt_pages=6, prompt_tokens=100, page_size=16)
+    held = [Candidate(f"h{i}", cached, 0, load) for i, (cached, load) in enumerate(holders)]
+    idle = sorted(
+        (Candidate(f"i{i}", 0, 0, load) for i, load in enumerate(idle_loads)),
+        key=lambda c: load_floor(c.load, weights),
+    )
+    if not held and not idle:
+        return
+    policy = KvAwarePolicy(weights)
+    everyone = policy.choose(request, [*held, *idle], random.Random(1))
+    pruned = policy.choose(request, held, random.Random(1), idle=iter(idle))
+    assert pruned.cost == everyone.cost
+    best = {c.worker_id for c in [*held, *idle]
+            if kv_aware_cost(request, c, weights) == everyone.cost}
+    assert pruned.worker_id in best
