@@ -244,7 +244,8 @@ class Scheduler:
             ) from None
         session = self._fleet.get(decision.worker_id)
         assert session is not None  # candidates come from the fleet
-        confirmed = self._index.match(keys).get(decision.worker_id, 0) if keys else 0
+        chosen_detail = details.get(decision.worker_id)
+        confirmed = chosen_detail.confirmed_pages if chosen_detail is not None else 0
         if confirmed < len(keys):
             # Pages the worker already holds need no pending entry.
             self._index.add_pending(decision.worker_id, keys[confirmed:])
