@@ -83,6 +83,10 @@ class WorkerSession:
             return WorkerStatus.CORDONED
         return WorkerStatus.READY
 
+    def serves(self, version: int, floor: int, model: str) -> bool:
+        """Whether this worker serves requests of ``model`` at ``version`` (>= ``floor``)."""
+        return self.policy_version == version and version >= floor and self.model == model
+
     def current_load(self) -> WorkerLoad:
         """Heartbeat load plus the coordinator's own in-flight accounting."""
         view = self._load_view
@@ -218,9 +222,7 @@ class Fleet:
             cached = self._routable_cache[key] = [
                 s
                 for s in self._sessions.values()
-                if s.policy_version == version
-                and s.policy_version >= floor
-                and s.model == model
+                if s.serves(version, floor, model)
                 and s.connected and not (s.fenced or s.draining or s.cordoned)
             ]
         cached.sort(key=_FLOOR)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from coordinator.errors import InvalidArgument, Unavailable
-from coordinator.fleet import Fleet, WorkerSession
+from coordinator.fleet import Fleet, WorkerStatus
 from coordinator.hashing import Namespace, PageHasher
 from coordinator.index import MatchDetail, PrefixIndex
 from coordinator.routing import (
@@ -231,7 +231,7 @@ class Scheduler:
         )
         try:
             decision = policy.choose(
-                request, self._holders(details, eligible), self._rng,
+                request, self._holders(details, now, ns, min_policy_version), self._rng,
                 idle=(s.idle_candidate() for s in eligible if s.worker_id not in details),
             )
         except NoEligibleWorker:
@@ -265,11 +265,21 @@ class Scheduler:
             routing_policy=policy.name,
         )
 
-    @staticmethod
-    def _holders(details: dict[str, MatchDetail], eligible: list[WorkerSession]) -> list[Candidate]:
-        """Eligible workers holding some of the prompt (pending included), as candidates."""
-        return [
-            Candidate(s.worker_id, d.pages, d.lower_tier_pages, s.current_load())
-            for s in eligible
-            if (d := details.get(s.worker_id)) is not None
-        ]
+    def _holders(
+        self, details: dict[str, MatchDetail], now: float, ns: Namespace, min_version: int | None
+    ) -> list[Candidate]:
+        """Routable workers holding some of the prompt (pending included), as candidates:
+        O(holders), not O(fleet)."""
+        floor = ns.policy_version if min_version is None else max(ns.policy_version, min_version)
+        candidates = []
+        for worker_id, detail in details.items():
+            session = self._fleet.get(worker_id)
+            if (
+                session is not None
+                and session.serves(ns.policy_version, floor, ns.model)
+                and session.status(now) is WorkerStatus.READY
+            ):
+                candidates.append(Candidate(
+                    worker_id, detail.pages, detail.lower_tier_pages, session.current_load()
+                ))
+        return candidates
