@@ -8,15 +8,12 @@ routing, pending entries, interceptor). Run: ``python -m bench.rpc_server MODE P
 from __future__ import annotations
 
 import asyncio
-import math
 import sys
 
 import grpc
 
-from bench.workload import conversation_pool
+from bench.workload import populate
 from coordinator.config import CoordinatorConfig
-from coordinator.fleet import WorkerSession
-from coordinator.hashing import Namespace
 from coordinator.logs import configure_logging
 from coordinator.sdk_types import channel_options
 from coordinator.server import start_coordinator
@@ -57,21 +54,7 @@ async def serve_coordinator(port: int, workers: int) -> None:
     running = await start_coordinator(
         CoordinatorConfig(listen=f"127.0.0.1:{port}", log_level="error")
     )
-    service = running.service
-    for i in range(workers):
-        service.fleet.put(WorkerSession(
-            worker_id=f"worker-{i:02d}", incarnation=1, address=f"10.0.0.{i}:7000",
-            model="default", policy_version=0, external=False, total_pages=65_536,
-            lease_deadline=math.inf, connected=True,
-        ))
-    ns = Namespace()
-    # Every pooled conversation is cached on two workers (its first half on a third): the
-    # shape a KV-aware fleet converges to.
-    for c, tokens in enumerate(conversation_pool()):
-        keys = service.hasher.page_keys(tokens, ns)
-        service.index.store(f"worker-{c % workers:02d}", keys)
-        service.index.store(f"worker-{(c + 1) % workers:02d}", keys)
-        service.index.store(f"worker-{(c + 2) % workers:02d}", keys[: len(keys) // 2])
+    populate(running.service, workers)
     print("ready", flush=True)
     await running.server.wait_for_termination()
 

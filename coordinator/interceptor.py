@@ -38,6 +38,7 @@ class ErrorMappingInterceptor:
 
     def __init__(self, metrics: CoordinatorMetrics) -> None:
         self._metrics = metrics
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     def wrap(self, servicer: Any, service: ServiceDescriptor) -> Any:
         """A servicer whose every RPC of ``service`` goes through the error mapping."""
@@ -51,8 +52,15 @@ class ErrorMappingInterceptor:
         return wrapped
 
     def _record(self, method: str, code: str, started: float) -> None:
-        self._metrics.requests.labels(method, code).inc()
-        self._metrics.latency.labels(method).observe(time.perf_counter() - started)
+        # Label children resolved once per (method, code): labels() hashes and locks per call.
+        children = self._children.get((method, code))
+        if children is None:
+            children = self._children[(method, code)] = (
+                self._metrics.requests.labels(method, code),
+                self._metrics.latency.labels(method),
+            )
+        children[0].inc()
+        children[1].observe(time.perf_counter() - started)
 
     def _wrap_unary(self, method: str, behavior: Behavior) -> Behavior:
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -1,0 +1,65 @@
+"""Coordinator work per Route, in process: proto prompt -> keys -> index walk -> routing decision
+-> pending entries, with no transport. This is the "coordinator work" of the issue's latency
+requirement; bench_rpc measures the same path behind gRPC."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench.workload import conversation_pool, fresh_prompts, populate
+from coordinator.config import CoordinatorConfig
+from coordinator.convert import prompt_from
+from coordinator.hashing import Namespace, tokens_to_bytes
+from coordinator.scheduling import Scope
+from coordinator.service import CoordinatorService
+from coordinator.store_memory import MemoryStore
+from coordinator.v1 import coordinator_pb2 as pb
+
+
+def _per_call_us(calls: list[Callable[[], object]], repeats: int = 3) -> float:
+    """Median over ``repeats`` passes of the mean µs per call."""
+    passes = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for call in calls:
+            call()
+        passes.append((time.perf_counter() - started) / len(calls) * 1e6)
+    return statistics.median(passes)
+
+
+def bench_route_work(workers: int, quick: bool = False) -> dict[str, Any]:
+    config = CoordinatorConfig(log_level="error")
+    service = CoordinatorService(config, MemoryStore(namespace="bench"))
+    populate(service, workers, conversations=64 if quick else 256)
+    scheduler = service.scheduler
+    pool = conversation_pool(64 if quick else 256)
+    ns = Namespace()
+    by_keys = [pb.Prompt(page_keys=b"".join(service.hasher.page_keys(t, ns)), token_count=len(t))
+               for t in pool]
+    by_bytes = [pb.Prompt(token_bytes=tokens_to_bytes(t)) for t in pool]
+    by_ids = [pb.Prompt(token_ids=t) for t in pool]
+    fresh = [
+        pb.Prompt(token_bytes=tokens_to_bytes(t)) for t in fresh_prompts(100 if quick else 400)
+    ]
+
+    def route(prompt: pb.Prompt) -> Callable[[], object]:
+        return lambda: scheduler.route(prompt_from(prompt, config), Scope())
+
+    def batch(prompts: list[pb.Prompt]) -> Callable[[], object]:
+        return lambda: scheduler.route_batch([prompt_from(p, config) for p in prompts], Scope())
+
+    grpo = [[by_bytes[(start + i) % len(by_bytes)] for i in range(16)] * 4
+            for start in range(0, len(by_bytes), 16)]
+    return {
+        "route_us.page_keys": _per_call_us([route(p) for p in by_keys] * 4),
+        "route_us.token_bytes": _per_call_us([route(p) for p in by_bytes] * 4),
+        "route_us.token_ids": _per_call_us([route(p) for p in by_ids] * 2),
+        "route_us.token_bytes_fresh": _per_call_us([route(p) for p in fresh], repeats=1),
+        "lookup_us.token_bytes": _per_call_us(
+            [lambda p=p: scheduler.lookup(prompt_from(p, config), Scope()) for p in by_bytes]
+        ),
+        "route_batch_us_per_prompt": _per_call_us([batch(b) for b in grpo]) / 64,
+    }
