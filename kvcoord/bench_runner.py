@@ -8,6 +8,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ def _flat_rows(section: dict[str, Any], prefix: str = "") -> list[list[str]]:
     return rows
 
 
-def _targets(results: dict[str, Any]) -> list[list[str]]:
+def _coordinator_targets(results: dict[str, Any]) -> list[list[str]]:
     """The issue's targets, each with the measured value and whether it holds."""
     rpc = results["rpc"]
     rows = [
@@ -73,13 +74,15 @@ def _peer_target(what: str) -> tuple[float, str]:
     return 2.0, ">= 2x"
 
 
-def run_coordinator_suite(quick: bool) -> dict[str, Any]:
+Step = tuple[str, Callable[[], Any]]
+
+
+def coordinator_steps(quick: bool) -> list[Step]:
     from bench.bench_core import bench_dynamo_peer, bench_hashing, bench_index
     from bench.bench_route import bench_route_work
     from bench.bench_rpc import bench_rpc
 
-    results: dict[str, Any] = {}
-    steps = [
+    return [
         ("hashing", bench_hashing),
         ("index_64_workers", lambda: bench_index(64)),
         ("index_1024_workers", lambda: bench_index(1024)),
@@ -88,6 +91,43 @@ def run_coordinator_suite(quick: bool) -> dict[str, Any]:
         ("route_work_1024_workers", lambda: bench_route_work(1024, quick=quick)),
         ("rpc", lambda: bench_rpc(64, quick=quick)),
     ]
+
+
+def worker_steps(quick: bool) -> list[Step]:
+    from bench.bench_engine import bench_engine
+    from bench.bench_worker_core import bench_allocator, bench_index_write
+
+    return [
+        ("allocator", lambda: bench_allocator(2**16 if quick else 2**20)),
+        ("index_write", bench_index_write),
+        ("engine", bench_engine),
+    ]
+
+
+def _worker_targets(results: dict[str, Any]) -> list[list[str]]:
+    """The worker issue's targets: speedups over the seed, measured in the same run."""
+    bars = {"alloc": 50.0, "index_write": 100.0}
+    rows = []
+    for section in ("allocator", "index_write"):
+        for key, value in results[section].items():
+            if key.startswith("speedup."):
+                what = key.removeprefix("speedup.")
+                limit = next((v for k, v in bars.items() if what.startswith(k)), None)
+                verdict = "-" if limit is None else ("met" if value >= limit else "MISSED")
+                target = "-" if limit is None else f">= {limit:.0f}x"
+                rows.append([f"{section}: {what} vs seed", target, f"{value:,.1f}x", verdict])
+    return rows
+
+
+SUITES: dict[str, tuple[Callable[[bool], list[Step]], Callable[[dict[str, Any]], list[list[str]]]]]
+SUITES = {
+    "coordinator": (coordinator_steps, _coordinator_targets),
+    "worker": (worker_steps, _worker_targets),
+}
+
+
+def _run_steps(steps: list[Step]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
     for i, (name, step) in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] {name} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
@@ -97,23 +137,37 @@ def run_coordinator_suite(quick: bool) -> dict[str, Any]:
 
 
 def run_suite(suite: str, *, quick: bool = False) -> int:
-    if suite != "coordinator":
-        print(f"kvcoord bench: unknown suite {suite!r}; known: coordinator", file=sys.stderr)
+    """Run one suite, or every suite for ``all``; each prints its tables and writes its JSON."""
+    names = list(SUITES) if suite == "all" else [suite]
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        known = ", ".join([*SUITES, "all"])
+        print(f"kvcoord bench: unknown suite {suite!r}; known: {known}", file=sys.stderr)
         return 2
     if not (ROOT / "bench" / "__init__.py").exists():
         print("kvcoord bench: run from a source checkout (bench/ not found)", file=sys.stderr)
         return 2
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
-    results = run_coordinator_suite(quick)
+    for name in names:
+        steps_of, targets_of = SUITES[name]
+        print(f"== suite {name}", file=sys.stderr, flush=True)
+        results = _run_steps(steps_of(quick))
+        _report(name, results, targets_of(results), quick)
+    return 0
+
+
+def _report(
+    suite: str, results: dict[str, Any], targets: list[list[str]], quick: bool
+) -> None:
     for name, section in results.items():
         if section is None:
             print(f"\n{name}: not measured (optional peer package not installed)")
             continue
         print(f"\n{name}")
         print(render_table(["measure", "value"], _flat_rows(section)))
-    print("\ntargets")
-    print(render_table(["what", "target", "measured", "verdict"], _targets(results)))
+    print(f"\ntargets ({suite})")
+    print(render_table(["what", "target", "measured", "verdict"], targets))
     report = {
         "suite": suite, "quick": quick, "python": platform.python_version(),
         "machine": platform.machine(), "cpus": os.cpu_count(),
@@ -123,4 +177,3 @@ def run_suite(suite: str, *, quick: bool = False) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     print(f"\nwrote {out.relative_to(ROOT)}")
-    return 0
