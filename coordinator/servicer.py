@@ -139,16 +139,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 raise FailedPrecondition("the first Sync message must be a hello")
             hello = first.hello
             session, stream_id, replies = sessions.hello(
-                hello.worker_id, hello.incarnation, hello.last_acked_seq
+                hello.worker_id, hello.incarnation, hello.last_acked_seq,
+                close=outbox.put_nowait,
             )
             send(replies)
             async for request in requests:
                 check_protocol(request.protocol_version)
                 if not sessions.owns(session, stream_id):
-                    raise FailedPrecondition(
-                        "this stream was superseded (newer stream, lapsed lease or dropped "
-                        "worker): reconnect"
-                    )
+                    return  # _detach already queued the FAILED_PRECONDITION that ends us
                 send(await self._dispatch(session, request))
             outbox.put_nowait(None)
         except asyncio.CancelledError:

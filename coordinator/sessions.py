@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from coordinator.config import CoordinatorConfig
-from coordinator.errors import FailedPrecondition, InvalidArgument
+from coordinator.errors import DomainError, FailedPrecondition, InvalidArgument
 from coordinator.fleet import BatchVerdict, Fleet, WorkerSession
 from coordinator.hashing import HashConfig
 from coordinator.index import PrefixIndex, Tier
@@ -88,6 +88,7 @@ class Resync:
 
 
 Outbound = Welcome | Ack | Resync
+StreamCloser = Callable[[DomainError], None]
 
 
 @dataclass(slots=True)
@@ -126,7 +127,9 @@ class WorkerSessions:
         self._clock = clock
         self._resync_ids = itertools.count(1)
         self._stream_ids = itertools.count(1)
-        self._streams: dict[str, int] = {}  # worker id -> id of the stream that owns it
+        # worker id -> (id, closer) of the stream that owns it; the closer ends that stream
+        # with an error, so a superseded or dropped stream learns at once, not on its next send.
+        self._streams: dict[str, tuple[int, StreamCloser]] = {}
         self._staging: dict[str, _Staging] = {}
         self.counters = SyncCounters()
 
@@ -179,7 +182,7 @@ class WorkerSessions:
         )
         if self._fleet.put(session) is not None:
             self._index.drop_worker(req.worker_id)
-        self._streams.pop(req.worker_id, None)
+        self._detach(req.worker_id, "worker re-registered: this stream's incarnation is stale")
         self._staging.pop(req.worker_id, None)
         log.info(
             "worker.registered", worker=req.worker_id, incarnation=record.incarnation,
@@ -203,20 +206,23 @@ class WorkerSessions:
     def _drop(self, worker_id: str, *, reason: str) -> None:
         self._fleet.remove(worker_id)
         dropped = self._index.drop_worker(worker_id)
-        self._streams.pop(worker_id, None)
+        self._detach(worker_id, f"worker dropped ({reason}): re-register")
         self._staging.pop(worker_id, None)
         log.info("worker.dropped", worker=worker_id, reason=reason, entries=dropped)
 
     # ------------------------------------------------------------------ the Sync stream
 
     def hello(
-        self, worker_id: str, incarnation: int, last_acked_seq: int
+        self, worker_id: str, incarnation: int, last_acked_seq: int, close: StreamCloser
     ) -> tuple[WorkerSession, int, list[Outbound]]:
         """Attach a stream to a session. A newer stream supersedes an older one (the worker
-        reconnected before we noticed the old one die). Returns (session, stream id, replies)."""
+        reconnected before we noticed the old one die): the older one is closed with
+        FAILED_PRECONDITION at once. ``close`` ends this stream the same way later. Returns
+        (session, stream id, replies)."""
         session = self._fleet.require(worker_id, incarnation)
         stream_id = next(self._stream_ids)
-        self._streams[worker_id] = stream_id
+        self._detach(worker_id, "superseded by a newer stream of the same worker")
+        self._streams[worker_id] = (stream_id, close)
         session.connected = True
         session.disconnected_at = None
         session.lease_deadline = self._clock() + self._config.lease_ms / 1000
@@ -234,10 +240,18 @@ class WorkerSessions:
 
     def owns(self, session: WorkerSession, stream_id: int) -> bool:
         """Whether ``stream_id`` is still the stream attached to ``session``."""
+        owner = self._streams.get(session.worker_id)
         return (
-            self._streams.get(session.worker_id) == stream_id
+            owner is not None
+            and owner[0] == stream_id
             and self._fleet.get(session.worker_id) is session
         )
+
+    def _detach(self, worker_id: str, reason: str) -> None:
+        """Forget the worker's stream, if any, and end it with FAILED_PRECONDITION(reason)."""
+        owner = self._streams.pop(worker_id, None)
+        if owner is not None:
+            owner[1](FailedPrecondition(f"{reason}: reconnect"))
 
     def disconnect(self, session: WorkerSession, stream_id: int) -> None:
         """The stream ended: the worker is unroutable from now on (entries kept for the grace)."""
@@ -332,7 +346,7 @@ class WorkerSessions:
         for session in self._fleet.lapsed(now):
             session.connected = False
             session.disconnected_at = now
-            self._streams.pop(session.worker_id, None)
+            self._detach(session.worker_id, "lease lapsed")
             self._fleet.changed()
             log.warning("worker.lease_lapsed", worker=session.worker_id)
         for session in self._fleet.expired(now, self._config.drop_grace_ms / 1000):

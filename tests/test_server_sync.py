@@ -362,3 +362,25 @@ async def test_redis_outage_answers_unavailable_and_lookups_keep_serving() -> No
                 assert (await client.lookup(PROMPT)).matches == {"w": 128}
             await w.close()
             await other.close()
+
+
+async def test_a_newer_stream_closes_the_older_one_at_once() -> None:
+    async with running_coordinator() as coord:
+        first = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH)
+        await first.start()
+        await first.store(first.keys(PROMPT))
+        second = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH)
+        second.incarnation, second.seq = first.incarnation, first.seq
+        second._channel = grpc.aio.insecure_channel(target(coord))
+        welcome = await second.connect()
+        assert welcome.welcome.next_seq == 2
+        # The old stream ends without having to send anything first.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await first.next_message()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "superseded by a newer stream" in (err.value.details() or "")
+        assert (await second.store(second.keys(list(range(64))))).ack.seq == 2
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            assert (await client.workers())[0].state == "ready"
+        await first.close()
+        await second.close()
