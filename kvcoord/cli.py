@@ -39,6 +39,22 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--routing-policy", help="kv_aware (default), round_robin, least_loaded")
     coord.add_argument("--log-level", help="debug, info (default), warning, error")
 
+    work = sub.add_parser("worker", help="run a worker (reference engine, gRPC service, "
+                          "coordinator agent)")
+    work.add_argument("--coordinator", metavar="TARGETS", help="coordinator host:port, a "
+                      "comma-separated list, or dns:///name:port (env KVCOORD_COORDINATOR)")
+    work.add_argument("--listen", help="HOST:PORT of the Worker service (default 127.0.0.1:50061)")
+    work.add_argument("--advertise", metavar="HOST:PORT",
+                      help="address schedulers dial (required when listening on 0.0.0.0)")
+    work.add_argument("--pages", type=int, help="KV pages in the pool (default 1024)")
+    work.add_argument("--device", help="cpu, cuda or auto (default: cuda when present)")
+    work.add_argument("--worker-id", help="default <hostname>-<port>")
+    work.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    work.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
+    work.add_argument("--model", help="model name (hash namespace; default 'default')")
+    work.add_argument("--weights", metavar="FILE", help="safetensors weights (default: seeded)")
+    work.add_argument("--log-level", help="debug, info (default), warning, error")
+
     route = sub.add_parser("route", help="ask where a prompt should go")
     _add_target(route)
     body = route.add_mutually_exclusive_group(required=True)
@@ -54,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON")
 
     bench = sub.add_parser("bench", help="run benchmarks (what `make bench` runs)")
-    bench.add_argument("suite", nargs="?", default="coordinator", help="suite (coordinator)")
+    bench.add_argument("suite", nargs="?", default="all",
+                       help="coordinator, worker or all (default)")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
 
     sub.add_parser("demo", help="start a coordinator and run a scripted round trip")
@@ -90,6 +107,26 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     configure_logging(config.log_level)
     asyncio.run(serve_forever(config))
     return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from coordinator.logs import configure_logging
+    from worker.config import WorkerConfig
+    from worker.server import serve_forever
+
+    flags = {
+        "coordinator": args.coordinator, "listen": args.listen, "advertise": args.advertise,
+        "pages": args.pages, "device": args.device, "worker_id": args.worker_id,
+        "metrics_port": args.metrics_port, "page_size": args.page_size,
+        "model_name": args.model, "weights": args.weights, "log_level": args.log_level,
+    }
+    try:
+        config = WorkerConfig.from_sources(flags, os.environ)
+    except ConfigError as exc:
+        print(f"kvcoord worker: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level)
+    return asyncio.run(serve_forever(config))
 
 
 def cmd_route(args: argparse.Namespace) -> int:
@@ -153,7 +190,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "coordinator": cmd_coordinator, "route": cmd_route, "status": cmd_status,
+    "coordinator": cmd_coordinator, "worker": cmd_worker, "route": cmd_route, "status": cmd_status,
     "bench": cmd_bench, "demo": cmd_demo,
 }
 

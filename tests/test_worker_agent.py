@@ -1,0 +1,138 @@
+"""The agent's pieces that need no network: the Sync sequence bookkeeping (EventLog), policy
+commands against a real runtime, and WorkerConfig validation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.config import ConfigError
+from coordinator.v1 import coordinator_pb2 as pb
+from tests.coordinator_fixtures import DEV_HASH
+from worker.config import WorkerConfig
+from worker.engine import ModelConfig
+from worker.event_log import EventLog
+from worker.gate import Draining, GenerationGate
+from worker.metrics import WorkerMetrics
+from worker.policy import PolicyHandler
+from worker.runtime import WorkerRuntime
+
+STORED, REMOVED = pb.PageEvent.KIND_STORED, pb.PageEvent.KIND_REMOVED
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def test_events_of_one_kind_merge_and_batches_are_numbered_from_one() -> None:
+    log = EventLog(max_unacked=8)
+    log.add(STORED, [key(1)])
+    log.add(STORED, [key(2)])
+    log.add(REMOVED, [key(1)])
+    batch = log.cut()
+    assert batch is not None and batch.seq == 1
+    assert [(e.kind, e.page_keys) for e in batch.events] == [
+        (STORED, key(1) + key(2)), (REMOVED, key(1)),
+    ]
+    assert log.cut() is None and log.unacked == 1
+    log.ack(1)
+    assert log.unacked == 0 and log.last_acked == 1
+
+
+def test_a_batch_stays_under_the_message_limit_and_splits_large_events_in_order() -> None:
+    log = EventLog(max_unacked=8, max_message_bytes=1024 + 16 + 16 * 10)  # 10 keys a batch
+    full = log.add(STORED, [key(i) for i in range(25)])
+    assert full
+    batches = [log.cut() for _ in range(3)]
+    assert [len(b.events[0].page_keys) // 16 for b in batches if b] == [10, 10, 5]
+    assert b"".join(b.events[0].page_keys for b in batches if b) == b"".join(
+        key(i) for i in range(25))
+    assert [b.seq for b in batches if b] == [1, 2, 3]
+
+
+def test_resume_resends_unacked_batches_from_next_seq() -> None:
+    log = EventLog(max_unacked=8)
+    for i in range(3):
+        log.add(STORED, [key(i)])
+        log.cut()
+    log.ack(1)
+    resume = log.resume(next_seq=3)  # the coordinator applied 2 but the ack was lost
+    assert [b.seq for b in resume.batches] == [3] and resume.gap_seq is None
+
+
+def test_lost_batches_make_resume_ask_for_a_resync_through_a_gap() -> None:
+    log = EventLog(max_unacked=2)
+    for i in range(4):
+        log.add(STORED, [key(i)])
+        log.cut()
+    resume = log.resume(next_seq=1)  # batches 1 and 2 were dropped unsent
+    assert resume.batches == [] and resume.gap_seq == 5
+    assert log.rebase() == 5  # the inventory answering the resync carries seq 5
+    log.add(REMOVED, [key(0)])
+    after = log.cut()
+    assert after is not None and after.seq == 6
+
+
+def test_a_new_incarnation_announces_its_inventory_from_seq_one() -> None:
+    log = EventLog(max_unacked=8, max_message_bytes=1024 + 16 + 16 * 2)
+    log.add(STORED, [key(9)])
+    log.cut()
+    log.restart()
+    batches = log.inventory_batches([key(i) for i in range(5)])
+    assert [b.seq for b in batches] == [1, 2, 3]
+    assert all(e.kind == STORED for b in batches for e in b.events)
+
+
+@pytest.fixture
+def runtime() -> WorkerRuntime:
+    return WorkerRuntime(model=ModelConfig(), pages=16, page_size=16, hash_config=DEV_HASH)
+
+
+async def test_drain_waits_for_running_generation_then_acks_and_resume_reopens(
+    runtime: WorkerRuntime,
+) -> None:
+    gate, sent = GenerationGate(), []
+    handler = PolicyHandler(runtime, gate, WorkerMetrics(), lambda r: sent.append(r) or True)
+    gate.enter()  # one generation in flight
+    handler.handle(pb.PolicyCommand(kind=pb.PolicyCommand.KIND_DRAIN, version=3))
+    await asyncio.sleep(0.05)
+    assert sent == [] and gate.closed
+    with pytest.raises(Draining):
+        gate.enter()
+    gate.leave()
+    await handler.idle()
+    assert [(r.policy_ack.stage, r.policy_ack.version) for r in sent] == [
+        (pb.PolicyAck.STAGE_DRAINED, 3)]
+    handler.handle(pb.PolicyCommand(kind=pb.PolicyCommand.KIND_APPLY, version=3))
+    handler.handle(pb.PolicyCommand(kind=pb.PolicyCommand.KIND_RESUME, version=3))
+    await handler.idle()
+    assert sent[-1].policy_ack.stage == pb.PolicyAck.STAGE_APPLIED
+    assert runtime.policy_version == 3 and not gate.closed
+    assert gate.take_completed() == 1 and gate.take_completed() == 0
+    await handler.stop()
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"listen": "0.0.0.0:7000"}, "advertise"),
+    ({"listen": "nope"}, "listen must be HOST:PORT"),
+    ({"coordinator": ""}, "coordinator"),
+    ({"pages": 0}, "pages must be > 0"),
+    ({"device": "tpu"}, "device must be one of"),
+    ({"hash_key": "zz"}, "hash_key"),
+    ({"backoff_initial_ms": 10, "backoff_max_ms": 5}, "backoff_max_ms"),
+])
+def test_bad_worker_settings_are_refused_naming_the_setting(
+    settings: dict[str, object], message: str,
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        WorkerConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_worker_config_reads_kvcoord_env_and_flags_win() -> None:
+    env = {"KVCOORD_PAGES": "32", "KVCOORD_PAGE_SIZE": "8", "KVCOORD_LISTEN": "0.0.0.0:1"}
+    config = WorkerConfig.from_sources({"advertise": "w.local:1", "pages": 64}, env)
+    assert (config.pages, config.page_size, config.advertise) == (64, 8, "w.local:1")
+    worker_id, address = config.identity(1)
+    assert worker_id.endswith("-1") and address == "w.local:1"
+    assert config.hash_config().page_size == 8

@@ -1,0 +1,165 @@
+"""The worker's configuration: one typed object built from flags and ``KVCOORD_*`` variables.
+
+Built with ``coordinator.config.build_config`` (the same rules as the coordinator): every field
+``name`` may be set by ``KVCOORD_<NAME>``; flags win over the environment, the environment over
+the defaults. Validation runs once, at construction, and names the offending setting. The hash
+settings (``KVCOORD_HASH_KEY``, ``KVCOORD_HASH_ALGORITHM``, ``KVCOORD_PAGE_SIZE``) are the very
+variables the coordinator reads, so one ConfigMap/Secret serves both.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.config import ConfigError, build_config
+from coordinator.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig
+from coordinator.sdk_types import Targets
+
+__all__ = ["ConfigError", "WorkerConfig"]
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("float32", "float16", "bfloat16")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Settings of one worker process (defaults suit a laptop; the coordinator's lease and
+    heartbeat period come from its RegisterResponse, not from here)."""
+
+    coordinator: str = "127.0.0.1:50051"
+    """TARGETS: ``host:port``, a comma-separated list, or ``dns:///name:port``."""
+    listen: str = "127.0.0.1:50061"
+    """HOST:PORT of the Worker gRPC service; port 0 picks a free one."""
+    advertise: str | None = None
+    """The address schedulers dial; required when ``listen`` is a wildcard (0.0.0.0 / ::)."""
+    worker_id: str | None = None
+    """Unset = ``<hostname>-<port>`` of the bound port."""
+    pages: int = 1024
+    page_size: int = 16
+    device: str = "auto"
+    """``cuda`` when available for ``auto``; ``cuda`` is refused where torch has no GPU."""
+    dtype: str = "float32"
+    model_name: str = "default"
+    weights: str | None = None
+    """A safetensors file; unset = weights generated from a seed chosen by ``policy_version``."""
+    policy_version: int = 0
+    prefix_caching: bool = True
+    max_new_tokens: int = 1024
+    """The largest ``max_new_tokens`` a Generate call may ask for."""
+    hash_key: str | None = None
+    """Hex deployment secret, the coordinator's ``KVCOORD_HASH_KEY``; unset = the dev key."""
+    hash_algorithm: str = "blake2b-128"
+    metrics_port: int | None = None
+    max_message_bytes: int = 16 * 1024 * 1024
+    heartbeat_ms: int | None = None
+    """Override the heartbeat period the coordinator asks for (unset = the coordinator's)."""
+    event_flush_ms: int = 5
+    """Page events wait at most this long to be batched with others."""
+    max_unacked_batches: int = 1024
+    """Event batches kept for resending after a reconnect; beyond it the coordinator resyncs."""
+    backoff_initial_ms: int = 100
+    backoff_max_ms: int = 5_000
+    rpc_timeout_ms: int = 5_000
+    """Deadline of Register/Deregister calls (the Sync stream has none)."""
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        positive = (
+            "pages", "page_size", "max_new_tokens", "max_message_bytes", "event_flush_ms",
+            "max_unacked_batches", "backoff_initial_ms", "backoff_max_ms", "rpc_timeout_ms",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.heartbeat_ms is not None and self.heartbeat_ms <= 0:
+            raise ConfigError(f"heartbeat_ms must be > 0, got {self.heartbeat_ms}")
+        if self.backoff_max_ms < self.backoff_initial_ms:
+            raise ConfigError("backoff_max_ms must be >= backoff_initial_ms")
+        if self.page_size > 4096:
+            raise ConfigError(f"page_size must be <= 4096, got {self.page_size}")
+        if self.policy_version < 0:
+            raise ConfigError(f"policy_version must be >= 0, got {self.policy_version}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port out of range: {self.metrics_port}")
+        try:
+            Targets.parse(self.coordinator)
+        except ValueError as exc:
+            raise ConfigError(f"coordinator: {exc}") from None
+        host, _port = _split_host_port("listen", self.listen)
+        if self.advertise is not None:
+            _split_host_port("advertise", self.advertise)
+        elif host in WILDCARD_HOSTS:
+            raise ConfigError(
+                f"advertise (--advertise HOST:PORT) is required when listening on {self.listen}: "
+                "schedulers cannot dial a wildcard address"
+            )
+        if self.worker_id is not None and not self.worker_id.strip():
+            raise ConfigError("worker_id must not be blank")
+        self._check_choices()
+        self.hash_config()  # validates the key, algorithm and page size together
+
+    def _check_choices(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device == "cuda" and not _cuda_available():
+            raise ConfigError(
+                "device cuda was asked for but torch sees no CUDA GPU "
+                "(torch.cuda.is_available() is False); use --device cpu"
+            )
+        levels = ("debug", "info", "warning", "error")
+        if self.log_level.lower() not in levels:
+            raise ConfigError(f"log_level must be one of {levels}, got {self.log_level!r}")
+
+    def hash_config(self) -> HashConfig:
+        """The deployment hashing parameters (they must equal the coordinator's)."""
+        algorithms = [a.value for a in HashAlgorithm]
+        if self.hash_algorithm not in algorithms:
+            raise ConfigError(
+                f"hash_algorithm must be one of {algorithms}, got {self.hash_algorithm!r}"
+            )
+        try:
+            if self.hash_key is None:
+                return HashConfig(DEV_HASH_KEY, HashAlgorithm(self.hash_algorithm),
+                                  self.page_size)
+            return HashConfig.from_hex_key(self.hash_key, self.hash_algorithm, self.page_size)
+        except ValueError as exc:
+            raise ConfigError(f"hash_key (KVCOORD_HASH_KEY): {exc}") from None
+
+    def resolved_device(self) -> str:
+        """``cpu`` or ``cuda`` (``auto`` picks cuda when torch sees a GPU)."""
+        if self.device == "auto":
+            return "cuda" if _cuda_available() else "cpu"
+        return self.device
+
+    def identity(self, bound_port: int) -> tuple[str, str]:
+        """(worker id, advertised address) once the service is bound to ``bound_port``."""
+        host, _port = _split_host_port("listen", self.listen)
+        address = self.advertise or f"{host}:{bound_port}"
+        worker_id = self.worker_id or f"{socket.gethostname()}-{bound_port}"
+        return worker_id, address
+
+    @classmethod
+    def from_sources(
+        cls, flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> WorkerConfig:
+        """Build from environment then flags (``None`` flag values mean "not given")."""
+        return build_config(cls, flags or {}, env or {})
+
+
+def _split_host_port(name: str, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{name} must be HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def _cuda_available() -> bool:
+    import torch  # imported here: the config is read before anything heavy is needed
+
+    return bool(torch.cuda.is_available())

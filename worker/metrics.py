@@ -1,0 +1,85 @@
+"""Prometheus metrics of one worker (``kvcoord_worker_*``), on a registry of its own so several
+workers in one process (tests) never collide. Runtime state is read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from worker.runtime import RuntimeStats
+
+
+class WorkerMetrics:
+    """Counters fed by the server wrapper and the agent; gauges from ``stats`` per scrape."""
+
+    def __init__(self, stats: Callable[[], RuntimeStats] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvcoord_worker_requests_total", "Worker RPCs answered, by method and status code",
+            ["method", "code"], registry=r,
+        )
+        self.latency = Histogram(
+            "kvcoord_worker_request_duration_seconds", "Worker RPC handling time", ["method"],
+            registry=r, buckets=(1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0),
+        )
+        self.prompt_tokens = Counter(
+            "kvcoord_worker_prompt_tokens_total", "Prompt tokens of answered Generate calls, "
+            "by whether they came from cached pages or were computed", ["source"], registry=r,
+        )
+        self.generated_tokens = Counter(
+            "kvcoord_worker_generated_tokens_total", "Completion tokens generated", registry=r,
+        )
+        self.sync_registrations = Counter(
+            "kvcoord_worker_sync_registrations_total", "Register calls that succeeded", registry=r,
+        )
+        self.sync_streams = Counter(
+            "kvcoord_worker_sync_streams_total", "Sync streams opened (welcome received)",
+            registry=r,
+        )
+        self.sync_batches = Counter(
+            "kvcoord_worker_sync_batches_total", "Event batches queued for the coordinator "
+            "(resends included)", registry=r,
+        )
+        self.sync_keys = Counter(
+            "kvcoord_worker_sync_keys_total", "Page keys reported, by event kind", ["kind"],
+            registry=r,
+        )
+        self.sync_resyncs = Counter(
+            "kvcoord_worker_sync_resyncs_total", "Resync requests answered with an inventory",
+            registry=r,
+        )
+        self.sync_policy_commands = Counter(
+            "kvcoord_worker_sync_policy_commands_total", "Policy commands handled, by kind",
+            ["kind"], registry=r,
+        )
+        if stats is not None:
+            r.register(_RuntimeCollector(stats))
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Expose ``/metrics`` over HTTP; returns the bound port (``port=0`` picks a free one)."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return int(server.server_port)
+
+
+class _RuntimeCollector(Collector):
+    def __init__(self, stats: Callable[[], RuntimeStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        gauges = [
+            ("kvcoord_worker_pages_total", "KV pages in the pool", s.total_pages),
+            ("kvcoord_worker_pages_free", "KV pages holding nothing", s.free_pages),
+            ("kvcoord_worker_pages_cached", "Reusable KV pages no request references",
+             s.cached_pages),
+            ("kvcoord_worker_running_requests", "Generate calls running", s.running_requests),
+            ("kvcoord_worker_queued_tokens", "Tokens waiting to be computed", s.queued_tokens),
+            ("kvcoord_worker_policy_version", "Policy version of the loaded weights",
+             s.policy_version),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)

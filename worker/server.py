@@ -1,0 +1,185 @@
+"""Build and run a worker process: runtime, ``worker.v1.Worker`` gRPC service (health and
+reflection), metrics, and the coordinator agent; shutdown deregisters, then drains."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+import torch
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from coordinator.errors import DomainError
+from coordinator.sdk_types import channel_options
+from worker.agent import CoordinatorAgent
+from worker.config import WorkerConfig
+from worker.engine import ModelConfig
+from worker.gate import Draining, GenerationGate
+from worker.metrics import WorkerMetrics
+from worker.relay import EventRelay
+from worker.runtime import InvalidRequest, PoolExhausted, WorkerRuntime
+from worker.servicer import SyncState, WorkerServicer
+from worker.v1 import worker_pb2 as wpb
+from worker.v1 import worker_pb2_grpc as wpb_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = wpb.DESCRIPTOR.services_by_name["Worker"].full_name
+DRAIN_RETRY_MS = 1000
+# Runtime errors by the status they are answered with; domain errors name their own.
+STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (PoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Draining, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+class ErrorMapping:
+    """The one place where worker errors become status codes (and where RPCs are counted):
+    wraps each unary method of the servicer at registration, like the coordinator's
+    ``ErrorMappingInterceptor``. Anything unmapped is a bug: logged, answered INTERNAL."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self._metrics = metrics
+
+    def wrap(self, servicer: Any) -> Any:
+        wrapped = types.SimpleNamespace()
+        for method in wpb.DESCRIPTOR.services_by_name["Worker"].methods:
+            setattr(wrapped, method.name, self._wrap(method.name, getattr(servicer, method.name)))
+        return wrapped
+
+    def _wrap(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                return await behavior(request, context)
+            except Exception as exc:
+                code = _status_of(exc, method)
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    context.set_trailing_metadata((("retry-after-ms", str(DRAIN_RETRY_MS)),))
+                await context.abort(code, str(exc) if code != grpc.StatusCode.INTERNAL
+                                    else "internal error")
+            finally:
+                self._metrics.requests.labels(method, code.name).inc()
+                self._metrics.latency.labels(method).observe(time.perf_counter() - started)
+
+        return unary
+
+
+def _status_of(exc: Exception, method: str) -> grpc.StatusCode:
+    if isinstance(exc, DomainError):
+        return grpc.StatusCode[exc.status_name]
+    for cls, code in STATUS_OF:
+        if isinstance(exc, cls):
+            return code
+    log.exception("rpc.internal_error", method=method)
+    return grpc.StatusCode.INTERNAL
+
+
+@dataclass(slots=True)
+class RunningWorker:
+    """A started worker: its identity, bound ports, runtime and agent; ``stop`` drains."""
+
+    config: WorkerConfig
+    server: grpc.aio.Server
+    runtime: WorkerRuntime
+    agent: CoordinatorAgent
+    health: health_aio.HealthServicer
+    port: int
+    metrics_port: int | None
+
+    @property
+    def worker_id(self) -> str:
+        return self.agent.worker_id
+
+    @property
+    def address(self) -> str:
+        return self.agent.address
+
+    async def stop(self, grace: float = 10.0, *, deregister: bool = True) -> None:
+        """Report NOT_SERVING, deregister (the coordinator stops routing here and forgets our
+        pages at once), then let in-flight calls finish for ``grace`` seconds and close."""
+        await self.health.enter_graceful_shutdown()
+        await self.agent.stop(deregister=deregister)
+        await self.server.stop(grace)
+        log.info("worker.stopped", worker=self.worker_id, port=self.port)
+
+
+async def start_worker(config: WorkerConfig) -> RunningWorker:
+    """Build the runtime (weights, KV buffers), bind ``config.listen`` (port 0 picks a free
+    one), serve, and start registering with the coordinator in the background."""
+    relay = EventRelay()
+    device = config.resolved_device()
+    runtime = await asyncio.to_thread(
+        WorkerRuntime, model=ModelConfig(), pages=config.pages, page_size=config.page_size,
+        hash_config=config.hash_config(), model_name=config.model_name,
+        policy_version=config.policy_version, device=device,
+        dtype=getattr(torch, config.dtype), weights_path=config.weights,
+        prefix_caching=config.prefix_caching, events=relay,
+        max_new_tokens_limit=config.max_new_tokens,
+    )
+    metrics = WorkerMetrics(runtime.stats)
+    gate = GenerationGate()
+    server = grpc.aio.server(options=channel_options(config.max_message_bytes))
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"could not bind {config.listen}")
+    worker_id, address = config.identity(port)
+    agent = CoordinatorAgent(config, runtime, gate, worker_id=worker_id, address=address,
+                             metrics=metrics)
+
+    def sync_state() -> SyncState:
+        return SyncState(worker_id, agent.incarnation, agent.synced.is_set())
+
+    servicer = WorkerServicer(runtime, gate, metrics, sync_state, model=config.model_name,
+                              device=device)
+    wpb_grpc.add_WorkerServicer_to_server(ErrorMapping(metrics).wrap(servicer), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME),
+        server,
+    )
+    await server.start()
+    metrics_port = metrics.serve(config.metrics_port) if config.metrics_port is not None else None
+    serving = health_pb2.HealthCheckResponse.SERVING
+    await health.set("", serving)
+    await health.set(SERVICE_NAME, serving)
+    relay.bind(asyncio.get_running_loop(), agent)
+    agent.start()
+    log.info("worker.serving", worker=worker_id, listen=config.listen, port=port,
+             address=address, metrics_port=metrics_port, device=device, pages=config.pages,
+             page_size=config.page_size, policy_version=runtime.policy_version,
+             coordinator=config.coordinator)
+    return RunningWorker(config, server, runtime, agent, health, port, metrics_port)
+
+
+async def serve_forever(config: WorkerConfig) -> int:
+    """Run until SIGINT/SIGTERM (deregister, then drain: the k8s termination path) or until the
+    coordinator refuses the registration for good. Returns the process exit status."""
+    running = await start_worker(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stopped = asyncio.create_task(stop.wait())
+    failed = asyncio.create_task(running.agent.failed.wait())
+    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+    for task in (stopped, failed):
+        task.cancel()
+    await running.stop()
+    if running.agent.error is not None:
+        log.error("worker.exit", reason=str(running.agent.error))
+        return 1
+    return 0

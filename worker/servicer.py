@@ -1,0 +1,144 @@
+"""``worker.v1.Worker`` servicer: convert, run the runtime off the event loop, convert back.
+
+No decisions here: input checks the proto alone can settle (one token body, whole u32s, the
+protocol version) raise ``coordinator.errors`` domain errors; the runtime raises
+``InvalidRequest`` / ``PoolExhausted``; ``worker.server.ErrorMapping`` turns all of them into
+status codes in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import grpc
+
+from coordinator.errors import FailedPrecondition, InvalidArgument
+from worker.gate import GenerationGate
+from worker.metrics import WorkerMetrics
+from worker.runtime import Generation, WorkerRuntime
+from worker.v1 import worker_pb2 as wpb
+
+PROTOCOL_VERSION = 1
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+@dataclass(frozen=True, slots=True)
+class SyncState:
+    """What GetStats reports about the coordinator link."""
+
+    worker_id: str
+    incarnation: int
+    synced: bool
+
+
+def check_protocol(version: int) -> None:
+    """0 reads as 1; a newer peer is refused rather than misread."""
+    if version > PROTOCOL_VERSION:
+        raise FailedPrecondition(
+            f"protocol version {version} is newer than this worker's {PROTOCOL_VERSION}"
+        )
+
+
+def tokens_from(request: wpb.GenerateRequest) -> list[int]:
+    """The prompt from ``token_ids`` or ``token_bytes`` (packed little-endian u32)."""
+    if request.token_ids and request.token_bytes:
+        raise InvalidArgument("set one of token_ids and token_bytes, not both")
+    if not request.token_bytes:
+        return list(request.token_ids)
+    if len(request.token_bytes) % 4:
+        raise InvalidArgument(
+            f"{len(request.token_bytes)} bytes of token_bytes is not a multiple of 4"
+        )
+    packed = array("I")
+    packed.frombytes(request.token_bytes)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()
+
+
+class WorkerServicer:
+    """Generate runs ``runtime.generate`` in a thread (the runtime serializes requests; waiting
+    callers show up in its ``queued_tokens``); admission goes through the ``GenerationGate``."""
+
+    def __init__(
+        self, runtime: WorkerRuntime, gate: GenerationGate, metrics: WorkerMetrics,
+        sync_state: Callable[[], SyncState], *, model: str, device: str,
+    ) -> None:
+        self._runtime = runtime
+        self._gate = gate
+        self._metrics = metrics
+        self._sync_state = sync_state
+        self._model = model
+        self._device = device
+
+    async def Generate(
+        self, request: wpb.GenerateRequest, context: Context
+    ) -> wpb.GenerateResponse:
+        check_protocol(request.protocol_version)
+        tokens = tokens_from(request)
+        generation: Generation = await self._admitted(tokens, request.max_new_tokens)
+        return wpb.GenerateResponse(
+            protocol_version=PROTOCOL_VERSION, tokens=generation.tokens,
+            policy_version=generation.policy_version, cached_tokens=generation.cached_tokens,
+            computed_tokens=generation.computed_tokens,
+        )
+
+    def _admitted(self, tokens: list[int], max_new_tokens: int) -> asyncio.Future[Generation]:
+        """Run one generation in a thread through the gate. The gate is left when the thread
+        finishes, not when the caller stops waiting (a cancelled call's generation still runs
+        to the end, and a drain must wait for it): the caller awaits a shield."""
+        self._gate.enter()
+        future = asyncio.get_running_loop().run_in_executor(
+            None, self._runtime.generate, tokens, max_new_tokens
+        )
+        future.add_done_callback(self._finished)
+        return asyncio.shield(future)
+
+    def _finished(self, future: asyncio.Future[Generation]) -> None:
+        self._gate.leave()
+        if not future.cancelled() and future.exception() is None:
+            self._count(future.result())
+
+    def _count(self, generation: Generation) -> None:
+        totals = self._gate.totals
+        totals.requests += 1
+        totals.tokens += len(generation.tokens)
+        totals.cached_prompt_tokens += generation.cached_tokens
+        totals.computed_prompt_tokens += generation.computed_tokens
+        self._metrics.generated_tokens.inc(len(generation.tokens))
+        self._metrics.prompt_tokens.labels("cached").inc(generation.cached_tokens)
+        self._metrics.prompt_tokens.labels("computed").inc(generation.computed_tokens)
+
+    async def LoadWeights(
+        self, request: wpb.LoadWeightsRequest, context: Context
+    ) -> wpb.LoadWeightsResponse:
+        check_protocol(request.protocol_version)
+        freed = await asyncio.to_thread(
+            self._runtime.load_weights, request.version, request.path or None
+        )
+        return wpb.LoadWeightsResponse(
+            protocol_version=PROTOCOL_VERSION, policy_version=self._runtime.policy_version,
+            freed_pages=freed,
+        )
+
+    async def GetStats(self, request: wpb.GetStatsRequest, context: Context) -> wpb.WorkerStats:
+        check_protocol(request.protocol_version)
+        s = self._runtime.stats()
+        sync = self._sync_state()
+        totals = self._gate.totals
+        return wpb.WorkerStats(
+            protocol_version=PROTOCOL_VERSION, worker_id=sync.worker_id,
+            policy_version=s.policy_version, total_pages=s.total_pages,
+            free_pages=s.free_pages, cached_pages=s.cached_pages,
+            running_requests=s.running_requests, queued_tokens=s.queued_tokens,
+            generated_requests=totals.requests, generated_tokens=totals.tokens,
+            cached_prompt_tokens=totals.cached_prompt_tokens,
+            computed_prompt_tokens=totals.computed_prompt_tokens,
+            page_size=self._runtime.page_size, model=self._model, device=self._device,
+            incarnation=sync.incarnation, synced=sync.synced,
+        )
