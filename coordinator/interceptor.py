@@ -1,34 +1,47 @@
-"""The one place where domain errors become gRPC status codes (and where RPCs are counted).
+"""The one place where errors become gRPC status codes (and where RPCs are counted).
 
-Servicers raise ``coordinator.errors.DomainError`` subclasses; this interceptor aborts the call
-with the status the class names and its message. Anything else is a bug: it is logged with its
-traceback and answered INTERNAL without leaking details.
+Servicers raise ``coordinator.errors.DomainError`` subclasses, which name their status; a server
+may add a table for other exception types it expects (the coordinator: a store outage; the
+worker: its runtime's errors). The call is aborted with that status and the exception's message.
+Anything else is a bug: it is logged with its traceback and answered INTERNAL without details.
 """
 
 from __future__ import annotations
 
 import time
 import types
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import grpc
 import structlog
 from google.protobuf.descriptor import ServiceDescriptor
 
 from coordinator.errors import DomainError, Unavailable
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.store import StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
 Behavior = Callable[..., Any]
-# A store outage is usually a Redis restart or failover: seconds, not milliseconds.
-STORE_RETRY_MS = 1000
+
+
+class RpcMetrics(Protocol):
+    """What the mapping records into: ``requests{method,code}`` and ``latency{method}``."""
+
+    requests: Any
+    latency: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Mapped:
+    """How an expected non-domain exception is answered."""
+
+    status: str  # a grpc.StatusCode name
+    retry_after_ms: int | None = None
 
 
 class ErrorMappingInterceptor:
-    """Maps ``DomainError`` to status codes and records per-method counts and latencies.
+    """Maps errors to status codes and records per-method counts and latencies.
 
     It wraps each servicer method once, at registration (``wrap``), rather than acting as a
     ``grpc.aio.ServerInterceptor``: grpc.aio's interceptor path re-creates the handler and
@@ -36,8 +49,11 @@ class ErrorMappingInterceptor:
     benchmark machine, more than the routing work itself.
     """
 
-    def __init__(self, metrics: CoordinatorMetrics) -> None:
+    def __init__(
+        self, metrics: RpcMetrics, expected: Mapping[type[Exception], Mapped] | None = None
+    ) -> None:
         self._metrics = metrics
+        self._expected = dict(expected or {})
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     def wrap(self, servicer: Any, service: ServiceDescriptor) -> Any:
@@ -69,8 +85,8 @@ class ErrorMappingInterceptor:
             try:
                 return await behavior(request, context)
             except Exception as exc:
-                code = _status_of(exc, method)
-                await _answer(context, exc, code)
+                code, answer = self._classify(exc, method)
+                await _abort(context, exc, answer)
             finally:
                 self._record(method, code, started)
 
@@ -84,34 +100,32 @@ class ErrorMappingInterceptor:
                 async for response in behavior(request, context):
                     yield response
             except Exception as exc:
-                code = _status_of(exc, method)
-                await _answer(context, exc, code)
+                code, answer = self._classify(exc, method)
+                await _abort(context, exc, answer)
             finally:
                 self._record(method, code, started)
 
         return stream
 
+    def _classify(self, exc: Exception, method: str) -> tuple[str, Mapped | None]:
+        """The status label for ``exc`` and how to answer it (None: re-raise as it is)."""
+        if isinstance(exc, grpc.aio.AbortError):
+            return "ABORTED_IN_HANDLER", None  # a handler called context.abort itself
+        if isinstance(exc, DomainError):
+            retry = exc.retry_after_ms if isinstance(exc, Unavailable) else None
+            return exc.status_name, Mapped(exc.status_name, retry)
+        for cls, mapped in self._expected.items():
+            if isinstance(exc, cls):
+                return mapped.status, mapped
+        log.exception("rpc.internal_error", method=method)
+        return "INTERNAL", Mapped("INTERNAL")
 
-def _status_of(exc: Exception, method: str) -> str:
-    """The status code name ``exc`` is answered with (its metrics label too)."""
-    if isinstance(exc, StoreUnavailable):
-        return "UNAVAILABLE"
-    if isinstance(exc, DomainError):
-        return exc.status_name
-    if isinstance(exc, grpc.aio.AbortError):
-        return "ABORTED_IN_HANDLER"  # a handler called context.abort: grpc carries the status
-    log.exception("rpc.internal_error", method=method)
-    return "INTERNAL"
 
-
-async def _answer(context: grpc.aio.ServicerContext, exc: Exception, code: str) -> None:
-    """Abort the call with ``code``; re-raise an abort grpc already carries."""
-    if isinstance(exc, StoreUnavailable):
-        exc = Unavailable(f"metadata store unavailable: {exc}", retry_after_ms=STORE_RETRY_MS)
-    if isinstance(exc, DomainError):
-        if isinstance(exc, Unavailable) and exc.retry_after_ms is not None:
-            context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
-        await context.abort(grpc.StatusCode[code], str(exc))
-    if code == "ABORTED_IN_HANDLER":
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, answer: Mapped | None) -> None:
+    """End the call with ``answer`` (its message is the exception's, except for INTERNAL)."""
+    if answer is None:
         raise exc
-    await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+    if answer.retry_after_ms is not None:
+        context.set_trailing_metadata((("retry-after-ms", str(answer.retry_after_ms)),))
+    message = "internal error" if answer.status == "INTERNAL" else str(exc)
+    await context.abort(grpc.StatusCode[answer.status], message)

@@ -13,17 +13,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator.config import CoordinatorConfig
-from coordinator.interceptor import ErrorMappingInterceptor
+from coordinator.interceptor import ErrorMappingInterceptor, Mapped
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.sdk_types import channel_options
 from coordinator.service import CoordinatorService
 from coordinator.servicer import CoordinatorServicer
+from coordinator.store import StoreUnavailable
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+# A store outage is usually a Redis restart or failover: seconds, not milliseconds.
+STORE_RETRY_MS = 1000
 
 
 @dataclass(slots=True)
@@ -49,7 +52,9 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     service = await CoordinatorService.open(config)
     metrics = CoordinatorMetrics(service)
     server = grpc.aio.server(options=channel_options(config.max_message_bytes))
-    errors = ErrorMappingInterceptor(metrics)
+    errors = ErrorMappingInterceptor(
+        metrics, {StoreUnavailable: Mapped("UNAVAILABLE", retry_after_ms=STORE_RETRY_MS)}
+    )
     descriptor = pb.DESCRIPTOR.services_by_name["Coordinator"]
     servicer = errors.wrap(CoordinatorServicer(service), descriptor)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server)

@@ -179,7 +179,9 @@ class RedisStore:
         try:
             yield
         except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise StoreUnavailable(f"redis at {self._url} unavailable: {exc}") from exc
+            raise StoreUnavailable(
+                f"metadata store unavailable: redis at {self._url}: {exc}"
+            ) from exc
 
     def _key(self, name: str) -> str:
         return self._prefix + name

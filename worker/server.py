@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
-import types
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import structlog
@@ -18,7 +14,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from coordinator.errors import DomainError
+from coordinator.interceptor import ErrorMappingInterceptor, Mapped
 from coordinator.sdk_types import channel_options
 from worker.agent import CoordinatorAgent
 from worker.config import WorkerConfig
@@ -36,54 +32,11 @@ log = structlog.get_logger(__name__)
 SERVICE_NAME = wpb.DESCRIPTOR.services_by_name["Worker"].full_name
 DRAIN_RETRY_MS = 1000
 # Runtime errors by the status they are answered with; domain errors name their own.
-STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (PoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (Draining, grpc.StatusCode.UNAVAILABLE),
-)
-
-
-class ErrorMapping:
-    """The one place where worker errors become status codes (and where RPCs are counted):
-    wraps each unary method of the servicer at registration, like the coordinator's
-    ``ErrorMappingInterceptor``. Anything unmapped is a bug: logged, answered INTERNAL."""
-
-    def __init__(self, metrics: WorkerMetrics) -> None:
-        self._metrics = metrics
-
-    def wrap(self, servicer: Any) -> Any:
-        wrapped = types.SimpleNamespace()
-        for method in wpb.DESCRIPTOR.services_by_name["Worker"].methods:
-            setattr(wrapped, method.name, self._wrap(method.name, getattr(servicer, method.name)))
-        return wrapped
-
-    def _wrap(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            started = time.perf_counter()
-            code = grpc.StatusCode.OK
-            try:
-                return await behavior(request, context)
-            except Exception as exc:
-                code = _status_of(exc, method)
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    context.set_trailing_metadata((("retry-after-ms", str(DRAIN_RETRY_MS)),))
-                await context.abort(code, str(exc) if code != grpc.StatusCode.INTERNAL
-                                    else "internal error")
-            finally:
-                self._metrics.requests.labels(method, code.name).inc()
-                self._metrics.latency.labels(method).observe(time.perf_counter() - started)
-
-        return unary
-
-
-def _status_of(exc: Exception, method: str) -> grpc.StatusCode:
-    if isinstance(exc, DomainError):
-        return grpc.StatusCode[exc.status_name]
-    for cls, code in STATUS_OF:
-        if isinstance(exc, cls):
-            return code
-    log.exception("rpc.internal_error", method=method)
-    return grpc.StatusCode.INTERNAL
+EXPECTED_ERRORS = {
+    InvalidRequest: Mapped("INVALID_ARGUMENT"),
+    PoolExhausted: Mapped("RESOURCE_EXHAUSTED"),
+    Draining: Mapped("UNAVAILABLE", retry_after_ms=DRAIN_RETRY_MS),
+}
 
 
 @dataclass(slots=True)
@@ -143,7 +96,10 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
 
     servicer = WorkerServicer(runtime, gate, metrics, sync_state, model=config.model_name,
                               device=device)
-    wpb_grpc.add_WorkerServicer_to_server(ErrorMapping(metrics).wrap(servicer), server)
+    errors = ErrorMappingInterceptor(metrics, EXPECTED_ERRORS)
+    wpb_grpc.add_WorkerServicer_to_server(
+        errors.wrap(servicer, wpb.DESCRIPTOR.services_by_name["Worker"]), server
+    )
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

@@ -2,8 +2,8 @@
 
 No decisions here: input checks the proto alone can settle (one token body, whole u32s, the
 protocol version) raise ``coordinator.errors`` domain errors; the runtime raises
-``InvalidRequest`` / ``PoolExhausted``; ``worker.server.ErrorMapping`` turns all of them into
-status codes in one place.
+``InvalidRequest`` / ``PoolExhausted``; ``coordinator.interceptor.ErrorMappingInterceptor``
+(with ``worker.server.EXPECTED_ERRORS``) turns all of them into status codes in one place.
 """
 
 from __future__ import annotations
