@@ -8,12 +8,14 @@ considered, so a page computed under another version can never count as a hit.
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from coordinator.errors import InvalidArgument, Unavailable
-from coordinator.fleet import Fleet, WorkerStatus
+from coordinator.fleet import Fleet, WorkerSession, WorkerStatus
 from coordinator.hashing import Namespace, PageHasher
 from coordinator.index import MatchDetail, PrefixIndex
 from coordinator.routing import (
@@ -26,6 +28,8 @@ from coordinator.routing import (
     group_identical,
     make_policy,
 )
+
+_FLOOR = attrgetter("load_floor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,17 @@ class BatchResult:
     order: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class _VersionView:
+    """One servable version's side of a route: its namespace, the prompt's keys under it, its
+    eligible workers (load-floor order) and their index depths."""
+
+    ns: Namespace
+    keys: list[bytes]
+    eligible: list[WorkerSession]
+    details: dict[str, MatchDetail]
+
+
 @dataclass(slots=True)
 class SchedulingCounters:
     lookups: int = 0
@@ -97,6 +112,7 @@ class Scheduler:
         default_model: str,
         default_policy: str,
         serving_version: Callable[[], int],
+        servable_versions: Callable[[], Sequence[int]] | None = None,
         clock: Callable[[], float],
         rng: random.Random | None = None,
         weights: KvAwareWeights | None = None,
@@ -109,6 +125,9 @@ class Scheduler:
         self._page_size = page_size
         self._default_model = default_model
         self._serving_version = serving_version
+        # Versions a route without an explicit one may be served at (async updates with bounded
+        # staleness allow several); default: only the serving version.
+        self._servable_versions = servable_versions or (lambda: (serving_version(),))
         self._clock = clock
         self._rng = rng or random.Random()
         self._weights = weights or KvAwareWeights()
@@ -162,6 +181,20 @@ class Scheduler:
         serving = {s.worker_id: matches[s.worker_id] for s in routable if s.worker_id in matches}
         return LookupResult(serving, ns.policy_version, len(keys), self._page_size)
 
+    def _versions(self, scope: Scope) -> Sequence[int]:
+        if scope.policy_version is not None:
+            return (scope.policy_version,)
+        return self._servable_versions()
+
+    def _view(self, scope: Scope, version: int, keys: list[bytes], now: float,
+              min_policy_version: int | None) -> _VersionView:
+        ns = self.namespace(Scope(scope.model, scope.adapter, version))
+        eligible = self._fleet.routable(
+            now, version=version, min_version=min_policy_version, model=ns.model
+        )
+        details = self._index.match_detail(keys, include_pending=True) if keys and eligible else {}
+        return _VersionView(ns, keys, eligible, details)
+
     def route(
         self,
         prompt: PromptInput,
@@ -170,10 +203,18 @@ class Scheduler:
         min_policy_version: int | None = None,
         policy: str = "",
     ) -> RouteResult:
-        """Choose a worker for one prompt; its keys become pending entries on that worker."""
-        ns = self.namespace(scope)
-        keys = self.keys(prompt, ns)
-        return self._route_keys(keys, prompt.token_count, 1, ns, min_policy_version, policy)
+        """Choose a worker for one prompt; its keys become pending entries on that worker.
+
+        With several servable versions (an async update within ``max_staleness``) the prompt is
+        hashed under each and every eligible worker of every version competes; the answer says
+        which version serves it."""
+        now = self._clock()
+        views = []
+        for version in self._versions(scope):
+            ns = self.namespace(Scope(scope.model, scope.adapter, version))
+            views.append(self._view(scope, version, self.keys(prompt, ns), now,
+                                    min_policy_version))
+        return self._route_views(views, prompt.token_count, 1, min_policy_version, policy, now)
 
     def route_batch(
         self,
@@ -186,65 +227,77 @@ class Scheduler:
         """Route many prompts: identical prompts (GRPO siblings) go to one worker as a group,
         groups are routed in order so later ones see earlier ones' pending entries, and the
         returned order runs prompts sharing a prefix back to back."""
-        ns = self.namespace(scope)
-        # Siblings in a batch are byte-identical: hash each distinct prompt once.
-        memo: dict[bytes | tuple[bytes, ...], list[bytes]] = {}
-        keys = []
-        for p in prompts:
+        versions = self._versions(scope)
+        # Siblings in a batch are byte-identical: hash each distinct prompt once per version.
+        memo: dict[tuple[int, bytes | tuple[bytes, ...]], list[bytes]] = {}
+
+        def keys_of(p: PromptInput, version: int) -> list[bytes]:
             body = p.token_bytes if p.token_bytes is not None else p.page_keys
             assert body is not None  # PromptInput always carries one body
-            found = memo.get(body)
+            found = memo.get((version, body))
             if found is None:
-                found = memo[body] = self.keys(p, ns)
-            keys.append(found)
+                ns = self.namespace(Scope(scope.model, scope.adapter, version))
+                found = memo[(version, body)] = self.keys(p, ns)
+            return found
+
+        first_keys = [keys_of(p, versions[0]) for p in prompts]
         counts = [p.token_count for p in prompts]
         routes: list[RouteResult | None] = [None] * len(prompts)
-        for group in group_identical(keys, counts):
-            first = group.members[0]
-            result = self._route_keys(
-                keys[first], counts[first], len(group.members), ns, min_policy_version, policy
+        for group in group_identical(first_keys, counts):
+            lead = prompts[group.members[0]]
+            now = self._clock()
+            views = [self._view(scope, v, keys_of(lead, v), now, min_policy_version)
+                     for v in versions]
+            result = self._route_views(
+                views, lead.token_count, len(group.members), min_policy_version, policy, now
             )
             for member in group.members:
                 routes[member] = result
         done = [r for r in routes if r is not None]
-        order = execution_order(keys, [r.worker_id for r in done])
+        order = execution_order(first_keys, [r.worker_id for r in done])
         return BatchResult(done, order)
 
-    def _route_keys(
+    def _route_views(
         self,
-        keys: list[bytes],
+        views: list[_VersionView],
         token_count: int,
         copies: int,
-        ns: Namespace,
         min_policy_version: int | None,
         policy_name: str,
+        now: float,
     ) -> RouteResult:
         policy = self._policy(policy_name or self.default_policy)
-        now = self._clock()
-        eligible = self._fleet.routable(
-            now, version=ns.policy_version, min_version=min_policy_version, model=ns.model
-        )
-        details = self._index.match_detail(keys, include_pending=True) if keys else {}
+        pages = len(views[0].keys)
         request = RoutingRequest(
-            prompt_pages=len(keys), prompt_tokens=token_count, page_size=self._page_size,
+            prompt_pages=pages, prompt_tokens=token_count, page_size=self._page_size,
             copies=copies,
+        )
+        holders = [c for view in views
+                   for c in self._holders(view.details, now, view.ns, min_policy_version)]
+        # Each version's eligible list is in load-floor order; merged, idle workers still reach
+        # the policy cheapest first.
+        idle_sessions = heapq.merge(
+            *[(s for s in view.eligible if s.worker_id not in view.details) for view in views],
+            key=_FLOOR,
         )
         try:
             decision = policy.choose(
-                request, self._holders(details, now, ns, min_policy_version), self._rng,
-                idle=(s.idle_candidate() for s in eligible if s.worker_id not in details),
+                request, holders, self._rng, idle=(s.idle_candidate() for s in idle_sessions)
             )
         except NoEligibleWorker:
+            versions = ", ".join(str(v.ns.policy_version) for v in views)
             raise Unavailable(
-                f"no routable worker serves model {ns.model!r} at policy version "
-                f"{ns.policy_version}" + (
+                f"no routable worker serves model {views[0].ns.model!r} at policy version "
+                f"{versions}" + (
                     f" (min {min_policy_version})" if min_policy_version is not None else ""
                 ),
                 retry_after_ms=self.retry_after_ms,
             ) from None
         session = self._fleet.get(decision.worker_id)
         assert session is not None  # candidates come from the fleet
-        chosen_detail = details.get(decision.worker_id)
+        view = next(v for v in views if v.ns.policy_version == session.policy_version)
+        keys = view.keys
+        chosen_detail = view.details.get(decision.worker_id)
         confirmed = chosen_detail.confirmed_pages if chosen_detail is not None else 0
         if confirmed < len(keys):
             # Pages the worker already holds need no pending entry.
@@ -259,7 +312,7 @@ class Scheduler:
             worker_id=session.worker_id,
             address=session.address,
             matched_pages=confirmed,
-            policy_version=ns.policy_version,
+            policy_version=session.policy_version,
             prompt_pages=len(keys),
             page_size=self._page_size,
             routing_policy=policy.name,
