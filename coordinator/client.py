@@ -9,7 +9,10 @@ Request building and response parsing live in ``coordinator.sdk_types``, shared 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -19,6 +22,8 @@ from coordinator.sdk_types import (
     LookupResult,
     PageKeys,
     PolicyState,
+    PolicyUpdate,
+    RolloutRecord,
     Route,
     RouteBatch,
     Stats,
@@ -26,12 +31,15 @@ from coordinator.sdk_types import (
     WorkerInfo,
     batch_from,
     batch_request,
+    begin_request,
     call_metadata,
     channel_options,
     is_transport_failure,
     lookup_from,
     lookup_request,
     policy_from,
+    retry_pause,
+    rollout_from,
     route_from,
     route_request,
     stats_from,
@@ -47,6 +55,8 @@ __all__ = [
     "LookupResult",
     "PageKeys",
     "PolicyState",
+    "PolicyUpdate",
+    "RolloutRecord",
     "Route",
     "RouteBatch",
     "Stats",
@@ -83,12 +93,24 @@ class CoordinatorClient:
             channel.close()
 
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """One call, failing over across targets on transport errors and retrying, within the
+        call's deadline, when the coordinator answers UNAVAILABLE with ``retry-after-ms`` (an
+        update draining the fleet, no worker yet)."""
+        deadline = time.monotonic() + (timeout or self._timeout)
+        while True:
+            try:
+                return self._call_once(method, request, deadline - time.monotonic())
+            except KvcoordError as error:
+                pause = retry_pause(error, deadline)
+                if pause is None:
+                    raise
+                time.sleep(pause)
+
+    def _call_once(self, method: str, request: Any, timeout: float) -> Any:
         last: KvcoordError | None = None
         for stub in self._targets.rotation(self._stubs):
             try:
-                return getattr(stub, method)(
-                    request, timeout=timeout or self._timeout, metadata=self._metadata
-                )
+                return getattr(stub, method)(request, timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
                 error = KvcoordError.from_rpc(exc)
                 if not is_transport_failure(error):
@@ -129,10 +151,30 @@ class CoordinatorClient:
     def policy(self) -> PolicyState:
         return policy_from(self._call("GetPolicy", pb.GetPolicyRequest()))
 
-    def begin_policy_update(self, expected_version: int, mode: str = "sync") -> PolicyState:
-        mode_pb = pb.POLICY_MODE_ASYNC if mode == "async" else pb.POLICY_MODE_SYNC
-        request = pb.BeginPolicyUpdateRequest(expected_version=expected_version, mode=mode_pb)
+    def begin_policy_update(
+        self, expected_version: int, mode: str = "sync", weights_uri: str = ""
+    ) -> PolicyState:
+        """Start moving the fleet from ``expected_version`` to the next one (ABORTED if stale)."""
+        request = begin_request(expected_version, mode, weights_uri)
         return policy_from(self._call("BeginPolicyUpdate", request))
+
+    @contextlib.contextmanager
+    def policy_update(
+        self, expected_version: int, mode: str = "sync", weights_uri: str = "",
+        timeout: float = 30.0,
+    ) -> Iterator[PolicyUpdate]:
+        """``with client.policy_update(v) as update:`` push weights for ``update.version``
+        inside; commit on exit (``update.result`` then holds the committed state with acked and
+        fenced workers), abort if the block raises."""
+        state = self.begin_policy_update(expected_version, mode, weights_uri)
+        update = PolicyUpdate(version=state.target_version or expected_version + 1, begun=state)
+        try:
+            yield update
+        except BaseException:
+            with contextlib.suppress(KvcoordError):
+                self.abort_policy_update(update.version)
+            raise
+        update.result = self.commit_policy_update(update.version, timeout=timeout)
 
     def commit_policy_update(self, version: int, timeout: float = 30.0) -> PolicyState:
         request = pb.CommitPolicyUpdateRequest(version=version, timeout_ms=int(timeout * 1000))
@@ -142,10 +184,22 @@ class CoordinatorClient:
         request = pb.AbortPolicyUpdateRequest(version=version)
         return policy_from(self._call("AbortPolicyUpdate", request))
 
-    def rollouts(self, since: str | None = None) -> Iterator[pb.RolloutRecord]:
-        request = pb.ReadRolloutsRequest(since=since or "")
+    def rollouts(self, since: str | None = None, follow: bool = False) -> Iterator[RolloutRecord]:
+        """Rollout records after cursor ``since`` (oldest kept when None); ``follow`` keeps the
+        stream open for new ones. Each record's ``cursor`` resumes after it."""
+        request = pb.ReadRolloutsRequest(since=since or "", follow=follow)
         try:
-            yield from self._stubs[0].ReadRollouts(request, metadata=self._metadata)
+            for record in self._stubs[0].ReadRollouts(request, metadata=self._metadata):
+                yield rollout_from(record)
+        except grpc.RpcError as exc:
+            raise KvcoordError.from_rpc(exc) from None
+
+    def watch_policy(self) -> Iterator[PolicyState]:
+        """The policy state now, then every change (a server stream)."""
+        try:
+            for state in self._stubs[0].WatchPolicy(pb.WatchPolicyRequest(),
+                                                    metadata=self._metadata):
+                yield policy_from(state)
         except grpc.RpcError as exc:
             raise KvcoordError.from_rpc(exc) from None
 
@@ -186,11 +240,22 @@ class AsyncCoordinatorClient:
             await channel.close()
 
     async def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        deadline = time.monotonic() + (timeout or self._timeout)
+        while True:
+            try:
+                return await self._call_once(method, request, deadline - time.monotonic())
+            except KvcoordError as error:
+                pause = retry_pause(error, deadline)
+                if pause is None:
+                    raise
+                await asyncio.sleep(pause)
+
+    async def _call_once(self, method: str, request: Any, timeout: float) -> Any:
         last: KvcoordError | None = None
         for stub in self._targets.rotation(self._stubs):
             try:
                 return await getattr(stub, method)(
-                    request, timeout=timeout or self._timeout, metadata=self._metadata
+                    request, timeout=timeout, metadata=self._metadata
                 )
             except grpc.RpcError as exc:
                 error = KvcoordError.from_rpc(exc)
@@ -232,10 +297,36 @@ class AsyncCoordinatorClient:
     async def policy(self) -> PolicyState:
         return await self._parsed("GetPolicy", pb.GetPolicyRequest(), policy_from)
 
-    async def begin_policy_update(self, expected_version: int, mode: str = "sync") -> PolicyState:
-        mode_pb = pb.POLICY_MODE_ASYNC if mode == "async" else pb.POLICY_MODE_SYNC
-        request = pb.BeginPolicyUpdateRequest(expected_version=expected_version, mode=mode_pb)
+    async def begin_policy_update(
+        self, expected_version: int, mode: str = "sync", weights_uri: str = ""
+    ) -> PolicyState:
+        request = begin_request(expected_version, mode, weights_uri)
         return await self._parsed("BeginPolicyUpdate", request, policy_from)
+
+    @contextlib.asynccontextmanager
+    async def policy_update(
+        self, expected_version: int, mode: str = "sync", weights_uri: str = "",
+        timeout: float = 30.0,
+    ) -> AsyncIterator[PolicyUpdate]:
+        state = await self.begin_policy_update(expected_version, mode, weights_uri)
+        update = PolicyUpdate(version=state.target_version or expected_version + 1, begun=state)
+        try:
+            yield update
+        except BaseException:
+            with contextlib.suppress(KvcoordError):
+                await self.abort_policy_update(update.version)
+            raise
+        update.result = await self.commit_policy_update(update.version, timeout=timeout)
+
+    async def rollouts(
+        self, since: str | None = None, follow: bool = False
+    ) -> AsyncIterator[RolloutRecord]:
+        request = pb.ReadRolloutsRequest(since=since or "", follow=follow)
+        try:
+            async for record in self._stubs[0].ReadRollouts(request, metadata=self._metadata):
+                yield rollout_from(record)
+        except grpc.RpcError as exc:
+            raise KvcoordError.from_rpc(exc) from None
 
     async def commit_policy_update(self, version: int, timeout: float = 30.0) -> PolicyState:
         request = pb.CommitPolicyUpdateRequest(version=version, timeout_ms=int(timeout * 1000))

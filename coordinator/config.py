@@ -58,6 +58,18 @@ class CoordinatorConfig:
     """In-flight routes remembered per worker; beyond it the oldest are assumed finished (a
     worker that never reports completions must not grow the coordinator without bound)."""
     log_level: str = "info"
+    max_staleness: int = 0
+    """Async updates: how many versions behind the current one a worker may still serve."""
+    barrier_timeout_ms: int = 30_000
+    """Default CommitPolicyUpdate deadline when the request gives none."""
+    route_wait_ms: int = 2_000
+    """How long a route waits for a draining (sync) update before UNAVAILABLE."""
+    route_retry_ms: int = 200
+    """retry-after-ms told to routes refused while an update drains."""
+    policy_poll_ms: int = 250
+    """How often watchers re-read the store for changes made through other replicas."""
+    max_rollouts: int = 1_000_000
+    """Rollout records kept in the stream (older ones are trimmed)."""
     # kv_aware routing weights (coordinator.routing.KvAwareWeights documents each).
     kv_prefill_token: float = 1.0
     kv_lower_tier_token: float = 0.25
@@ -69,13 +81,17 @@ class CoordinatorConfig:
         positive = (
             "page_size", "lease_ms", "heartbeat_ms", "pending_ttl_ms", "max_pending_entries",
             "max_prompt_tokens", "max_batch_prompts", "max_events_per_batch",
-            "max_message_bytes", "reaper_interval_ms",
+            "max_message_bytes", "reaper_interval_ms", "barrier_timeout_ms", "route_retry_ms",
+            "policy_poll_ms", "max_rollouts",
         )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.drop_grace_ms < 0 or self.hash_cache_pages < 0:
-            raise ConfigError("drop_grace_ms and hash_cache_pages must be >= 0")
+        if min(self.drop_grace_ms, self.hash_cache_pages, self.max_staleness,
+               self.route_wait_ms) < 0:
+            raise ConfigError(
+                "drop_grace_ms, hash_cache_pages, max_staleness and route_wait_ms must be >= 0"
+            )
         if self.heartbeat_ms >= self.lease_ms:
             raise ConfigError(
                 f"heartbeat_ms ({self.heartbeat_ms}) must be below lease_ms ({self.lease_ms})"

@@ -11,11 +11,13 @@ from coordinator.config import CoordinatorConfig
 from coordinator.errors import FailedPrecondition, InvalidArgument
 from coordinator.hashing import split_page_keys, tokens_to_bytes
 from coordinator.index import Tier
+from coordinator.rollouts import Rollout
 from coordinator.routing import WorkerLoad
 from coordinator.scheduling import LookupResult, PromptInput, RouteResult, Scope
 from coordinator.service import StatsSnapshot, WorkerView
 from coordinator.sessions import (
     Ack,
+    Command,
     HeartbeatIn,
     InventoryIn,
     Outbound,
@@ -42,6 +44,13 @@ STATE_TO_PB = {
     "ready": pb.WORKER_STATE_READY, "draining": pb.WORKER_STATE_DRAINING,
     "fenced": pb.WORKER_STATE_FENCED, "cordoned": pb.WORKER_STATE_CORDONED,
     "disconnected": pb.WORKER_STATE_DISCONNECTED,
+}
+COMMAND_TO_PB = {
+    "drain": pb.PolicyCommand.KIND_DRAIN, "apply": pb.PolicyCommand.KIND_APPLY,
+    "resume": pb.PolicyCommand.KIND_RESUME,
+}
+ACK_STAGE_FROM_PB = {
+    pb.PolicyAck.STAGE_DRAINED: "drained", pb.PolicyAck.STAGE_APPLIED: "applied",
 }
 PHASE_TO_PB = {
     PolicyPhase.SERVING: pb.POLICY_PHASE_SERVING, PolicyPhase.DRAINING: pb.POLICY_PHASE_DRAINING,
@@ -182,6 +191,11 @@ def outbound_to_pb(message: Outbound) -> pb.SyncResponse:
         response.resync.reason = message.reason
     elif isinstance(message, Welcome):
         response.welcome.next_seq = message.next_seq
+    elif isinstance(message, Command):
+        response.command.kind = COMMAND_TO_PB[message.kind]
+        response.command.version = message.version
+        response.command.weights_uri = message.weights_uri
+        response.command.abort_running = message.abort_running
     return response
 
 
@@ -220,4 +234,21 @@ def stats_to_pb(stats: StatsSnapshot) -> pb.Stats:
         events_applied=stats.events_applied, resyncs=stats.resyncs,
         policy_version=stats.policy.version, policy_phase=PHASE_TO_PB[stats.policy.phase],
         store=stats.store,
+    )
+
+
+def rollout_from(record: pb.RolloutRecord) -> Rollout:
+    return Rollout(
+        rollout_id=record.rollout_id, policy_version=record.policy_version,
+        worker_id=record.worker_id, prompt_tokens=record.prompt_tokens,
+        cached_tokens=record.cached_tokens, completion_tokens=record.completion_tokens,
+    )
+
+
+def rollout_to_pb(rollout: Rollout) -> pb.RolloutRecord:
+    return pb.RolloutRecord(
+        protocol_version=PROTOCOL_VERSION, rollout_id=rollout.rollout_id,
+        policy_version=rollout.policy_version, worker_id=rollout.worker_id,
+        prompt_tokens=rollout.prompt_tokens, cached_tokens=rollout.cached_tokens,
+        completion_tokens=rollout.completion_tokens, cursor=rollout.cursor,
     )

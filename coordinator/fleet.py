@@ -67,6 +67,8 @@ class WorkerSession:
     # change so the fleet can hand idle workers to the router cheapest first.
     load_floor: float = 0.0
     floor_of: Callable[[WorkerLoad], float] | None = None
+    # Every version this incarnation has served: its rollout records may carry any of them.
+    served_versions: set[int] = field(default_factory=set)
     routed_requests: int = 0
     routed_tokens: int = 0
     routed_cached_tokens: int = 0
@@ -184,6 +186,7 @@ class Fleet:
         old = self._sessions.get(session.worker_id)
         self._sessions[session.worker_id] = session
         session.floor_of = self._load_floor
+        session.served_versions.add(session.policy_version)
         session._load_changed()
         self.changed()
         return old

@@ -5,6 +5,7 @@ Builders validate on the client so a mistake fails fast with ``ValueError`` befo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -39,6 +40,17 @@ class KvcoordError(Exception):
             if key == "retry-after-ms":
                 retry_after = int(value)
         return cls(code, details, retry_after_ms=retry_after)
+
+
+def retry_pause(error: KvcoordError, deadline: float) -> float | None:
+    """Seconds to wait before retrying a call the coordinator asked to retry (UNAVAILABLE with
+    ``retry-after-ms``), or None when it must not be retried or the deadline would pass."""
+    if error.code != grpc.StatusCode.UNAVAILABLE or error.retry_after_ms is None:
+        return None
+    pause = error.retry_after_ms / 1000
+    if time.monotonic() + pause >= deadline:
+        return None
+    return pause
 
 
 def is_transport_failure(error: KvcoordError) -> bool:
@@ -140,6 +152,29 @@ class PolicyState:
     mode: str = "sync"
     acked_workers: tuple[str, ...] = ()
     fenced_workers: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class PolicyUpdate:
+    """An update in progress (``policy_update``): push weights for ``version``; after the
+    block, ``result`` is the committed state (its acked and fenced workers)."""
+
+    version: int
+    begun: PolicyState
+    result: PolicyState | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutRecord:
+    """Which policy version generated a sample, on which worker (invariant 4)."""
+
+    rollout_id: str
+    policy_version: int
+    worker_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cursor: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,3 +339,25 @@ def stats_from(stats: pb.Stats) -> Stats:
         policy_phase=_PHASES.get(stats.policy_phase, "unspecified"), store=stats.store,
     )
 
+
+
+def begin_request(
+    expected_version: int, mode: str, weights_uri: str
+) -> pb.BeginPolicyUpdateRequest:
+    if mode not in ("sync", "async"):
+        raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
+    if expected_version < 0:
+        raise ValueError(f"expected_version must be >= 0, got {expected_version}")
+    mode_pb = pb.POLICY_MODE_ASYNC if mode == "async" else pb.POLICY_MODE_SYNC
+    return pb.BeginPolicyUpdateRequest(
+        expected_version=expected_version, mode=mode_pb, weights_uri=weights_uri
+    )
+
+
+def rollout_from(record: pb.RolloutRecord) -> RolloutRecord:
+    return RolloutRecord(
+        rollout_id=record.rollout_id, policy_version=record.policy_version,
+        worker_id=record.worker_id, prompt_tokens=record.prompt_tokens,
+        cached_tokens=record.cached_tokens, completion_tokens=record.completion_tokens,
+        cursor=record.cursor,
+    )

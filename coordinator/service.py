@@ -20,6 +20,8 @@ from coordinator.errors import NotFound
 from coordinator.fleet import Fleet, WorkerSession, WorkerStatus
 from coordinator.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig, PageHasher
 from coordinator.index import PrefixIndex
+from coordinator.policy_updates import PolicyUpdates
+from coordinator.rollouts import RolloutLog
 from coordinator.routing import load_floor
 from coordinator.scheduling import Scheduler
 from coordinator.sessions import WorkerSessions
@@ -91,7 +93,6 @@ class CoordinatorService:
         )
         weights = config.kv_weights()
         self.fleet = Fleet(load_floor=lambda load: load_floor(load, weights))
-        self.policy = PolicyRecord()
         self.scheduler = Scheduler(
             hasher=self.hasher,
             index=self.index,
@@ -99,7 +100,8 @@ class CoordinatorService:
             page_size=config.page_size,
             default_model=config.default_model,
             default_policy=config.routing_policy,
-            serving_version=lambda: self.policy.version,
+            serving_version=lambda: self.updates.record.version,
+            servable_versions=lambda: self.updates.servable_versions(),
             clock=clock,
             rng=rng,
             weights=weights,
@@ -111,17 +113,26 @@ class CoordinatorService:
             index=self.index,
             fleet=self.fleet,
             store=store,
-            policy=lambda: self.policy,
+            policy=lambda: self.updates.record,
             clock=clock,
         )
+        self.updates = PolicyUpdates(
+            config=config, store=store, fleet=self.fleet, sessions=self.sessions, clock=clock
+        )
+        self.rollouts = RolloutLog(store, maxlen=config.max_rollouts)
         self._reaper: asyncio.Task[None] | None = None
+
+    @property
+    def policy(self) -> PolicyRecord:
+        """This coordinator's view of the policy state (the store holds the truth)."""
+        return self.updates.record
 
     @classmethod
     async def open(cls, config: CoordinatorConfig, **kwargs: object) -> CoordinatorService:
         """Open the configured store (embedded when no Redis URL) and load the policy state."""
         store = await open_store(config.redis, namespace=config.store_namespace)
         service = cls(config, store, **kwargs)  # type: ignore[arg-type]
-        service.policy = await store.get_policy()
+        await service.updates.refresh()
         return service
 
     async def start(self) -> None:
@@ -145,8 +156,7 @@ class CoordinatorService:
 
     async def refresh_policy(self) -> PolicyRecord:
         """Re-read the policy state from the store (the source of truth across replicas)."""
-        self.policy = await self.store.get_policy()
-        return self.policy
+        return await self.updates.refresh()
 
     def workers(self) -> list[WorkerView]:
         now = self.clock()

@@ -11,16 +11,14 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from coordinator import convert
+from coordinator import convert, policy
 from coordinator.convert import PROTOCOL_VERSION, check_protocol, prompt_from, scope_from
-from coordinator.errors import FailedPrecondition, InvalidArgument, Unimplemented
+from coordinator.errors import FailedPrecondition, InvalidArgument, Unavailable
 from coordinator.fleet import WorkerSession
 from coordinator.service import CoordinatorService
 from coordinator.sessions import Outbound
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-
-_POLICY_LATER = "arrives with policy versions (issue 4); GetPolicy is served"
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
@@ -38,9 +36,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         result = self._service.scheduler.lookup(prompt, scope_from(request.scope))
         return convert.lookup_to_pb(result)
 
+    async def _await_routable(self, scope: pb.Scope, context: Context) -> None:
+        """While a sync update drains, a route without an explicit version waits for it (up
+        to the caller's deadline and ``route_wait_ms``), then is refused UNAVAILABLE with
+        ``retry-after-ms``: no generation may start between DRAIN and RESUME."""
+        updates = self._service.updates
+        if scope.HasField("policy_version") or not policy.routes_blocked(updates.record):
+            return
+        remaining = context.time_remaining()
+        wait = self._config.route_wait_ms / 1000
+        if remaining is not None:
+            wait = min(wait, max(0.0, remaining - 0.05))
+        await updates.wait_routable(wait)
+        if policy.routes_blocked(updates.record):
+            raise Unavailable(
+                f"policy update to version {updates.record.target_version} is draining the "
+                "fleet: retry", retry_after_ms=self._config.route_retry_ms,
+            )
+
     async def Route(self, request: pb.RouteRequest, context: Context) -> pb.RouteResponse:
         check_protocol(request.protocol_version)
         prompt = prompt_from(request.prompt, self._config)
+        await self._await_routable(request.scope, context)
         route = self._service.scheduler.route(
             prompt,
             scope_from(request.scope),
@@ -64,6 +81,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             prompt_from(p, self._config, what=f"prompts[{i}]")
             for i, p in enumerate(request.prompts)
         ]
+        await self._await_routable(request.scope, context)
         batch = self._service.scheduler.route_batch(
             prompts,
             scope_from(request.scope),
@@ -83,8 +101,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         return pb.RegisterResponse(
             protocol_version=PROTOCOL_VERSION,
             incarnation=registration.incarnation,
-            policy_version=registration.policy.version,
+            # The version to load: the target while an update is in progress (DESIGN: a worker
+            # registering mid-update or fenced learns it here and is unroutable until it serves it).
+            policy_version=(
+                registration.policy.target_version
+                if registration.policy.target_version is not None
+                else registration.policy.version
+            ),
             policy_phase=convert.PHASE_TO_PB[registration.policy.phase],
+            weights_uri=(
+                registration.policy.target_weights_uri
+                if registration.policy.target_version is not None
+                else registration.policy.weights_uri
+            ),
             lease_ms=registration.lease_ms,
             heartbeat_ms=registration.heartbeat_ms,
             max_events_per_batch=registration.max_events_per_batch,
@@ -141,6 +170,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             session, stream_id, replies = sessions.hello(
                 hello.worker_id, hello.incarnation, hello.last_acked_seq,
                 close=outbox.put_nowait,
+                send=lambda message: outbox.put_nowait(convert.outbound_to_pb(message)),
             )
             send(replies)
             async for request in requests:
@@ -170,11 +200,27 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         if body == "hello":
             raise FailedPrecondition("hello sent twice on one stream")
         if body == "policy_ack":
-            raise FailedPrecondition("policy ack received but no policy update is in progress")
+            stage = convert.ACK_STAGE_FROM_PB.get(request.policy_ack.stage)
+            if stage is None:
+                raise InvalidArgument(f"unknown policy ack stage {request.policy_ack.stage}")
+            await self._service.updates.ack(session, stage, request.policy_ack.version)
+            return []
         raise InvalidArgument("empty Sync message: set one body")
 
-    async def ReportRollouts(self, request: Any, context: Context) -> Any:
-        raise Unimplemented(f"ReportRollouts {_POLICY_LATER}")
+    async def ReportRollouts(
+        self, request: pb.ReportRolloutsRequest, context: Context
+    ) -> pb.ReportRolloutsResponse:
+        check_protocol(request.protocol_version)
+        if not request.records:
+            return pb.ReportRolloutsResponse(protocol_version=PROTOCOL_VERSION, accepted=0)
+        worker_id = request.records[0].worker_id
+        session = self._service.fleet.get(worker_id)
+        if session is None:
+            raise FailedPrecondition(f"unknown worker {worker_id!r}: register first")
+        accepted = await self._service.rollouts.append(
+            worker_id, session.served_versions, [convert.rollout_from(r) for r in request.records]
+        )
+        return pb.ReportRolloutsResponse(protocol_version=PROTOCOL_VERSION, accepted=accepted)
 
     # ------------------------------------------------------------------ trainer
 
@@ -182,22 +228,51 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         check_protocol(request.protocol_version)
         return convert.policy_to_pb(await self._service.refresh_policy())
 
-    async def BeginPolicyUpdate(self, request: Any, context: Context) -> Any:
-        raise Unimplemented(f"BeginPolicyUpdate {_POLICY_LATER}")
+    async def BeginPolicyUpdate(
+        self, request: pb.BeginPolicyUpdateRequest, context: Context
+    ) -> pb.PolicyState:
+        check_protocol(request.protocol_version)
+        mode = "async" if request.mode == pb.POLICY_MODE_ASYNC else "sync"
+        record = await self._service.updates.begin(
+            request.expected_version, mode, request.weights_uri
+        )
+        return convert.policy_to_pb(record)
 
-    async def CommitPolicyUpdate(self, request: Any, context: Context) -> Any:
-        raise Unimplemented(f"CommitPolicyUpdate {_POLICY_LATER}")
+    async def CommitPolicyUpdate(
+        self, request: pb.CommitPolicyUpdateRequest, context: Context
+    ) -> pb.PolicyState:
+        check_protocol(request.protocol_version)
+        timeout_ms = request.timeout_ms or self._config.barrier_timeout_ms
+        remaining = context.time_remaining()
+        timeout = timeout_ms / 1000
+        if remaining is not None:
+            timeout = min(timeout, max(0.0, remaining - 0.2))  # answer before the caller gives up
+        result = await self._service.updates.commit(request.version, timeout)
+        state = convert.policy_to_pb(result.record)
+        state.acked_workers.extend(result.acked)
+        state.fenced_workers.extend(result.fenced)
+        return state
 
-    async def AbortPolicyUpdate(self, request: Any, context: Context) -> Any:
-        raise Unimplemented(f"AbortPolicyUpdate {_POLICY_LATER}")
+    async def AbortPolicyUpdate(
+        self, request: pb.AbortPolicyUpdateRequest, context: Context
+    ) -> pb.PolicyState:
+        check_protocol(request.protocol_version)
+        return convert.policy_to_pb(await self._service.updates.abort(request.version))
 
-    async def WatchPolicy(self, request: Any, context: Context) -> AsyncIterator[Any]:
-        raise Unimplemented(f"WatchPolicy {_POLICY_LATER}")
-        yield  # pragma: no cover - makes this an async generator like the stub expects
+    async def WatchPolicy(
+        self, request: pb.WatchPolicyRequest, context: Context
+    ) -> AsyncIterator[pb.PolicyState]:
+        check_protocol(request.protocol_version)
+        async for record in self._service.updates.watch():
+            yield convert.policy_to_pb(record)
 
-    async def ReadRollouts(self, request: Any, context: Context) -> AsyncIterator[Any]:
-        raise Unimplemented(f"ReadRollouts {_POLICY_LATER}")
-        yield  # pragma: no cover
+    async def ReadRollouts(
+        self, request: pb.ReadRolloutsRequest, context: Context
+    ) -> AsyncIterator[pb.RolloutRecord]:
+        check_protocol(request.protocol_version)
+        async for rollout in self._service.rollouts.read(request.since or None,
+                                                         follow=request.follow):
+            yield convert.rollout_to_pb(rollout)
 
     # ------------------------------------------------------------------ operator
 

@@ -87,8 +87,19 @@ class Resync:
     reason: str
 
 
-Outbound = Welcome | Ack | Resync
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A policy command for one worker (DRAIN / APPLY / RESUME, see coordinator.policy)."""
+
+    kind: str  # "drain" | "apply" | "resume"
+    version: int
+    weights_uri: str = ""
+    abort_running: bool = False
+
+
+Outbound = Welcome | Ack | Resync | Command
 StreamCloser = Callable[[DomainError], None]
+StreamSender = Callable[[Outbound], None]
 
 
 @dataclass(slots=True)
@@ -129,7 +140,7 @@ class WorkerSessions:
         self._stream_ids = itertools.count(1)
         # worker id -> (id, closer) of the stream that owns it; the closer ends that stream
         # with an error, so a superseded or dropped stream learns at once, not on its next send.
-        self._streams: dict[str, tuple[int, StreamCloser]] = {}
+        self._streams: dict[str, tuple[int, StreamCloser, StreamSender]] = {}
         self._staging: dict[str, _Staging] = {}
         self.counters = SyncCounters()
 
@@ -213,16 +224,18 @@ class WorkerSessions:
     # ------------------------------------------------------------------ the Sync stream
 
     def hello(
-        self, worker_id: str, incarnation: int, last_acked_seq: int, close: StreamCloser
+        self, worker_id: str, incarnation: int, last_acked_seq: int, close: StreamCloser,
+        send: StreamSender,
     ) -> tuple[WorkerSession, int, list[Outbound]]:
         """Attach a stream to a session. A newer stream supersedes an older one (the worker
         reconnected before we noticed the old one die): the older one is closed with
-        FAILED_PRECONDITION at once. ``close`` ends this stream the same way later. Returns
-        (session, stream id, replies)."""
+        FAILED_PRECONDITION at once. ``close`` ends this stream the same way later; ``send``
+        pushes a coordinator-initiated message (a policy command) onto it. Returns (session,
+        stream id, replies)."""
         session = self._fleet.require(worker_id, incarnation)
         stream_id = next(self._stream_ids)
         self._detach(worker_id, "superseded by a newer stream of the same worker")
-        self._streams[worker_id] = (stream_id, close)
+        self._streams[worker_id] = (stream_id, close, send)
         session.connected = True
         session.disconnected_at = None
         session.lease_deadline = self._clock() + self._config.lease_ms / 1000
@@ -246,6 +259,18 @@ class WorkerSessions:
             and owner[0] == stream_id
             and self._fleet.get(session.worker_id) is session
         )
+
+    def send(self, worker_id: str, message: Outbound) -> bool:
+        """Push ``message`` onto the worker's current stream; False when it has none."""
+        owner = self._streams.get(worker_id)
+        if owner is None:
+            return False
+        owner[2](message)
+        return True
+
+    def close_stream(self, worker_id: str, reason: str) -> None:
+        """End the worker's current stream with FAILED_PRECONDITION(reason), if it has one."""
+        self._detach(worker_id, reason)
 
     def _detach(self, worker_id: str, reason: str) -> None:
         """Forget the worker's stream, if any, and end it with FAILED_PRECONDITION(reason)."""
@@ -309,7 +334,19 @@ class WorkerSessions:
             )
         session.lease_deadline = self._clock() + cfg.lease_ms / 1000
         session.report_load(beat.load, beat.completed_routes)
+        if beat.policy_version != session.policy_version:
+            # The worker says which weights it has loaded (after a LoadWeights, an APPLY, or a
+            # fenced worker catching up): route it under that version from now on.
+            self.set_version(session, beat.policy_version)
         return []
+
+    def set_version(self, session: WorkerSession, version: int) -> None:
+        """The worker now serves ``version`` (its keys are hashed under it)."""
+        log.info("worker.version", worker=session.worker_id, old=session.policy_version,
+                 new=version)
+        session.policy_version = version
+        session.served_versions.add(version)
+        self._fleet.changed()
 
     def inventory(self, session: WorkerSession, chunk: InventoryIn) -> list[Outbound]:
         """Stage a resync inventory; the last chunk replaces the worker's holdings at once."""

@@ -58,13 +58,20 @@ class PolicyPhase(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class PolicyRecord:
     """The fleet's policy state. ``epoch`` increments on every successful CAS, so a watcher
-    can tell that something changed even when (version, phase) came back to the same values."""
+    can tell that something changed even when (version, phase) came back to the same values.
+
+    ``weights_uri`` is where ``version``'s weights load from and ``target_weights_uri`` where
+    ``target_version``'s do; empty means the weights are seeded by the version. Both are kept so
+    an abort can return to the current version's weights without remembering anything else.
+    """
 
     version: int = 0
     phase: PolicyPhase = PolicyPhase.SERVING
     target_version: int | None = None
     mode: str = "sync"
     epoch: int = 0
+    weights_uri: str = ""
+    target_weights_uri: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +163,7 @@ class MetadataStore(Protocol):
 
     async def cas_policy(self, expected: PolicyRecord, new: PolicyRecord) -> bool:
         """Atomically replace the policy state with ``new`` when the stored state equals
-        ``expected`` in all five fields; the written epoch is ``expected.epoch + 1`` whatever
+        ``expected`` in every field; the written epoch is ``expected.epoch + 1`` whatever
         ``new.epoch`` says. False, and no change, when the stored state differs. Raises
         ValueError, before touching the store, when ``new.version < expected.version``: the
         version never decreases."""

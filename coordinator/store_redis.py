@@ -78,18 +78,18 @@ end
 return 0
 """
 
-# KEYS: policy hash. ARGV: expected, new, defaults (used when absent): 5 fields each, in the
-# order of _encode_policy.
+# KEYS: policy hash. ARGV: field names, expected, new, defaults: n values each (n = #ARGV / 4),
+# in the order of _POLICY_FIELDS. A field absent from the hash (no hash yet, or one written
+# before the field existed) compares as its default.
 _CAS = """
-local stored = redis.call('HMGET', KEYS[1], 'version', 'phase', 'target_version', 'mode', 'epoch')
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  stored = {ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15]}
+local n = #ARGV / 4
+local stored = redis.call('HMGET', KEYS[1], unpack(ARGV, 1, n))
+local written = {}
+for i = 1, n do
+  if (stored[i] or ARGV[3 * n + i]) ~= ARGV[n + i] then return 0 end
+  written[2 * i - 1], written[2 * i] = ARGV[i], ARGV[2 * n + i]
 end
-for i = 1, 5 do
-  if stored[i] ~= ARGV[i] then return 0 end
-end
-redis.call('HSET', KEYS[1], 'version', ARGV[6], 'phase', ARGV[7], 'target_version', ARGV[8],
-           'mode', ARGV[9], 'epoch', ARGV[10])
+redis.call('HSET', KEYS[1], unpack(written))
 return 1
 """
 
@@ -115,9 +115,13 @@ def _text(raw: Mapping[Any, Any]) -> dict[str, str]:
     return {_str(k): _str(v) for k, v in raw.items()}
 
 
+# Every PolicyRecord field, in the order the CAS script receives them.
+_POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(PolicyRecord))
+
+
 def _encode_policy(record: PolicyRecord) -> list[str]:
-    target = "" if record.target_version is None else str(record.target_version)
-    return [str(record.version), record.phase.value, target, record.mode, str(record.epoch)]
+    values = (getattr(record, name) for name in _POLICY_FIELDS)
+    return ["" if value is None else str(value) for value in values]  # None: no target
 
 
 def _decode_worker(worker_id: str, fields: Mapping[str, str]) -> WorkerRecord:
@@ -285,12 +289,15 @@ class RedisStore:
             target_version=int(raw["target_version"]) if raw["target_version"] else None,
             mode=raw["mode"],
             epoch=int(raw["epoch"]),
+            weights_uri=raw.get("weights_uri", ""),
+            target_weights_uri=raw.get("target_weights_uri", ""),
         )
 
     async def cas_policy(self, expected: PolicyRecord, new: PolicyRecord) -> bool:
         check_policy_transition(expected, new)
         written = dataclasses.replace(new, epoch=expected.epoch + 1)
         args = [
+            *_POLICY_FIELDS,
             *_encode_policy(expected),
             *_encode_policy(written),
             *_encode_policy(PolicyRecord()),

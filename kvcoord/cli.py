@@ -64,10 +64,42 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--model")
     route.add_argument("--lookup", action="store_true", help="only look up, do not route")
     route.add_argument("--json", action="store_true", help="print JSON")
+    route.add_argument("--timeout", type=float, default=10.0,
+                       help="seconds to keep retrying while no worker can take it (default 10)")
 
     status = sub.add_parser("status", help="workers, pages, load and hit rate")
     _add_target(status)
     status.add_argument("--json", action="store_true", help="print JSON")
+
+    rollouts = sub.add_parser("rollouts", help="rollout attribution records (trainers)")
+    rollouts_sub = rollouts.add_subparsers(dest="rollouts_command", required=True,
+                                           metavar="SUBCOMMAND")
+    tail = rollouts_sub.add_parser("tail", help="print rollout records from a cursor")
+    _add_target(tail)
+    tail.add_argument("--since", metavar="CURSOR", help="records strictly after this cursor "
+                      "(default: from the oldest kept)")
+    tail.add_argument("--follow", action="store_true", help="keep printing new records")
+    tail.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    pol = sub.add_parser("policy", help="show or change the policy version (trainers)")
+    pol_sub = pol.add_subparsers(dest="policy_command", required=True, metavar="ACTION")
+    show = pol_sub.add_parser("show", help="the current version and phase")
+    _add_target(show)
+    show.add_argument("--json", action="store_true", help="print JSON")
+    begin = pol_sub.add_parser("begin", help="start moving the fleet to the next version")
+    _add_target(begin)
+    begin.add_argument("--expected-version", type=int, required=True,
+                       help="the version you believe is current (ABORTED when stale)")
+    begin.add_argument("--mode", choices=("sync", "async"), default="sync")
+    begin.add_argument("--weights", default="", metavar="URI",
+                       help="weights the workers load (default: seeded by the version)")
+    commit = pol_sub.add_parser("commit", help="wait for the barrier, then serve the version")
+    _add_target(commit)
+    commit.add_argument("--version", type=int, required=True)
+    commit.add_argument("--timeout", type=float, default=30.0, help="barrier deadline (s)")
+    abort = pol_sub.add_parser("abort", help="abandon an update, back to the current version")
+    _add_target(abort)
+    abort.add_argument("--version", type=int, required=True)
 
     bench = sub.add_parser("bench", help="run benchmarks (what `make bench` runs)")
     bench.add_argument("suite", nargs="?", default="all",
@@ -133,7 +165,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     from coordinator.client import CoordinatorClient
 
     tokens = _tokens(args)
-    with CoordinatorClient(args.coordinator) as client:
+    with CoordinatorClient(args.coordinator, timeout=args.timeout) as client:
         if args.lookup:
             result = client.lookup(tokens, model=args.model)
             out = {"matches": result.matches, "policy_version": result.policy_version,
@@ -177,6 +209,51 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+_ROLLOUT_FIELDS = ("cursor", "rollout_id", "policy_version", "worker_id", "prompt_tokens",
+                   "cached_tokens", "completion_tokens")
+
+
+def cmd_rollouts(args: argparse.Namespace) -> int:
+    """``rollouts tail``: one line per record, oldest first, flushed as it arrives."""
+    from coordinator.client import CoordinatorClient
+
+    with CoordinatorClient(args.coordinator) as client:
+        for record in client.rollouts(since=args.since, follow=args.follow):
+            values = {name: getattr(record, name) for name in _ROLLOUT_FIELDS}
+            if args.json:
+                line = json.dumps(values)
+            else:
+                line = (f"{record.cursor}  {record.rollout_id}  v{record.policy_version}  "
+                        f"{record.worker_id}  prompt={record.prompt_tokens} "
+                        f"cached={record.cached_tokens} completion={record.completion_tokens}")
+            print(line, flush=True)
+    return 0
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    from coordinator.client import CoordinatorClient
+
+    with CoordinatorClient(args.coordinator, timeout=getattr(args, "timeout", 10.0) + 5) as c:
+        action = args.policy_command
+        if action == "show":
+            state = c.policy()
+        elif action == "begin":
+            state = c.begin_policy_update(args.expected_version, args.mode, args.weights)
+        elif action == "commit":
+            state = c.commit_policy_update(args.version, timeout=args.timeout)
+        else:
+            state = c.abort_policy_update(args.version)
+    if getattr(args, "json", False):
+        print(json.dumps(asdict(state)))
+        return 0
+    target = f" -> v{state.target_version}" if state.target_version is not None else ""
+    print(f"policy v{state.version}{target} ({state.phase}, {state.mode})")
+    if state.acked_workers or state.fenced_workers:
+        print(f"acked: {', '.join(state.acked_workers) or '-'}")
+        print(f"fenced: {', '.join(state.fenced_workers) or '-'}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvcoord.bench_runner import run_suite
 
@@ -190,8 +267,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
+    "policy": cmd_policy,
     "coordinator": cmd_coordinator, "worker": cmd_worker, "route": cmd_route, "status": cmd_status,
-    "bench": cmd_bench, "demo": cmd_demo,
+    "rollouts": cmd_rollouts, "bench": cmd_bench, "demo": cmd_demo,
 }
 
 

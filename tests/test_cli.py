@@ -53,7 +53,8 @@ def test_status_route_and_lookup_against_a_running_coordinator(coordinator_proce
     assert json.loads(lookup.stdout) == {"matches": {}, "policy_version": 0, "prompt_pages": 4}
 
     # No worker registered: routing is refused with the status and a reason, exit code 1.
-    route = run_cli("route", "--coordinator", coordinator_process, "--tokens", "1,2,3")
+    route = run_cli("route", "--coordinator", coordinator_process, "--tokens", "1,2,3",
+                    "--timeout", "1")
     assert route.returncode == 1
     assert "UNAVAILABLE" in route.stderr and "no routable worker" in route.stderr
 

@@ -164,7 +164,7 @@ async def test_health_serves_and_reflection_lists_the_service(coord: RunningCoor
         assert "coordinator.v1.Coordinator" in names
 
 
-async def test_policy_rpcs_answer_get_policy_and_unimplemented_for_the_rest(
+async def test_bad_policy_requests_are_refused_with_a_clear_status(
     coord: RunningCoordinator,
 ) -> None:
     async with AsyncCoordinatorClient(target(coord)) as client:
@@ -172,6 +172,20 @@ async def test_policy_rpcs_answer_get_policy_and_unimplemented_for_the_rest(
         assert (state.version, state.phase) == (0, "serving")
     async with grpc.aio.insecure_channel(target(coord)) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.BeginPolicyUpdate(pb.BeginPolicyUpdateRequest(expected_version=0))
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        cases = [
+            (stub.BeginPolicyUpdate(pb.BeginPolicyUpdateRequest(expected_version=3)),
+             grpc.StatusCode.ABORTED, "stale expected_version"),
+            (stub.CommitPolicyUpdate(pb.CommitPolicyUpdateRequest(version=1)),
+             grpc.StatusCode.ABORTED, ""),
+            (stub.AbortPolicyUpdate(pb.AbortPolicyUpdateRequest(version=1)),
+             grpc.StatusCode.ABORTED, ""),
+            (stub.ReportRollouts(pb.ReportRolloutsRequest(records=[
+                pb.RolloutRecord(rollout_id="r", worker_id="nobody", prompt_tokens=1)])),
+             grpc.StatusCode.FAILED_PRECONDITION, "unknown worker"),
+        ]
+        for call, code, needle in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == code
+            assert needle in (err.value.details() or "")
+        assert (await stub.GetPolicy(pb.GetPolicyRequest())).version == 0

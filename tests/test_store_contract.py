@@ -154,19 +154,34 @@ async def test_policy_defaults_before_any_write(store: MetadataStore) -> None:
 
 
 async def test_cas_policy_writes_the_new_state_and_bumps_epoch(store: MetadataStore) -> None:
-    draining = PolicyRecord(version=0, phase=PolicyPhase.DRAINING, target_version=1, epoch=99)
+    draining = PolicyRecord(
+        version=0,
+        phase=PolicyPhase.DRAINING,
+        target_version=1,
+        epoch=99,
+        target_weights_uri="s3://ckpt/step-1",
+    )
     assert await store.cas_policy(PolicyRecord(), draining) is True
     assert await store.get_policy() == dataclasses.replace(draining, epoch=1)
-    serving = PolicyRecord(version=1, phase=PolicyPhase.SERVING, mode="async")
+    serving = PolicyRecord(
+        version=1, phase=PolicyPhase.SERVING, mode="async", weights_uri="s3://ckpt/step-1"
+    )
     assert await store.cas_policy(await store.get_policy(), serving) is True
     assert await store.get_policy() == dataclasses.replace(serving, epoch=2)
 
 
 async def test_cas_policy_refuses_a_stale_expected_record(store: MetadataStore) -> None:
-    first = PolicyRecord(version=1)
+    first = PolicyRecord(version=1, weights_uri="s3://ckpt/step-1")
     assert await store.cas_policy(PolicyRecord(), first) is True
     stored = await store.get_policy()
-    for stale in (PolicyRecord(), first, dataclasses.replace(stored, phase=PolicyPhase.DRAINING)):
+    stale_records = (
+        PolicyRecord(),
+        first,  # epoch 0: stale
+        dataclasses.replace(stored, phase=PolicyPhase.DRAINING),
+        dataclasses.replace(stored, weights_uri="s3://ckpt/step-0"),
+        dataclasses.replace(stored, target_weights_uri="s3://ckpt/step-2"),
+    )
+    for stale in stale_records:
         assert await store.cas_policy(stale, PolicyRecord(version=2)) is False
     assert await store.get_policy() == stored == dataclasses.replace(first, epoch=1)
 
@@ -294,6 +309,25 @@ async def test_redis_keys_live_under_the_namespace_hash_tag(redis_url: str) -> N
         f"kvcoord:{{test}}:{name}"
         for name in ("policy", "workers", "worker:w1", "incarnation:w1", "acks:1", "events")
     } | {"kvcoord:{test}:rollouts"}
+
+
+@pytest.mark.redis
+async def test_redis_policy_hash_missing_the_weights_fields_reads_them_as_empty(
+    redis_url: str,
+) -> None:
+    # A hash written before weights_uri/target_weights_uri existed: CAS compares them as "".
+    legacy = {"version": 4, "phase": "serving", "target_version": "", "mode": "sync", "epoch": 7}
+    with redis.Redis.from_url(redis_url) as client:
+        client.hset("kvcoord:{test}:policy", mapping=legacy)
+    store = await RedisStore.connect(redis_url, namespace=NAMESPACE)
+    try:
+        old = await store.get_policy()
+        assert old == PolicyRecord(version=4, epoch=7)
+        new = dataclasses.replace(old, version=5, weights_uri="s3://ckpt/step-5")
+        assert await store.cas_policy(old, new) is True
+        assert await store.get_policy() == dataclasses.replace(new, epoch=8)
+    finally:
+        await store.close()
 
 
 @pytest.mark.redis

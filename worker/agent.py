@@ -7,7 +7,9 @@ and acknowledged. On a broken stream it reconnects with exponential backoff and 
 the TARGETS list, resending unacknowledged batches from ``welcome.next_seq``. When the coordinator
 no longer knows the incarnation (unknown worker, stale incarnation, lease gone: a coordinator
 restart does this) it registers again and announces its whole inventory as STORED batches from
-seq 1. ``stop`` deregisters. Protocol: docs/PROTOCOL.md §4.
+seq 1. It owns the worker's ``RolloutReporter`` (``rollouts``), which reports over the same
+channel while a stream is up. ``stop`` flushes the reporter, then deregisters. Protocol:
+docs/PROTOCOL.md §4.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from worker.event_log import EventLog
 from worker.gate import GenerationGate
 from worker.metrics import WorkerMetrics
 from worker.policy import PolicyHandler
+from worker.rollout_reporter import RolloutReporter
 from worker.runtime import WorkerRuntime
 
 log = structlog.get_logger(__name__)
@@ -79,6 +82,8 @@ class CoordinatorAgent:
         self._holding = False  # an inventory snapshot is being sent: no batch may be cut
         self._flush_timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
+        self.rollouts = RolloutReporter(self._rollout_stub, worker_id=worker_id,
+                                        rpc_timeout_s=config.rpc_timeout_ms / 1000)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -93,10 +98,12 @@ class CoordinatorAgent:
         ]
         self._channels = [grpc.aio.insecure_channel(t, options=options) for t in self._targets]
         self._task = asyncio.create_task(self._run(), name=f"agent-{self.worker_id}")
+        self.rollouts.start()
 
     async def stop(self, *, deregister: bool = True) -> None:
         """Stop syncing; with ``deregister`` remove this worker and its pages from the
         coordinator at once (graceful shutdown) instead of waiting for the lease to run out."""
+        await self.rollouts.stop()  # first: it needs the stream's registration to be accepted
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -117,6 +124,10 @@ class CoordinatorAgent:
 
     def _stub(self) -> pb_grpc.CoordinatorStub:
         return pb_grpc.CoordinatorStub(self._channels[self._target])
+
+    def _rollout_stub(self) -> pb_grpc.CoordinatorStub | None:
+        """The stub rollouts go through: the synced coordinator's, None while not synced."""
+        return self._stub() if self.synced.is_set() else None
 
     async def _run(self) -> None:
         attempt = 0
@@ -191,6 +202,18 @@ class CoordinatorAgent:
         log.info("agent.registered", worker=self.worker_id, incarnation=self.incarnation,
                  address=self.address, policy_version=stats.policy_version,
                  lease_ms=response.lease_ms, heartbeat_ms=response.heartbeat_ms)
+        await self._catch_up(response.policy_version, response.weights_uri)
+
+    async def _catch_up(self, version: int, weights_uri: str) -> None:
+        """Serve the version the Register answer names (a worker fenced by a barrier, or one
+        registering mid-update, must load it; it is unroutable until it does, and its
+        heartbeats tell the coordinator when it has). A fresh registration also reopens the
+        generation gate: a DRAIN whose RESUME never came (fenced) must not close it forever."""
+        if version != self._runtime.policy_version:
+            log.info("agent.catching_up", worker=self.worker_id,
+                     loaded=self._runtime.policy_version, version=version)
+            await asyncio.to_thread(self._runtime.load_weights, version, weights_uri or None)
+        self._gate.open()
 
     # ------------------------------------------------------------------ the stream
 

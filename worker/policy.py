@@ -6,9 +6,11 @@ arrival order and acknowledged on the Sync stream:
 - APPLY: ``runtime.load_weights(version, weights_uri or None)`` in a thread (it drops every
   cached page of the old weights; their REMOVED events flow as usual), then
   ``PolicyAck{APPLIED, version}``.
-- RESUME: open the gate again (no ack).
+- RESUME: open the gate again (no ack). APPLY already reopened it once the new weights were in;
+  RESUME covers an aborted update whose APPLY never came.
 
-The end-to-end barrier arrives with the policy-version issue; today's coordinator sends none.
+DRAIN always lets running generation finish (the reference runtime cannot abort mid-request);
+``abort_running`` is accepted and treated the same.
 """
 
 from __future__ import annotations
@@ -90,10 +92,19 @@ class PolicyHandler:
             await self.gate.wait_idle()
             self._ack(pb.PolicyAck.STAGE_DRAINED, command.version)
         elif kind == "apply":
-            freed = await asyncio.to_thread(
-                self._runtime.load_weights, command.version, command.weights_uri or None
-            )
-            log.info("policy.applied", version=command.version, freed_pages=freed)
+            if self._runtime.policy_version == command.version and not command.weights_uri:
+                # Already serving it (an abort re-applying the current version, a trainer that
+                # pushed the weights through LoadWeights first): nothing to reload.
+                log.info("policy.already_applied", version=command.version)
+            else:
+                freed = await asyncio.to_thread(
+                    self._runtime.load_weights, command.version, command.weights_uri or None
+                )
+                log.info("policy.applied", version=command.version, freed_pages=freed)
+            # Generation may run again: the weights it would use are the ones just applied (the
+            # invariant forbids generating between DRAINED and APPLIED, not after). The
+            # coordinator keeps routes away until it commits.
+            self.gate.open()
             self._ack(pb.PolicyAck.STAGE_APPLIED, command.version)
         else:
             self.gate.open()

@@ -4,6 +4,7 @@ reflection), metrics, and the coordinator agent; shutdown deregisters, then drai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ class RunningWorker:
     runtime: WorkerRuntime
     agent: CoordinatorAgent
     health: health_aio.HealthServicer
+    gate: GenerationGate
     port: int
     metrics_port: int | None
 
@@ -60,11 +62,16 @@ class RunningWorker:
         return self.agent.address
 
     async def stop(self, grace: float = 10.0, *, deregister: bool = True) -> None:
-        """Report NOT_SERVING, deregister (the coordinator stops routing here and forgets our
-        pages at once), then let in-flight calls finish for ``grace`` seconds and close."""
+        """Report NOT_SERVING and close the generation gate (new Generate calls get UNAVAILABLE
+        and are retried elsewhere), let in-flight calls finish for up to ``grace`` seconds so
+        their rollout records are reported, then flush the reporter and deregister (the
+        coordinator stops routing here and forgets our pages), and close."""
         await self.health.enter_graceful_shutdown()
+        self.gate.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.gate.wait_idle(), grace)
         await self.agent.stop(deregister=deregister)
-        await self.server.stop(grace)
+        await self.server.stop(0)
         log.info("worker.stopped", worker=self.worker_id, port=self.port)
 
 
@@ -95,7 +102,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         return SyncState(worker_id, agent.incarnation, agent.synced.is_set())
 
     servicer = WorkerServicer(runtime, gate, metrics, sync_state, model=config.model_name,
-                              device=device)
+                              device=device, report=agent.rollouts.add)
     errors = ErrorMappingInterceptor(metrics, EXPECTED_ERRORS)
     wpb_grpc.add_WorkerServicer_to_server(
         errors.wrap(servicer, wpb.DESCRIPTOR.services_by_name["Worker"]), server
@@ -118,7 +125,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
              address=address, metrics_port=metrics_port, device=device, pages=config.pages,
              page_size=config.page_size, policy_version=runtime.policy_version,
              coordinator=config.coordinator)
-    return RunningWorker(config, server, runtime, agent, health, port, metrics_port)
+    return RunningWorker(config, server, runtime, agent, health, gate, port, metrics_port)
 
 
 async def serve_forever(config: WorkerConfig) -> int:

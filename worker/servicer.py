@@ -4,12 +4,14 @@ No decisions here: input checks the proto alone can settle (one token body, whol
 protocol version) raise ``coordinator.errors`` domain errors; the runtime raises
 ``InvalidRequest`` / ``PoolExhausted``; ``coordinator.interceptor.ErrorMappingInterceptor``
 (with ``worker.server.EXPECTED_ERRORS``) turns all of them into status codes in one place.
+Each answered Generate is handed to ``report`` as a rollout record (DESIGN.md invariant 4).
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
+import uuid
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from coordinator.errors import FailedPrecondition, InvalidArgument
+from coordinator.rollouts import MAX_ROLLOUT_ID_CHARS, Rollout
 from worker.gate import GenerationGate
 from worker.metrics import WorkerMetrics
 from worker.runtime import Generation, WorkerRuntime
@@ -63,12 +66,16 @@ def tokens_from(request: wpb.GenerateRequest) -> list[int]:
 
 class WorkerServicer:
     """Generate runs ``runtime.generate`` in a thread (the runtime serializes requests; waiting
-    callers show up in its ``queued_tokens``); admission goes through the ``GenerationGate``."""
+    callers show up in its ``queued_tokens``); admission goes through the ``GenerationGate``.
+    ``report`` (e.g. ``RolloutReporter.add``) receives, on the event loop, one ``Rollout`` per
+    generation answered to its caller (not for a caller that gave up before the answer)."""
 
     def __init__(
         self, runtime: WorkerRuntime, gate: GenerationGate, metrics: WorkerMetrics,
         sync_state: Callable[[], SyncState], *, model: str, device: str,
+        report: Callable[[Rollout], None] | None = None,
     ) -> None:
+        self._report = report
         self._runtime = runtime
         self._gate = gate
         self._metrics = metrics
@@ -81,11 +88,21 @@ class WorkerServicer:
     ) -> wpb.GenerateResponse:
         check_protocol(request.protocol_version)
         tokens = tokens_from(request)
+        if len(request.rollout_id) > MAX_ROLLOUT_ID_CHARS:
+            raise InvalidArgument(f"rollout_id is {len(request.rollout_id)} characters; "
+                                  f"at most {MAX_ROLLOUT_ID_CHARS}")
+        rollout_id = request.rollout_id or uuid.uuid4().hex
         generation: Generation = await self._admitted(tokens, request.max_new_tokens)
+        if self._report is not None:
+            self._report(Rollout(
+                rollout_id, generation.policy_version, self._sync_state().worker_id,
+                prompt_tokens=len(tokens), cached_tokens=generation.cached_tokens,
+                completion_tokens=len(generation.tokens),
+            ))
         return wpb.GenerateResponse(
             protocol_version=PROTOCOL_VERSION, tokens=generation.tokens,
             policy_version=generation.policy_version, cached_tokens=generation.cached_tokens,
-            computed_tokens=generation.computed_tokens,
+            computed_tokens=generation.computed_tokens, rollout_id=rollout_id,
         )
 
     def _admitted(self, tokens: list[int], max_new_tokens: int) -> asyncio.Future[Generation]:

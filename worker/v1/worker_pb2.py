@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16worker/v1/worker.proto\x12\tworker.v1\"k\n\x0fGenerateRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\"\x84\x01\n\x10GenerateResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\"M\n\x12LoadWeightsRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04path\x18\x03 \x01(\t\"\\\n\x13LoadWeightsResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x13\n\x0b\x66reed_pages\x18\x03 \x01(\r\"+\n\x0fGetStatsRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"\x8d\x03\n\x0bWorkerStats\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12\x12\n\nfree_pages\x18\x05 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x15\n\rqueued_tokens\x18\x08 \x01(\x04\x12\x1a\n\x12generated_requests\x18\t \x01(\x04\x12\x18\n\x10generated_tokens\x18\n \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\x04\x12\x1e\n\x16\x63omputed_prompt_tokens\x18\x0c \x01(\x04\x12\x11\n\tpage_size\x18\r \x01(\r\x12\r\n\x05model\x18\x0e \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x13\n\x0bincarnation\x18\x10 \x01(\x04\x12\x0e\n\x06synced\x18\x11 \x01(\x08\x32\xdb\x01\n\x06Worker\x12\x43\n\x08Generate\x12\x1a.worker.v1.GenerateRequest\x1a\x1b.worker.v1.GenerateResponse\x12L\n\x0bLoadWeights\x12\x1d.worker.v1.LoadWeightsRequest\x1a\x1e.worker.v1.LoadWeightsResponse\x12>\n\x08GetStats\x12\x1a.worker.v1.GetStatsRequest\x1a\x16.worker.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16worker/v1/worker.proto\x12\tworker.v1\"\x7f\n\x0fGenerateRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x12\n\nrollout_id\x18\x05 \x01(\t\"\x98\x01\n\x10GenerateResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x12\n\nrollout_id\x18\x06 \x01(\t\"M\n\x12LoadWeightsRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04path\x18\x03 \x01(\t\"\\\n\x13LoadWeightsResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x13\n\x0b\x66reed_pages\x18\x03 \x01(\r\"+\n\x0fGetStatsRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"\x8d\x03\n\x0bWorkerStats\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12\x12\n\nfree_pages\x18\x05 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x15\n\rqueued_tokens\x18\x08 \x01(\x04\x12\x1a\n\x12generated_requests\x18\t \x01(\x04\x12\x18\n\x10generated_tokens\x18\n \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\x04\x12\x1e\n\x16\x63omputed_prompt_tokens\x18\x0c \x01(\x04\x12\x11\n\tpage_size\x18\r \x01(\r\x12\r\n\x05model\x18\x0e \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x13\n\x0bincarnation\x18\x10 \x01(\x04\x12\x0e\n\x06synced\x18\x11 \x01(\x08\x32\xdb\x01\n\x06Worker\x12\x43\n\x08Generate\x12\x1a.worker.v1.GenerateRequest\x1a\x1b.worker.v1.GenerateResponse\x12L\n\x0bLoadWeights\x12\x1d.worker.v1.LoadWeightsRequest\x1a\x1e.worker.v1.LoadWeightsResponse\x12>\n\x08GetStats\x12\x1a.worker.v1.GetStatsRequest\x1a\x16.worker.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'worker.v1.worker_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=37
-  _globals['_GENERATEREQUEST']._serialized_end=144
-  _globals['_GENERATERESPONSE']._serialized_start=147
-  _globals['_GENERATERESPONSE']._serialized_end=279
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=281
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=358
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=360
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=452
-  _globals['_GETSTATSREQUEST']._serialized_start=454
-  _globals['_GETSTATSREQUEST']._serialized_end=497
-  _globals['_WORKERSTATS']._serialized_start=500
-  _globals['_WORKERSTATS']._serialized_end=897
-  _globals['_WORKER']._serialized_start=900
-  _globals['_WORKER']._serialized_end=1119
+  _globals['_GENERATEREQUEST']._serialized_end=164
+  _globals['_GENERATERESPONSE']._serialized_start=167
+  _globals['_GENERATERESPONSE']._serialized_end=319
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=321
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=398
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=400
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=492
+  _globals['_GETSTATSREQUEST']._serialized_start=494
+  _globals['_GETSTATSREQUEST']._serialized_end=537
+  _globals['_WORKERSTATS']._serialized_start=540
+  _globals['_WORKERSTATS']._serialized_end=937
+  _globals['_WORKER']._serialized_start=940
+  _globals['_WORKER']._serialized_end=1159
 # @@protoc_insertion_point(module_scope)

@@ -7,30 +7,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("protocol_version", "token_ids", "token_bytes", "max_new_tokens")
+    __slots__ = ("protocol_version", "token_ids", "token_bytes", "max_new_tokens", "rollout_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_bytes: bytes
     max_new_tokens: int
-    def __init__(self, protocol_version: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_bytes: _Optional[bytes] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    rollout_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_bytes: _Optional[bytes] = ..., max_new_tokens: _Optional[int] = ..., rollout_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("protocol_version", "tokens", "policy_version", "cached_tokens", "computed_tokens")
+    __slots__ = ("protocol_version", "tokens", "policy_version", "cached_tokens", "computed_tokens", "rollout_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     policy_version: int
     cached_tokens: int
     computed_tokens: int
-    def __init__(self, protocol_version: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., policy_version: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+    rollout_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., policy_version: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., rollout_id: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("protocol_version", "version", "path")

@@ -1,0 +1,230 @@
+"""Policy updates end to end on one coordinator: Begin/Commit/Abort through the store's
+compare-and-set, DRAIN/APPLY/RESUME commands to this coordinator's workers, the APPLIED barrier,
+fencing, waiting routes and watchers. The transitions themselves are ``coordinator.policy``.
+
+Sync mode (on-policy RL): Begin(v) -> DRAINING(v->v+1); every live worker gets DRAIN, acks
+DRAINED, gets APPLY(v+1) and acks APPLIED once it has loaded v+1 and dropped v's pages; Commit
+waits for APPLIED from every worker live at Begin until its deadline, fences the missing, writes
+SERVING(v+1) and sends RESUME. Routes wait (or fail UNAVAILABLE with retry-after-ms) meanwhile.
+Async mode: no drain; workers get APPLY one at a time while routes keep flowing to any version
+within ``max_staleness``; Commit waits for the same barrier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+import structlog
+
+from coordinator import policy
+from coordinator.config import CoordinatorConfig
+from coordinator.errors import Aborted
+from coordinator.fleet import Fleet, WorkerSession, WorkerStatus
+from coordinator.sessions import Command, WorkerSessions
+from coordinator.store import MetadataStore, PolicyRecord
+
+log = structlog.get_logger(__name__)
+
+_CAS_ATTEMPTS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    record: PolicyRecord
+    acked: tuple[str, ...]
+    fenced: tuple[str, ...]
+
+
+class PolicyUpdates:
+    """Owns this coordinator's view of the policy state (``record``) and runs updates."""
+
+    def __init__(
+        self, *, config: CoordinatorConfig, store: MetadataStore, fleet: Fleet,
+        sessions: WorkerSessions, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._fleet = fleet
+        self._sessions = sessions
+        self._clock = clock
+        self.record = PolicyRecord()
+        self._changed = asyncio.Event()  # replaced (set, then renewed) on every change
+        self._rolling: asyncio.Task[None] | None = None
+        self.last: CommitResult | None = None
+
+    # ------------------------------------------------------------------ state
+
+    def _set(self, record: PolicyRecord) -> None:
+        if record != self.record:
+            self.record = record
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+
+    async def refresh(self) -> PolicyRecord:
+        """Re-read the store (the truth shared by every replica)."""
+        self._set(await self._store.get_policy())
+        return self.record
+
+    def servable_versions(self) -> range:
+        return policy.servable_versions(self.record, self._config.max_staleness)
+
+    async def _cas(self, step: Callable[[PolicyRecord], PolicyRecord]) -> PolicyRecord:
+        """Apply ``step`` to the stored record by compare-and-set, re-reading and re-validating
+        on a lost race (so a stale caller gets ``Aborted`` from ``step``, never a double bump)."""
+        for _ in range(_CAS_ATTEMPTS):
+            current = await self._store.get_policy()
+            new = step(current)
+            if await self._store.cas_policy(current, new):
+                written = replace(new, epoch=current.epoch + 1)
+                self._set(written)
+                return written
+        raise Aborted("the policy state kept changing under concurrent updates: retry")
+
+    # ------------------------------------------------------------------ begin / ack / commit
+
+    async def begin(self, expected_version: int, mode: str, weights_uri: str) -> PolicyRecord:
+        record = await self._cas(
+            lambda cur: policy.begin(cur, expected_version, mode, weights_uri)
+        )
+        target = record.target_version
+        assert target is not None  # begin always sets a target
+        now = self._clock()
+        members = [
+            s for s in self._fleet
+            if not s.external and s.policy_version == record.version
+            and s.status(now) in (WorkerStatus.READY, WorkerStatus.CORDONED)
+        ]
+        for session in members:
+            await self._store.record_ack(target, session.worker_id, "member")
+        log.info("policy.begin", version=record.version, target=target, mode=record.mode,
+                 members=[s.worker_id for s in members])
+        if record.mode == "sync":
+            for session in members:
+                session.draining = True
+                self._sessions.send(session.worker_id, Command("drain", target))
+            self._fleet.changed()
+        else:
+            self._rolling = asyncio.create_task(self._roll(target, members, weights_uri))
+        return record
+
+    async def _roll(self, target: int, members: list[WorkerSession], uri: str) -> None:
+        """Async mode: APPLY to one worker at a time, each waiting for its APPLIED ack."""
+        for session in members:
+            if self.record.target_version != target:
+                return  # aborted or committed meanwhile
+            if not self._sessions.send(session.worker_id, Command("apply", target, uri)):
+                continue
+            deadline = self._clock() + self._config.barrier_timeout_ms / 1000
+            while session.policy_version != target and self._clock() < deadline:
+                await self._wait_change(0.05)
+
+    async def ack(self, session: WorkerSession, stage: str, version: int) -> None:
+        """A worker's PolicyAck. DRAINED -> send it APPLY; APPLIED -> it now serves ``version``."""
+        record = self.record
+        if version not in (record.target_version, record.version):
+            log.warning("policy.stale_ack", worker=session.worker_id, stage=stage,
+                        version=version, target=record.target_version)
+            return
+        if version == record.target_version:
+            await self._store.record_ack(version, session.worker_id, stage)
+        if stage == "drained" and version == record.target_version and record.mode == "sync":
+            self._sessions.send(
+                session.worker_id, Command("apply", version, record.target_weights_uri)
+            )
+        elif stage == "applied":
+            self._sessions.set_version(session, version)
+            await self._store.update_worker(
+                session.worker_id, session.incarnation, policy_version=str(version)
+            )
+        self._notify()
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def _wait_change(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+    async def commit(self, version: int, timeout: float) -> CommitResult:
+        """Wait for APPLIED(version) from every member up to ``timeout`` seconds, fence the
+        missing, then SERVING(version) and RESUME to the rest."""
+        record = await self.refresh()
+        policy.commit(record, version)  # refuses a wrong target before any waiting
+        members = await self._members(version)
+        deadline = self._clock() + timeout
+        while True:
+            barrier = policy.barrier(members, await self._store.get_acks(version))
+            if barrier.done or self._clock() >= deadline:
+                break
+            await self._wait_change(min(0.05, max(0.0, deadline - self._clock())))
+        record = await self._cas(lambda cur: policy.commit(cur, version))
+        for worker_id in sorted(barrier.missing):
+            self._fence(worker_id, version)
+        for worker_id in sorted(barrier.acked):
+            session = self._fleet.get(worker_id)
+            if session is not None:
+                session.draining = False
+                self._sessions.send(worker_id, Command("resume", version))
+        self._fleet.changed()
+        result = CommitResult(record, tuple(sorted(barrier.acked)), tuple(sorted(barrier.missing)))
+        self.last = result
+        log.info("policy.commit", version=version, acked=result.acked, fenced=result.fenced)
+        return result
+
+    def _fence(self, worker_id: str, version: int) -> None:
+        session = self._fleet.get(worker_id)
+        if session is None:
+            return
+        session.fenced = True
+        session.draining = False
+        log.warning("worker.fenced", worker=worker_id, version=version)
+        self._sessions.close_stream(
+            worker_id, f"fenced: missed the barrier for policy version {version}; re-register"
+        )
+
+    async def _members(self, version: int) -> frozenset[str]:
+        acks = await self._store.get_acks(version)
+        return frozenset(acks)
+
+    async def abort(self, version: int) -> PolicyRecord:
+        """Back to SERVING(current): every member is told to (re)apply the current weights and
+        resume."""
+        record = await self._cas(lambda cur: policy.abort(cur, version))
+        for worker_id in sorted(await self._members(version)):
+            session = self._fleet.get(worker_id)
+            if session is None:
+                continue
+            session.draining = False
+            # Always: an APPLY of the abandoned version may still be in flight to it. The
+            # worker runs commands in order and skips a reload of what it already serves.
+            self._sessions.send(worker_id, Command("apply", record.version, record.weights_uri))
+            self._sessions.send(worker_id, Command("resume", record.version))
+        self._fleet.changed()
+        log.info("policy.abort", version=version, back_to=record.version)
+        return record
+
+    # ------------------------------------------------------------------ routes and watchers
+
+    async def wait_routable(self, timeout: float) -> None:
+        """Return once routes may flow (no sync update draining), or after ``timeout`` seconds:
+        the caller decides what to answer when still blocked."""
+        deadline = self._clock() + timeout
+        while policy.routes_blocked(self.record) and self._clock() < deadline:
+            await self._wait_change(min(0.05, deadline - self._clock()))
+
+    async def watch(self) -> AsyncIterator[PolicyRecord]:
+        """The current state, then every change (local at once; other replicas' within a poll)."""
+        poll = self._config.policy_poll_ms / 1000
+        last: PolicyRecord | None = None
+        while True:
+            record = await self.refresh()
+            if record != last:
+                last = record
+                yield record
+            await self._wait_change(poll)
+
