@@ -318,6 +318,15 @@ class AsyncCoordinatorClient:
             raise
         update.result = await self.commit_policy_update(update.version, timeout=timeout)
 
+    async def watch_policy(self) -> AsyncIterator[PolicyState]:
+        """The policy state now, then every change (a server stream)."""
+        try:
+            async for state in self._stubs[0].WatchPolicy(pb.WatchPolicyRequest(),
+                                                          metadata=self._metadata):
+                yield policy_from(state)
+        except grpc.RpcError as exc:
+            raise KvcoordError.from_rpc(exc) from None
+
     async def rollouts(
         self, since: str | None = None, follow: bool = False
     ) -> AsyncIterator[RolloutRecord]:

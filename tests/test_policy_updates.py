@@ -189,3 +189,28 @@ async def test_every_generation_is_reported_with_the_version_that_produced_it(
         assert all(r.cursor for r in records)
         later = [r async for r in client.rollouts(since=records[2].cursor)]
         assert later == records[3:]
+
+
+async def test_watch_policy_streams_the_state_then_every_change(
+    fleet: tuple[RunningCoordinator, list[RunningWorker]],
+) -> None:
+    coord, _ = fleet
+    async with AsyncCoordinatorClient(target(coord)) as client:
+        seen: list[tuple[int, str, int | None]] = []
+
+        async def watch() -> None:
+            async for state in client.watch_policy():
+                seen.append((state.version, state.phase, state.target_version))
+                if state.version == 1 and state.phase == "serving":
+                    return
+
+        watcher = asyncio.create_task(watch())
+        await eventually(lambda: _async(bool(seen)), what="the first state")
+        async with client.policy_update(0):
+            pass
+        await asyncio.wait_for(watcher, 5)
+        assert seen == [(0, "serving", None), (0, "draining", 1), (1, "serving", None)]
+
+
+async def _async(value: bool) -> bool:
+    return value
