@@ -62,6 +62,8 @@ class CoordinatorConfig:
     """Async updates: how many versions behind the current one a worker may still serve."""
     barrier_timeout_ms: int = 30_000
     """Default CommitPolicyUpdate deadline when the request gives none."""
+    update_timeout_ms: int = 600_000
+    """An update neither committed nor aborted within this is aborted (a dead trainer)."""
     route_wait_ms: int = 2_000
     """How long a route waits for a draining (sync) update before UNAVAILABLE."""
     route_retry_ms: int = 200
@@ -82,7 +84,7 @@ class CoordinatorConfig:
             "page_size", "lease_ms", "heartbeat_ms", "pending_ttl_ms", "max_pending_entries",
             "max_prompt_tokens", "max_batch_prompts", "max_events_per_batch",
             "max_message_bytes", "reaper_interval_ms", "barrier_timeout_ms", "route_retry_ms",
-            "policy_poll_ms", "max_rollouts",
+            "update_timeout_ms", "policy_poll_ms", "max_rollouts",
         )
         for name in positive:
             if getattr(self, name) <= 0:

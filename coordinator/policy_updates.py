@@ -54,6 +54,8 @@ class PolicyUpdates:
         self.record = PolicyRecord()
         self._changed = asyncio.Event()  # replaced (set, then renewed) on every change
         self._rolling: asyncio.Task[None] | None = None
+        # ((target, epoch), clock) when this coordinator first saw the update in progress.
+        self._first_seen: tuple[tuple[int, int], float] | None = None
         self.last: CommitResult | None = None
 
     # ------------------------------------------------------------------ state
@@ -207,6 +209,26 @@ class PolicyUpdates:
         self._fleet.changed()
         log.info("policy.abort", version=version, back_to=record.version)
         return record
+
+    async def expire(self) -> None:
+        """Abort an update nobody committed within ``update_timeout_ms`` (a trainer that died
+        mid-update must not block routes forever). Timed from when this coordinator first saw
+        the update, so any replica can do it; the CAS makes a second abort a no-op."""
+        record = self.record
+        target = record.target_version
+        if target is None:
+            self._first_seen = None
+            return
+        now = self._clock()
+        if self._first_seen is None or self._first_seen[0] != (target, record.epoch):
+            self._first_seen = ((target, record.epoch), now)
+            return
+        if now - self._first_seen[1] < self._config.update_timeout_ms / 1000:
+            return
+        log.warning("policy.update_timed_out", target=target,
+                    after_ms=self._config.update_timeout_ms)
+        with contextlib.suppress(Aborted):
+            await self.abort(target)
 
     # ------------------------------------------------------------------ routes and watchers
 

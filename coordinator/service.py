@@ -151,6 +151,7 @@ class CoordinatorService:
             await asyncio.sleep(interval)
             try:
                 self.sessions.reap()
+                await self.updates.expire()
             except Exception:  # the reaper must outlive any one bad pass
                 log.exception("reaper.failed")
 

@@ -214,3 +214,22 @@ async def test_watch_policy_streams_the_state_then_every_change(
 
 async def _async(value: bool) -> bool:
     return value
+
+
+async def test_an_update_nobody_commits_is_aborted_after_the_timeout() -> None:
+    async with running_coordinator(page_size=PAGE, update_timeout_ms=300) as coord:
+        config = WorkerConfig(coordinator=target(coord), listen="127.0.0.1:0", pages=32,
+                              page_size=PAGE, device="cpu", worker_id="w", max_new_tokens=8)
+        worker = await start_worker(config)
+        await asyncio.wait_for(worker.agent.synced.wait(), 5)
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            await client.begin_policy_update(0)  # ...and the trainer dies
+
+            async def aborted() -> bool:
+                state = await client.policy()
+                return (state.version, state.phase, state.target_version) == (0, "serving", None)
+
+            await eventually(aborted, what="the abandoned update to be aborted")
+            route = await client.route(PROMPT)
+            assert (route.worker_id, route.policy_version) == ("w", 0)
+        await worker.stop(grace=0.5)
