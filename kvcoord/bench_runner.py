@@ -119,10 +119,36 @@ def _worker_targets(results: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def policy_steps(quick: bool) -> list[Step]:
+    from bench.bench_policy import bench_barrier, bench_routes_during_async
+
+    return [
+        ("barrier", lambda: bench_barrier(updates=5 if quick else 15)),
+        ("routes_during_async", lambda: bench_routes_during_async(seconds=1.0 if quick else 2.0)),
+    ]
+
+
+def _policy_targets(results: dict[str, Any]) -> list[list[str]]:
+    """The policy issue's bar: the barrier costs <= 20 ms at 64 workers."""
+    rows = []
+    for key, value in results["barrier"].items():
+        if key.startswith("barrier_ms_p50."):
+            limit = 20.0 if key.endswith(".w64") else None
+            verdict = "-" if limit is None else ("met" if value <= limit else "MISSED")
+            rows.append([f"barrier p50, {key.rsplit('.', 1)[1]} workers",
+                         "<= 20 ms" if limit else "-", f"{value:.2f} ms", verdict])
+    for key, value in results["routes_during_async"].items():
+        if key.startswith("speedup."):
+            rows.append([f"routes/s during async update vs none ({key.rsplit('.', 1)[1]})", "-",
+                         f"{value:.2f}x", "-"])
+    return rows
+
+
 SUITES: dict[str, tuple[Callable[[bool], list[Step]], Callable[[dict[str, Any]], list[list[str]]]]]
 SUITES = {
     "coordinator": (coordinator_steps, _coordinator_targets),
     "worker": (worker_steps, _worker_targets),
+    "policy": (policy_steps, _policy_targets),
 }
 
 

@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run benchmarks (what `make bench` runs)")
     bench.add_argument("suite", nargs="?", default="all",
-                       help="coordinator, worker or all (default)")
+                       help="coordinator, worker, policy or all (default)")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
 
     sub.add_parser("demo", help="start a coordinator and run a scripted round trip")
