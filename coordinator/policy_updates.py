@@ -25,7 +25,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.errors import Aborted
 from coordinator.fleet import Fleet, WorkerSession, WorkerStatus
 from coordinator.sessions import Command, WorkerSessions
-from coordinator.store import MetadataStore, PolicyRecord
+from coordinator.store import MetadataStore, PolicyRecord, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -37,6 +37,17 @@ class CommitResult:
     record: PolicyRecord
     acked: tuple[str, ...]
     fenced: tuple[str, ...]
+
+
+def _latest(stored: dict[str, str], local: dict[str, str]) -> dict[str, str]:
+    """Per worker, the furthest stage either copy has seen."""
+    merged = dict(stored)
+    for worker, stage in local.items():
+        if policy.STAGES.index(stage) > policy.STAGES.index(merged.get(worker, "member")):
+            merged[worker] = stage
+        else:
+            merged.setdefault(worker, stage)
+    return merged
 
 
 class PolicyUpdates:
@@ -54,6 +65,9 @@ class PolicyUpdates:
         self.record = PolicyRecord()
         self._changed = asyncio.Event()  # replaced (set, then renewed) on every change
         self._rolling: asyncio.Task[None] | None = None
+        # target version -> worker -> last stage seen here ("member", "drained", "applied"): the
+        # barrier counts these at once; the store's copy covers acks taken by other replicas.
+        self._stages: dict[int, dict[str, str]] = {}
         # ((target, epoch), clock) when this coordinator first saw the update in progress.
         self._first_seen: tuple[tuple[int, int], float] | None = None
         self.last: CommitResult | None = None
@@ -100,7 +114,9 @@ class PolicyUpdates:
             if not s.external and s.policy_version == record.version
             and s.status(now) in (WorkerStatus.READY, WorkerStatus.CORDONED)
         ]
+        stages = self._stages.setdefault(target, {})
         for session in members:
+            stages[session.worker_id] = "member"
             await self._store.record_ack(target, session.worker_id, "member")
         log.info("policy.begin", version=record.version, target=target, mode=record.mode,
                  members=[s.worker_id for s in members])
@@ -132,7 +148,13 @@ class PolicyUpdates:
                         version=version, target=record.target_version)
             return
         if version == record.target_version:
-            await self._store.record_ack(version, session.worker_id, stage)
+            self._stages.setdefault(version, {})[session.worker_id] = stage
+            try:
+                await self._store.record_ack(version, session.worker_id, stage)
+            except StoreUnavailable:
+                # Kept locally (the barrier counts it); the stream must survive a Redis blip.
+                log.warning("policy.ack_not_persisted", worker=session.worker_id, stage=stage,
+                            version=version)
         if stage == "drained" and version == record.target_version and record.mode == "sync":
             self._sessions.send(
                 session.worker_id, Command("apply", version, record.target_weights_uri)
@@ -159,8 +181,13 @@ class PolicyUpdates:
         policy.commit(record, version)  # refuses a wrong target before any waiting
         members = await self._members(version)
         deadline = self._clock() + timeout
+        stored: dict[str, str] = {}
+        next_read = 0.0
         while True:
-            barrier = policy.barrier(members, await self._store.get_acks(version))
+            now = self._clock()
+            if now >= next_read:  # acks taken by other replicas reach us through the store
+                stored, next_read = dict(await self._store.get_acks(version)), now + 0.1
+            barrier = policy.barrier(members, _latest(stored, self._stages.get(version, {})))
             if barrier.done or self._clock() >= deadline:
                 break
             await self._wait_change(min(0.05, max(0.0, deadline - self._clock())))
@@ -191,7 +218,28 @@ class PolicyUpdates:
 
     async def _members(self, version: int) -> frozenset[str]:
         acks = await self._store.get_acks(version)
-        return frozenset(acks)
+        return frozenset(acks) | frozenset(self._stages.get(version, {}))
+
+    def reconnected(self, session: WorkerSession) -> None:
+        """A member's stream came back mid-update: resend the command its stage calls for (a
+        command or ack lost with the old stream must not get it fenced). The worker skips what
+        it already did (an APPLY of the version it serves is acked without a reload)."""
+        record = self.record
+        target = record.target_version
+        if target is None:
+            return
+        stage = self._stages.get(target, {}).get(session.worker_id)
+        if stage is None or stage == "applied":
+            return
+        if record.mode == "sync" and stage == "member":
+            session.draining = True
+            self._fleet.changed()
+            self._sessions.send(session.worker_id, Command("drain", target))
+        else:
+            self._sessions.send(
+                session.worker_id, Command("apply", target, record.target_weights_uri)
+            )
+        log.info("policy.command_resent", worker=session.worker_id, stage=stage, target=target)
 
     async def abort(self, version: int) -> PolicyRecord:
         """Back to SERVING(current): every member is told to (re)apply the current weights and

@@ -233,3 +233,57 @@ async def test_an_update_nobody_commits_is_aborted_after_the_timeout() -> None:
             route = await client.route(PROMPT)
             assert (route.worker_id, route.policy_version) == ("w", 0)
         await worker.stop(grace=0.5)
+
+
+@pytest.mark.redis
+async def test_a_redis_crash_right_after_begin_fences_nobody() -> None:
+    from tests.conftest import skip_without_redis
+    from tests.redis_server import RedisServer
+
+    skip_without_redis()
+    with RedisServer(appendonly=True, appendfsync="always") as redis_server:
+        async with running_coordinator(page_size=PAGE, redis=redis_server.url) as coord, \
+                AsyncExitStack() as stack:
+            workers = []
+            for i in range(2):
+                config = WorkerConfig(
+                    coordinator=target(coord), listen="127.0.0.1:0", pages=32, page_size=PAGE,
+                    device="cpu", worker_id=f"w{i}", max_new_tokens=8,
+                )
+                running = await start_worker(config)
+                stack.push_async_callback(running.stop, 0.5)
+                workers.append(running)
+            for w in workers:
+                await asyncio.wait_for(w.agent.synced.wait(), 5)
+            async with AsyncCoordinatorClient(target(coord), timeout=20) as client:
+                await client.begin_policy_update(0)
+                # Acks and heartbeats fail while Redis is down; streams break and come back.
+                redis_server.restart(hard=True)
+                state = await client.commit_policy_update(1, timeout=8)
+                assert sorted(state.acked_workers) == ["w0", "w1"]
+                assert state.fenced_workers == ()
+                assert (await client.policy()).version == 1
+
+
+async def test_a_command_lost_with_a_broken_stream_is_resent_when_the_worker_reconnects(
+    fleet: tuple[RunningCoordinator, list[RunningWorker]],
+) -> None:
+    coord, _ = fleet
+    sessions = coord.service.sessions
+    original_send = sessions.send
+    dropped: list[str] = []
+
+    def lossy_send(worker_id: str, message: object) -> bool:
+        if worker_id == "w0" and not dropped:  # fault injection: the DRAIN to w0 is lost
+            dropped.append(worker_id)
+            return True
+        return original_send(worker_id, message)  # type: ignore[arg-type]
+
+    sessions.send = lossy_send  # type: ignore[method-assign]
+    async with AsyncCoordinatorClient(target(coord)) as client:
+        await client.begin_policy_update(0)
+        assert dropped == ["w0"]
+        sessions.close_stream("w0", "injected stream failure")  # w0 reconnects
+        state = await client.commit_policy_update(1, timeout=5)
+        assert sorted(state.acked_workers) == ["w0", "w1", "w2"]
+        assert state.fenced_workers == ()

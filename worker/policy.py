@@ -36,8 +36,9 @@ KIND_NAMES = {
 
 class PolicyHandler:
     """Runs policy commands in order on the event loop. ``send`` queues a ``SyncRequest`` on the
-    current stream and returns False when there is none (the ack is then lost, and the
-    coordinator, which owns the barrier, asks again)."""
+    current stream and returns False when there is none (the ack is then lost; the coordinator
+    resends the command for the worker's stage when its stream comes back, and the worker skips
+    work already done)."""
 
     def __init__(
         self, runtime: WorkerRuntime, gate: GenerationGate, metrics: WorkerMetrics,
@@ -110,6 +111,7 @@ class PolicyHandler:
             self.gate.open()
 
     def _ack(self, stage: pb.PolicyAck.Stage, version: int) -> None:
+        log.info("policy.acked", stage=pb.PolicyAck.Stage.Name(stage), version=version)
         ack = pb.PolicyAck(stage=stage, version=version)
         if not self._send(pb.SyncRequest(policy_ack=ack)):
             log.warning("policy.ack_not_sent", stage=int(stage), version=version,
