@@ -152,10 +152,12 @@ class CoordinatorClient:
         return policy_from(self._call("GetPolicy", pb.GetPolicyRequest()))
 
     def begin_policy_update(
-        self, expected_version: int, mode: str = "sync", weights_uri: str = ""
+        self, expected_version: int, mode: str = "sync", weights_uri: str = "",
+        abort_running: bool = False,
     ) -> PolicyState:
-        """Start moving the fleet from ``expected_version`` to the next one (ABORTED if stale)."""
-        request = begin_request(expected_version, mode, weights_uri)
+        """Start moving the fleet from ``expected_version`` to the next one (ABORTED if stale);
+        ``abort_running`` makes the drain stop running generation instead of waiting for it."""
+        request = begin_request(expected_version, mode, weights_uri, abort_running)
         return policy_from(self._call("BeginPolicyUpdate", request))
 
     @contextlib.contextmanager
@@ -298,9 +300,10 @@ class AsyncCoordinatorClient:
         return await self._parsed("GetPolicy", pb.GetPolicyRequest(), policy_from)
 
     async def begin_policy_update(
-        self, expected_version: int, mode: str = "sync", weights_uri: str = ""
+        self, expected_version: int, mode: str = "sync", weights_uri: str = "",
+        abort_running: bool = False,
     ) -> PolicyState:
-        request = begin_request(expected_version, mode, weights_uri)
+        request = begin_request(expected_version, mode, weights_uri, abort_running)
         return await self._parsed("BeginPolicyUpdate", request, policy_from)
 
     @contextlib.asynccontextmanager

@@ -68,6 +68,7 @@ class PolicyUpdates:
         # target version -> worker -> last stage seen here ("member", "drained", "applied"): the
         # barrier counts these at once; the store's copy covers acks taken by other replicas.
         self._stages: dict[int, dict[str, str]] = {}
+        self._abort_running: dict[int, bool] = {}  # target -> its DRAINs stop generation
         # ((target, epoch), clock) when this coordinator first saw the update in progress.
         self._first_seen: tuple[tuple[int, int], float] | None = None
         self.last: CommitResult | None = None
@@ -102,7 +103,9 @@ class PolicyUpdates:
 
     # ------------------------------------------------------------------ begin / ack / commit
 
-    async def begin(self, expected_version: int, mode: str, weights_uri: str) -> PolicyRecord:
+    async def begin(
+        self, expected_version: int, mode: str, weights_uri: str, abort_running: bool = False
+    ) -> PolicyRecord:
         record = await self._cas(
             lambda cur: policy.begin(cur, expected_version, mode, weights_uri)
         )
@@ -123,7 +126,9 @@ class PolicyUpdates:
         if record.mode == "sync":
             for session in members:
                 session.draining = True
-                self._sessions.send(session.worker_id, Command("drain", target))
+                self._sessions.send(session.worker_id,
+                                    Command("drain", target, abort_running=abort_running))
+            self._abort_running[target] = abort_running
             self._fleet.changed()
         else:
             self._rolling = asyncio.create_task(self._roll(target, members, weights_uri))
@@ -234,7 +239,9 @@ class PolicyUpdates:
         if record.mode == "sync" and stage == "member":
             session.draining = True
             self._fleet.changed()
-            self._sessions.send(session.worker_id, Command("drain", target))
+            abort_running = self._abort_running.get(target, False)
+            self._sessions.send(session.worker_id,
+                                Command("drain", target, abort_running=abort_running))
         else:
             self._sessions.send(
                 session.worker_id, Command("apply", target, record.target_weights_uri)

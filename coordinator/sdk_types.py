@@ -342,7 +342,7 @@ def stats_from(stats: pb.Stats) -> Stats:
 
 
 def begin_request(
-    expected_version: int, mode: str, weights_uri: str
+    expected_version: int, mode: str, weights_uri: str, abort_running: bool = False
 ) -> pb.BeginPolicyUpdateRequest:
     if mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
@@ -350,7 +350,8 @@ def begin_request(
         raise ValueError(f"expected_version must be >= 0, got {expected_version}")
     mode_pb = pb.POLICY_MODE_ASYNC if mode == "async" else pb.POLICY_MODE_SYNC
     return pb.BeginPolicyUpdateRequest(
-        expected_version=expected_version, mode=mode_pb, weights_uri=weights_uri
+        expected_version=expected_version, mode=mode_pb, weights_uri=weights_uri,
+        abort_running=abort_running,
     )
 
 

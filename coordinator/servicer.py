@@ -235,7 +235,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         check_protocol(request.protocol_version)
         mode = "async" if request.mode == pb.POLICY_MODE_ASYNC else "sync"
         record = await self._service.updates.begin(
-            request.expected_version, mode, request.weights_uri
+            request.expected_version, mode, request.weights_uri, request.abort_running
         )
         return convert.policy_to_pb(record)
 

@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     begin.add_argument("--mode", choices=("sync", "async"), default="sync")
     begin.add_argument("--weights", default="", metavar="URI",
                        help="weights the workers load (default: seeded by the version)")
+    begin.add_argument("--abort-running", action="store_true",
+                       help="sync mode: stop running generation instead of letting it finish")
     commit = pol_sub.add_parser("commit", help="wait for the barrier, then serve the version")
     _add_target(commit)
     commit.add_argument("--version", type=int, required=True)
@@ -238,7 +240,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
         if action == "show":
             state = c.policy()
         elif action == "begin":
-            state = c.begin_policy_update(args.expected_version, args.mode, args.weights)
+            state = c.begin_policy_update(args.expected_version, args.mode, args.weights,
+                                          args.abort_running)
         elif action == "commit":
             state = c.commit_policy_update(args.version, timeout=args.timeout)
         else:

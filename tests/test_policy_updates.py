@@ -287,3 +287,30 @@ async def test_a_command_lost_with_a_broken_stream_is_resent_when_the_worker_rec
         state = await client.commit_policy_update(1, timeout=5)
         assert sorted(state.acked_workers) == ["w0", "w1", "w2"]
         assert state.fenced_workers == ()
+
+
+async def test_a_drain_that_aborts_running_generation_stops_it_at_once() -> None:
+    async with running_coordinator(page_size=PAGE) as coord:
+        config = WorkerConfig(coordinator=target(coord), listen="127.0.0.1:0", pages=512,
+                              page_size=PAGE, device="cpu", worker_id="w", max_new_tokens=1500)
+        worker = await start_worker(config)
+        await asyncio.wait_for(worker.agent.synced.wait(), 5)
+        async with AsyncCoordinatorClient(target(coord)) as client, \
+                AsyncWorkerClient(_addr(worker)) as generator:
+            long_one = asyncio.create_task(generator.generate(PROMPT, 1500))
+
+            async def running() -> bool:
+                return worker.runtime.stats().running_requests == 1
+
+            await eventually(running, what="the long generation to start")
+            await client.begin_policy_update(0, abort_running=True)
+            with pytest.raises(KvcoordError) as err:
+                await long_one
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "aborted by a policy drain" in err.value.details
+            state = await client.commit_policy_update(1, timeout=5)
+            assert state.acked_workers == ("w",)
+            after = await generator.generate(PROMPT, 2)
+            assert after.policy_version == 1
+            worker.runtime.check_integrity()
+        await worker.stop(grace=0.5)

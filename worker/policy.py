@@ -9,8 +9,8 @@ arrival order and acknowledged on the Sync stream:
 - RESUME: open the gate again (no ack). APPLY already reopened it once the new weights were in;
   RESUME covers an aborted update whose APPLY never came.
 
-DRAIN always lets running generation finish (the reference runtime cannot abort mid-request);
-``abort_running`` is accepted and treated the same.
+DRAIN with ``abort_running`` also stops running generation at its next decode step (and queued
+requests before they start): their callers get UNAVAILABLE and retry elsewhere.
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ class PolicyHandler:
         log.info("policy.command", kind=kind, version=command.version)
         if kind == "drain":
             self.gate.close()
+            if command.abort_running:
+                self._runtime.set_aborting(True)
             await self.gate.wait_idle()
             self._ack(pb.PolicyAck.STAGE_DRAINED, command.version)
         elif kind == "apply":
@@ -105,10 +107,14 @@ class PolicyHandler:
             # Generation may run again: the weights it would use are the ones just applied (the
             # invariant forbids generating between DRAINED and APPLIED, not after). The
             # coordinator keeps routes away until it commits.
-            self.gate.open()
+            self._reopen()
             self._ack(pb.PolicyAck.STAGE_APPLIED, command.version)
         else:
-            self.gate.open()
+            self._reopen()
+
+    def _reopen(self) -> None:
+        self._runtime.set_aborting(False)
+        self.gate.open()
 
     def _ack(self, stage: pb.PolicyAck.Stage, version: int) -> None:
         log.info("policy.acked", stage=pb.PolicyAck.Stage.Name(stage), version=version)

@@ -34,6 +34,11 @@ class PoolExhausted(Exception):
     RESOURCE_EXHAUSTED). Nothing is held when it is raised."""
 
 
+class GenerationAborted(Exception):
+    """The request was stopped by a policy drain that aborts running generation (maps to
+    UNAVAILABLE: retry on a worker serving the new version). Nothing is held when raised."""
+
+
 @dataclass(frozen=True, slots=True)
 class Generation:
     """A finished request. ``tokens`` is the completion only. ``cached_tokens``: prompt tokens
@@ -128,6 +133,9 @@ class WorkerRuntime:
         # Full recompute for logits_for(use_cache=False): same pool, never looks up or records.
         self._uncached = PagedStrategy(self._allocator, None, page_size, self._req_pool)
         self._lock = threading.Lock()  # serializes requests and weight loads
+        # Set while a drain aborts running generation: decode stops at its next step and queued
+        # requests stop before they start, until set_aborting(False).
+        self._aborting = threading.Event()
         self._stats_lock = threading.Lock()  # guards the two counters below only
         self._running = 0
         self._queued_tokens = 0
@@ -146,11 +154,15 @@ class WorkerRuntime:
         # The last completion token is never fed back, so it needs no KV slot.
         with self._turn(n + max_new_tokens), self._request(self._strategy, prompt,
                                                            n + max_new_tokens - 1) as req:
+            if self._aborting.is_set():
+                raise GenerationAborted("generation aborted by a policy drain: retry")
             token = req.logits[-1].argmax()
             out = [token]
             # Decode: one forward per token (inherent); tokens stay on the device and are
             # read back once at the end, so a GPU never waits on the host between steps.
             for pos in range(n, n + max_new_tokens - 1):
+                if self._aborting.is_set():
+                    raise GenerationAborted("generation aborted by a policy drain: retry")
                 slots = self._req_pool.slots(req.task.req_idx, pos + 1)
                 token = self._engine.forward(self._buffers, token.view(1), pos, slots)[-1].argmax()
                 out.append(token)
@@ -171,6 +183,14 @@ class WorkerRuntime:
             return req.logits
 
     # ---- weights, inventory, stats ----
+
+    def set_aborting(self, aborting: bool) -> None:
+        """While True, the running generation stops at its next decode step and queued ones
+        before they start (``GenerationAborted``; their pages are released). Thread-safe."""
+        if aborting:
+            self._aborting.set()
+        else:
+            self._aborting.clear()
 
     def load_weights(self, version: int, path: str | None = None) -> int:
         """Switch to ``version``'s weights (from ``path``, else seeded by the version).

@@ -23,7 +23,7 @@ from worker.engine import ModelConfig
 from worker.gate import Draining, GenerationGate
 from worker.metrics import WorkerMetrics
 from worker.relay import EventRelay
-from worker.runtime import InvalidRequest, PoolExhausted, WorkerRuntime
+from worker.runtime import GenerationAborted, InvalidRequest, PoolExhausted, WorkerRuntime
 from worker.servicer import SyncState, WorkerServicer
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
@@ -37,6 +37,7 @@ EXPECTED_ERRORS = {
     InvalidRequest: Mapped("INVALID_ARGUMENT"),
     PoolExhausted: Mapped("RESOURCE_EXHAUSTED"),
     Draining: Mapped("UNAVAILABLE", retry_after_ms=DRAIN_RETRY_MS),
+    GenerationAborted: Mapped("UNAVAILABLE", retry_after_ms=DRAIN_RETRY_MS),
 }
 
 

@@ -414,16 +414,18 @@ class GetPolicyRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class BeginPolicyUpdateRequest(_message.Message):
-    __slots__ = ("protocol_version", "expected_version", "mode", "weights_uri")
+    __slots__ = ("protocol_version", "expected_version", "mode", "weights_uri", "abort_running")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_URI_FIELD_NUMBER: _ClassVar[int]
+    ABORT_RUNNING_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     expected_version: int
     mode: PolicyMode
     weights_uri: str
-    def __init__(self, protocol_version: _Optional[int] = ..., expected_version: _Optional[int] = ..., mode: _Optional[_Union[PolicyMode, str]] = ..., weights_uri: _Optional[str] = ...) -> None: ...
+    abort_running: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., expected_version: _Optional[int] = ..., mode: _Optional[_Union[PolicyMode, str]] = ..., weights_uri: _Optional[str] = ..., abort_running: _Optional[bool] = ...) -> None: ...
 
 class CommitPolicyUpdateRequest(_message.Message):
     __slots__ = ("protocol_version", "version", "timeout_ms")
