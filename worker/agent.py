@@ -242,10 +242,17 @@ class CoordinatorAgent:
             asyncio.create_task(self._heartbeats()),
             asyncio.create_task(self._read(call)),
         ]
+        reader = tasks[2]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # raises the stream's error
+            if reader not in done:
+                # A write into a stream the coordinator just ended fails with a bare transport
+                # error; the reader receives the status that says why (fenced, superseded...).
+                await asyncio.wait([reader], timeout=1.0)
+                if reader.done():
+                    done = {reader, *done}
+            for task in sorted(done, key=lambda t: t is not reader):
+                task.result()  # raises the stream's error, the reader's first
             raise ConnectionError("the coordinator closed the Sync stream")
         finally:
             for task in tasks:
