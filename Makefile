@@ -48,8 +48,8 @@ bench: $(STAMP) ## run the benchmarks; tables printed, JSON in bench/results/
 run: $(STAMP) ## run a coordinator on LISTEN (embedded store)
 	$(VENV)/bin/kvcoord coordinator --listen $(LISTEN)
 
-demo: $(STAMP) ## the main job: a coordinator and a scripted round trip
-	$(VENV)/bin/kvcoord demo
+demo: $(STAMP) ## the main job: `kvcoord up` (local fleet, demo workload, report)
+	$(VENV)/bin/kvcoord up
 
 clean: ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .mypy_cache .ruff_cache .hypothesis

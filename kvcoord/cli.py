@@ -108,7 +108,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="coordinator, worker, policy or all (default)")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
 
-    sub.add_parser("demo", help="start a coordinator and run a scripted round trip")
+    up = sub.add_parser("up", help="a local fleet (coordinator + workers), a demo workload "
+                        "under kv_aware and round_robin, and a report")
+    up.add_argument("--workers", type=int, default=3, help="reference workers (default 3)")
+    up.add_argument("--redis", metavar="URL", help="Redis URL; omit for the embedded store")
+    up.add_argument("--keep-running", action="store_true",
+                    help="after the report, keep the fleet serving until Ctrl-C")
+    up.add_argument("--scale", choices=("small", "default"), default="default",
+                    help="workload size: small (CI, 36 requests) or default (160)")
+    up.add_argument("--requests", type=int, metavar="N",
+                    help="about N requests per routing policy (overrides --scale)")
+    up.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                    help="the workers' device (default cpu: the reference model is tiny)")
+    up.add_argument("--pages", type=int,
+                    help="KV pages per worker (default 256: less than the workload's working "
+                    "set, as in production)")
+    up.add_argument("--pidfile", metavar="FILE",
+                    help="write the pid of every process started, one per line")
+
+    sub.add_parser("demo", help="same as `kvcoord up` with its defaults (what `make demo` runs)")
+
+    from kvcoord.simulate.cli import add_simulate_parser  # argparse only: cheap
+
+    add_simulate_parser(sub)
     return parser
 
 
@@ -263,6 +285,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_suite(args.suite, quick=args.quick)
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvcoord.demo_workload import SCALES, WorkloadSpec
+    from kvcoord.up import UpOptions, run_up
+
+    spec = WorkloadSpec.for_requests(args.requests or SCALES[args.scale])
+    return run_up(UpOptions(
+        workers=args.workers, redis=args.redis, keep_running=args.keep_running, spec=spec,
+        device=args.device, pidfile=Path(args.pidfile) if args.pidfile else None,
+        **({} if args.pages is None else {"pages": args.pages}),
+    ))
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from kvcoord.simulate.cli import run_simulate
+
+    return run_simulate(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvcoord.demo import run_demo
 
@@ -272,7 +314,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 COMMANDS = {
     "policy": cmd_policy,
     "coordinator": cmd_coordinator, "worker": cmd_worker, "route": cmd_route, "status": cmd_status,
-    "rollouts": cmd_rollouts, "bench": cmd_bench, "demo": cmd_demo,
+    "rollouts": cmd_rollouts, "bench": cmd_bench, "demo": cmd_demo, "up": cmd_up,
+    "simulate": cmd_simulate,
 }
 
 

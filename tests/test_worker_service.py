@@ -146,3 +146,31 @@ async def test_stats_health_and_the_coordinator_index_follow_generation(
         health = health_pb2_grpc.HealthStub(channel)
         reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_finished_generation_is_reported_long_before_the_next_heartbeat() -> None:
+    # Heartbeats every 5 s: only the completion-triggered report can settle the route in time.
+    async with running_coordinator(page_size=PAGE, heartbeat_ms=5000, lease_ms=20000) as coord:
+        workers = []
+        for name in ("a", "b"):
+            config = WorkerConfig(coordinator=target(coord), listen="127.0.0.1:0", pages=64,
+                                  page_size=PAGE, device="cpu", worker_id=name, max_new_tokens=8)
+            workers.append(await start_worker(config))
+        for w in workers:
+            await asyncio.wait_for(w.agent.synced.wait(), 5)
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            turn = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+            route = await client.route(turn)
+            answer = await AsyncWorkerClient(route.address).generate(turn, 4)
+
+            async def settled() -> bool:
+                infos = {w.worker_id: w.inflight_routes for w in await client.workers()}
+                return infos[route.worker_id] == 0
+
+            await eventually(settled, timeout=1.0, what="the finished route to be reported")
+            next_turn = turn + answer.tokens + [21, 22, 23, 24]
+            follow_up = await client.route(next_turn)
+            assert follow_up.worker_id == route.worker_id
+            assert follow_up.matched_tokens >= 2 * PAGE
+        for w in workers:
+            await w.stop(grace=0.5)

@@ -36,6 +36,9 @@ from worker.runtime import WorkerRuntime
 log = structlog.get_logger(__name__)
 
 PROTOCOL_VERSION = 1
+# Minimum spacing of heartbeats triggered by finished generations (each renews the lease in the
+# store, so this also bounds store writes per worker).
+COMPLETION_COALESCE_S = 0.02
 # FAILED_PRECONDITION details meaning "this incarnation is gone": register again.
 _REREGISTER = ("unknown worker", "stale incarnation", "re-register")
 
@@ -333,13 +336,19 @@ class CoordinatorAgent:
         period = (self.config.heartbeat_ms or registration.heartbeat_ms or 1000) / 1000
         while True:
             stats = self._runtime.stats()
+            self._gate.completion.clear()
             self._send(pb.SyncRequest(heartbeat=pb.Heartbeat(
                 running_requests=stats.running_requests, queued_tokens=stats.queued_tokens,
                 free_pages=stats.free_pages, total_pages=stats.total_pages,
                 completed_routes=self._gate.take_completed(),
                 policy_version=stats.policy_version,
             )))
-            await asyncio.sleep(period)
+            # Next beat after the period, or soon after a generation finishes (a route that
+            # is still counted as queued work would push the conversation's next turn away
+            # from its own cache). The short pause coalesces a burst into one heartbeat.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gate.completion.wait(), period)
+            await asyncio.sleep(COMPLETION_COALESCE_S)
 
     # ------------------------------------------------------------------ page events
 

@@ -34,6 +34,10 @@ class GenerationGate:
         self._closed = False
         self._idle = asyncio.Event()
         self._idle.set()
+        # Set when a call ends: the agent reports completions at once (coalesced), so the
+        # coordinator stops counting a finished route as queued work before the next turn of
+        # the same conversation is routed.
+        self.completion = asyncio.Event()
 
     @property
     def in_flight(self) -> int:
@@ -54,6 +58,7 @@ class GenerationGate:
         """One admitted call ended, answered or refused: either way its route is settled."""
         self._in_flight -= 1
         self._completed_unreported += 1
+        self.completion.set()
         if self._in_flight == 0:
             self._idle.set()
 

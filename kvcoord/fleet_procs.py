@@ -1,0 +1,234 @@
+"""Local fleet processes: a ``kvcoord coordinator`` and N ``kvcoord worker`` subprocesses.
+
+Every process is started in its own session (so its process group id is its pid and the
+terminal's Ctrl-C reaches only the launcher, which then tears the groups down in order) and, on
+Linux, with ``PR_SET_PDEATHSIG`` so that even a launcher killed with SIGKILL takes its children
+with it. Teardown is SIGTERM to each process group (the graceful path: workers deregister and
+drain), then SIGKILL to whatever outlives the grace period; it is idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.client import CoordinatorClient
+from worker.client import WorkerClient
+
+# Why a shorter heartbeat than the coordinator's 2 s default: in-flight accounting and worker
+# load reach the router with each heartbeat, and the demo's bursts last well under 2 s.
+FLEET_ENV = {"KVCOORD_HEARTBEAT_MS": "250"}
+STOP_GRACE_S = 5.0
+
+
+class FleetError(RuntimeError):
+    """A fleet process exited or did not become healthy/ready in time (message: its log tail)."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (another process may still take it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking Linux to SIGTERM the child when the launcher dies (None
+    elsewhere). ``prctl`` is resolved here, before fork, so the child only makes the call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+
+    return preexec
+
+
+def spawn(args: Sequence[str], *, env: Mapping[str, str] | None = None,
+          stderr: IO[bytes] | int | None = subprocess.PIPE) -> subprocess.Popen[bytes]:
+    """``python -m kvcoord.cli ARGS`` in a new session (own process group), stdout discarded."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvcoord.cli", *args], env={**os.environ, **(env or {})},
+        start_new_session=True, preexec_fn=_die_with_parent(),
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+    )
+
+
+def start_coordinator_process(
+    port: int, *extra_args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``kvcoord coordinator`` on 127.0.0.1:``port`` (embedded store unless ``--redis`` is in
+    ``extra_args``), logging warnings and up to a pipe, in its own process group."""
+    return spawn(["coordinator", "--listen", f"127.0.0.1:{port}", "--log-level", "warning",
+                  *extra_args], env=env)
+
+
+def wait_healthy(target: str, process: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    """Block until ``target``'s gRPC health answers SERVING; RuntimeError when ``process``
+    exits first (with its stderr tail if it was piped), TimeoutError when time runs out."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                err = process.stderr.read().decode() if process.stderr else ""
+                raise RuntimeError(f"process exited with {process.returncode}: {err[-2000:]}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.1)
+    raise TimeoutError(f"{target} not healthy after {timeout}s")
+
+
+def stop_processes(processes: Sequence[subprocess.Popen[bytes]],
+                   grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM every process group at once, wait up to ``grace`` seconds in all, SIGKILL the
+    groups still alive and reap them. Already exited processes are skipped (and reaped)."""
+    for process in processes:
+        if process.poll() is None:
+            _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(process, signal.SIGKILL)
+            process.wait()
+
+
+def stop_process(process: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    """``stop_processes`` for one process (SIGTERM its group, SIGKILL after ``grace``)."""
+    stop_processes([process], grace)
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
+        os.killpg(process.pid, sig)
+
+
+@dataclass
+class LocalFleet:
+    """A coordinator plus ``workers`` reference workers on free 127.0.0.1 ports.
+
+    ``start()`` returns once the coordinator is healthy and every worker is ``ready`` at it;
+    on any failure it stops what it started and raises ``FleetError``. ``stop()`` stops workers
+    first (they deregister while the coordinator is still up), then the coordinator. Each
+    process's stderr goes to ``log_dir/<name>.log``; each pid is appended to ``pidfile``.
+    """
+
+    workers: int
+    log_dir: Path
+    redis: str | None = None
+    device: str = "cpu"
+    pages: int | None = None
+    """KV pages per worker (None: the worker's default)."""
+    pidfile: Path | None = None
+    coordinator_target: str = ""
+    worker_addresses: dict[str, str] = field(default_factory=dict)
+    _coordinator: subprocess.Popen[bytes] | None = None
+    _worker_procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        try:
+            port = free_port()
+            self.coordinator_target = f"127.0.0.1:{port}"
+            extra = ["--redis", self.redis] if self.redis else []
+            self._coordinator = self._spawn("coordinator", {}, [
+                "coordinator", "--listen", self.coordinator_target, "--log-level", "warning",
+                *extra])
+            pages = ["--pages", str(self.pages)] if self.pages is not None else []
+            # Why: torch sizes its thread pool to every core in each worker; N workers sharing
+            # the cores then spin against each other (10x tail latency on 2 cores).
+            threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // self.workers))}
+            for i in range(self.workers):
+                worker_id, address = f"w{i}", f"127.0.0.1:{free_port()}"
+                self.worker_addresses[worker_id] = address
+                self._worker_procs[worker_id] = self._spawn(worker_id, threads, [
+                    "worker", "--coordinator", self.coordinator_target, "--listen", address,
+                    "--worker-id", worker_id, "--device", self.device, "--log-level", "warning",
+                    *pages])
+            self._wait_ready(deadline)
+            self._warm_up()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, name: str, env: dict[str, str], args: list[str]) -> subprocess.Popen[bytes]:
+        """Start one process; ``env`` and ``FLEET_ENV`` are defaults the caller's env overrides."""
+        with (self.log_dir / f"{name}.log").open("ab") as log:
+            process = spawn(args, env={**FLEET_ENV, **env, **os.environ}, stderr=log)
+        if self.pidfile is not None:
+            with self.pidfile.open("a") as out:
+                out.write(f"{process.pid}\n")
+        return process
+
+    def _wait_ready(self, deadline: float) -> None:
+        """Coordinator health first, then poll ListWorkers until all ``workers`` are ready."""
+        assert self._coordinator is not None
+        try:
+            wait_healthy(self.coordinator_target, self._coordinator,
+                         timeout=max(0.1, deadline - time.monotonic()))
+        except (RuntimeError, TimeoutError) as exc:
+            raise FleetError(f"coordinator: {exc}\n{self.log_tail('coordinator')}") from None
+        with CoordinatorClient(self.coordinator_target, timeout=5.0) as client:
+            while True:
+                self.check_alive()
+                ready = {w.worker_id for w in client.workers() if w.state == "ready"}
+                if ready >= set(self.worker_addresses):
+                    return
+                if time.monotonic() > deadline:
+                    missing = sorted(set(self.worker_addresses) - ready)
+                    raise FleetError(f"workers not ready in time: {', '.join(missing)}\n"
+                                     f"{self.log_tail(missing[0])}")
+                time.sleep(0.1)
+
+    def _warm_up(self) -> None:
+        """One tiny generation per worker, so no measured request pays for lazy start-up work.
+        Prompt + completion stay under one page: nothing is cached or indexed."""
+        for address in self.worker_addresses.values():
+            with WorkerClient(address, timeout=30.0) as worker:
+                worker.generate([1, 2, 3, 4], 2)
+
+    def check_alive(self) -> None:
+        """FleetError naming the first fleet process that has exited, with its log tail."""
+        procs = {"coordinator": self._coordinator, **self._worker_procs}
+        for name, process in procs.items():
+            if process is not None and process.poll() is not None:
+                raise FleetError(f"{name} exited with {process.returncode}\n"
+                                 f"{self.log_tail(name)}")
+
+    def log_tail(self, name: str, chars: int = 2000) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+    @property
+    def pids(self) -> list[int]:
+        procs = [self._coordinator, *self._worker_procs.values()]
+        return [p.pid for p in procs if p is not None]
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """Workers (SIGTERM, then SIGKILL after ``grace``), then the coordinator. Idempotent."""
+        stop_processes(list(self._worker_procs.values()), grace)
+        if self._coordinator is not None:
+            stop_processes([self._coordinator], grace)

@@ -1,0 +1,79 @@
+"""``kvcoord simulate``: its arguments and its command (wired into ``kvcoord/cli.py``).
+
+Only argparse is imported at module level, so building the CLI parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+
+def add_simulate_parser(sub: Any) -> None:
+    """Add the ``simulate`` subcommand to ``sub`` (an argparse subparsers action)."""
+    sim: argparse.ArgumentParser = sub.add_parser(
+        "simulate", help="replay a Mooncake-format trace through the real index and router "
+        "with simulated workers",
+    )
+    sim.add_argument("--trace", required=True, metavar="FILE",
+                     help="JSON Lines: timestamp (ms), input_length, output_length, hash_ids")
+    sim.add_argument("--workers", type=int, required=True, metavar="N")
+    sim.add_argument("--capacity-tokens", type=int, default=500_000, metavar="N",
+                     help="KV capacity per worker in tokens (default %(default)s: an 80 GB GPU "
+                     "serving Llama-3-8B in bf16)")
+    sim.add_argument("--policy", action="extend", nargs="+", metavar="NAME",
+                     help="round_robin, least_loaded, kv_aware, sglang_like, dynamo_like "
+                     "(default: all)")
+    sim.add_argument("--json", metavar="FILE", help="write the results as JSON (DESIGN.md)")
+    sim.add_argument("--plot", metavar="FILE", help="write a PNG (needs matplotlib)")
+    sim.add_argument("--limit", type=int, metavar="N", help="only the first N requests")
+    sim.add_argument("--seed", type=int, default=0, help="seed for tie-breaks (default 0)")
+    sim.add_argument("--page-size", type=int, default=512, metavar="N",
+                     help="tokens per KV page (default %(default)s: one trace block)")
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Run the simulation, print the table (stdout), write --json/--plot; progress on stderr.
+
+    Bad input raises ValueError (the CLI prints it and exits 2)."""
+    from kvcoord.progress import Progress
+    from kvcoord.simulate.engine import ROUTERS, check_policies
+    from kvcoord.simulate.report import render, write_json, write_plot
+    from kvcoord.simulate.runner import simulate
+
+    names = check_policies(args.policy or list(ROUTERS))
+    if args.plot:
+        _require_matplotlib()  # fail before minutes of simulation, not after
+    bar: list[Progress] = []
+
+    def on_phase(policy: str, requests: int) -> Callable[[int], None]:
+        if not bar:
+            bar.append(Progress(requests * len(names)))
+        bar[0].set_phase(policy)
+        return bar[0].advance
+
+    try:
+        report = simulate(
+            args.trace, workers=args.workers, capacity_tokens=args.capacity_tokens,
+            policies=names, page_size=args.page_size, limit=args.limit, seed=args.seed,
+            progress=on_phase,
+        )
+    finally:
+        if bar:
+            bar[0].close()
+    print(render(report))
+    if args.json:
+        write_json(report, args.json)
+    if args.plot:
+        write_plot(report, args.plot)
+    return 0
+
+
+def _require_matplotlib() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(
+            "--plot needs matplotlib: pip install 'kvcoord[plot]' (or pip install matplotlib)"
+        )
