@@ -20,7 +20,7 @@ from coordinator.fleet import BatchVerdict, Fleet, WorkerSession
 from coordinator.hashing import HashConfig
 from coordinator.index import PrefixIndex, Tier
 from coordinator.routing import WorkerLoad
-from coordinator.store import MetadataStore, PolicyRecord
+from coordinator.store import MetadataStore, PolicyRecord, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -327,7 +327,17 @@ class WorkerSessions:
     async def heartbeat(self, session: WorkerSession, beat: HeartbeatIn) -> list[Outbound]:
         """Renew the lease (in the store, so every replica sees it) and take the load report."""
         cfg = self._config
-        if not await self._store.renew_lease(session.worker_id, session.incarnation, cfg.lease_ms):
+        try:
+            renewed = await self._store.renew_lease(
+                session.worker_id, session.incarnation, cfg.lease_ms
+            )
+        except StoreUnavailable as exc:
+            # Redis is down: the worker is alive (it is talking to us), so keep routing to it
+            # from memory rather than fail the whole fleet with the store; the lease is renewed
+            # in the store with the first heartbeat after it is back.
+            log.warning("worker.lease_not_renewed", worker=session.worker_id, error=str(exc))
+            renewed = True
+        if not renewed:
             raise FailedPrecondition(
                 f"lease of worker {session.worker_id!r} incarnation {session.incarnation} "
                 "is gone (expired or superseded): re-register"

@@ -360,6 +360,10 @@ async def test_redis_outage_answers_unavailable_and_lookups_keep_serving() -> No
             assert "metadata store unavailable" in (err.value.details() or "")
             async with AsyncCoordinatorClient(target(coord)) as client:
                 assert (await client.lookup(PROMPT)).matches == {"w": 128}
+                # Heartbeats during the outage keep the worker's stream and its routes.
+                await w.heartbeat(running_requests=0)
+                assert (await w.store(w.keys(list(range(64))))).ack.seq == 2
+                assert (await client.route(PROMPT)).worker_id == "w"
             await w.close()
             await other.close()
 
