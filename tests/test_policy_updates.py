@@ -103,10 +103,13 @@ async def test_abort_returns_to_the_current_version_and_routes_resume(
         assert (state.version, state.phase, state.target_version) == (0, "serving", None)
 
         async def all_back() -> bool:
+            # Every command the abort caused (DRAIN, maybe APPLY(1), APPLY(0), RESUME) handled.
+            await asyncio.gather(*(w.agent.commands_idle() for w in workers))
             seen = {w.policy_version for w in await client.workers()}
-            return seen == {0} and {w.runtime.policy_version for w in workers} == {0}
+            return (seen == {0} and {w.runtime.policy_version for w in workers} == {0}
+                    and not any(w.gate.closed for w in workers))
 
-        await eventually(all_back, what="workers back at version 0")
+        await eventually(all_back, what="workers back at version 0 and serving")
         route = await client.route(PROMPT)
         assert route.policy_version == 0
         generation = await AsyncWorkerClient(route.address).generate(PROMPT, 2)
@@ -306,7 +309,7 @@ async def test_a_drain_that_aborts_running_generation_stops_it_at_once() -> None
             await client.begin_policy_update(0, abort_running=True)
             with pytest.raises(KvcoordError) as err:
                 await long_one
-            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert err.value.code == grpc.StatusCode.ABORTED
             assert "aborted by a policy drain" in err.value.details
             state = await client.commit_policy_update(1, timeout=5)
             assert state.acked_workers == ("w",)

@@ -103,6 +103,10 @@ class CoordinatorAgent:
         self._task = asyncio.create_task(self._run(), name=f"agent-{self.worker_id}")
         self.rollouts.start()
 
+    async def commands_idle(self) -> None:
+        """Return once every policy command received so far has been handled."""
+        await self._policy.idle()
+
     async def stop(self, *, deregister: bool = True) -> None:
         """Stop syncing; with ``deregister`` remove this worker and its pages from the
         coordinator at once (graceful shutdown) instead of waiting for the lease to run out."""

@@ -9,6 +9,8 @@ input, RESOURCE_EXHAUSTED when the prompt cannot fit the worker's KV pool, UNAVA
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 import grpc
 
 from coordinator.hashing import tokens_to_bytes
-from coordinator.sdk_types import KvcoordError, channel_options
+from coordinator.sdk_types import KvcoordError, channel_options, retry_pause
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 
@@ -141,10 +143,20 @@ class WorkerClient:
         self._channel.close()
 
     def _call(self, method: str, request: Any) -> Any:
-        try:
-            return getattr(self._stub, method)(request, timeout=self._timeout)
-        except grpc.RpcError as exc:
-            raise KvcoordError.from_rpc(exc) from None
+        """One call; a worker answering UNAVAILABLE with ``retry-after-ms`` (draining for a
+        policy update, resuming after one) is retried within the call's timeout."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                return getattr(self._stub, method)(
+                    request, timeout=max(0.001, deadline - time.monotonic())
+                )
+            except grpc.RpcError as exc:
+                error = KvcoordError.from_rpc(exc)
+                pause = retry_pause(error, deadline)
+                if pause is None:
+                    raise error from None
+                time.sleep(pause)
 
     def generate(self, tokens: Sequence[int], max_new_tokens: int) -> Generation:
         """Greedy completion of ``tokens`` (``max_new_tokens`` tokens)."""
@@ -183,10 +195,18 @@ class AsyncWorkerClient:
         await self._channel.close()
 
     async def _call(self, method: str, request: Any) -> Any:
-        try:
-            return await getattr(self._stub, method)(request, timeout=self._timeout)
-        except grpc.RpcError as exc:
-            raise KvcoordError.from_rpc(exc) from None
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                return await getattr(self._stub, method)(
+                    request, timeout=max(0.001, deadline - time.monotonic())
+                )
+            except grpc.RpcError as exc:
+                error = KvcoordError.from_rpc(exc)
+                pause = retry_pause(error, deadline)
+                if pause is None:
+                    raise error from None
+                await asyncio.sleep(pause)
 
     async def generate(self, tokens: Sequence[int], max_new_tokens: int) -> Generation:
         request = generate_request(tokens, max_new_tokens)

@@ -10,7 +10,7 @@ arrival order and acknowledged on the Sync stream:
   RESUME covers an aborted update whose APPLY never came.
 
 DRAIN with ``abort_running`` also stops running generation at its next decode step (and queued
-requests before they start): their callers get UNAVAILABLE and retry elsewhere.
+requests before they start): their callers get ABORTED and route again.
 """
 
 from __future__ import annotations

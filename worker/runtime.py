@@ -36,7 +36,8 @@ class PoolExhausted(Exception):
 
 class GenerationAborted(Exception):
     """The request was stopped by a policy drain that aborts running generation (maps to
-    UNAVAILABLE: retry on a worker serving the new version). Nothing is held when raised."""
+    ABORTED: route it again, to a worker serving the new version). Nothing is held when
+    raised."""
 
 
 @dataclass(frozen=True, slots=True)

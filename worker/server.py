@@ -31,13 +31,14 @@ from worker.v1 import worker_pb2_grpc as wpb_grpc
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = wpb.DESCRIPTOR.services_by_name["Worker"].full_name
-DRAIN_RETRY_MS = 1000
+DRAIN_RETRY_MS = 100  # a drain or resume takes milliseconds to seconds
 # Runtime errors by the status they are answered with; domain errors name their own.
 EXPECTED_ERRORS = {
     InvalidRequest: Mapped("INVALID_ARGUMENT"),
     PoolExhausted: Mapped("RESOURCE_EXHAUSTED"),
     Draining: Mapped("UNAVAILABLE", retry_after_ms=DRAIN_RETRY_MS),
-    GenerationAborted: Mapped("UNAVAILABLE", retry_after_ms=DRAIN_RETRY_MS),
+    # Not retried on this worker: the caller re-routes (the fleet is moving to new weights).
+    GenerationAborted: Mapped("ABORTED"),
 }
 
 
