@@ -162,6 +162,9 @@ def events_from(batch: pb.EventBatch) -> list[PageEventIn]:
         if tier is None:
             raise InvalidArgument(f"event batch {batch.seq}: unknown tier {event.tier}")
         keys = page_keys_from(event.page_keys, f"event batch {batch.seq}")
+        if kind == "cleared" and keys:
+            # Checked before any event of the batch is applied (the batch is all or nothing).
+            raise InvalidArgument(f"event batch {batch.seq}: a CLEARED event carries no page keys")
         events.append(PageEventIn(kind, keys, tier))
     return events
 

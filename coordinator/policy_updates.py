@@ -166,9 +166,13 @@ class PolicyUpdates:
             )
         elif stage == "applied":
             self._sessions.set_version(session, version)
-            await self._store.update_worker(
-                session.worker_id, session.incarnation, policy_version=str(version)
-            )
+            try:
+                await self._store.update_worker(
+                    session.worker_id, session.incarnation, policy_version=str(version)
+                )
+            except StoreUnavailable:
+                log.warning("policy.version_not_persisted", worker=session.worker_id,
+                            version=version)
         self._notify()
 
     def _notify(self) -> None:

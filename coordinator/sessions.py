@@ -317,8 +317,6 @@ class WorkerSessions:
                 self._index.store(worker_id, event.keys, event.tier)
             elif event.kind == "removed":
                 self._index.remove(worker_id, event.keys)
-            elif event.keys:
-                raise InvalidArgument(f"event batch {seq}: a CLEARED event carries no page keys")
             else:
                 self._index.drop_worker(worker_id)
         self.counters.events_applied += len(events)

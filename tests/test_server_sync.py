@@ -323,11 +323,19 @@ async def test_cleared_event_drops_everything_and_must_not_carry_keys() -> None:
         assert (await w.next_message()).ack.seq == 2
         async with AsyncCoordinatorClient(target(coord)) as client:
             assert (await client.lookup(PROMPT)).matches == {}
-        await w.send_events([pb.PageEvent(kind=pb.PageEvent.KIND_CLEARED, page_keys=b"k" * 16)])
+        other = w.keys(list(range(500, 564)))
+        await w.send_events([  # a valid event, then a bad one: the batch is all or nothing
+            pb.PageEvent(kind=pb.PageEvent.KIND_STORED, page_keys=b"".join(other)),
+            pb.PageEvent(kind=pb.PageEvent.KIND_CLEARED, page_keys=b"k" * 16),
+        ])
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await w.next_message()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "CLEARED event carries no page keys" in (err.value.details() or "")
+        welcome = await w.connect()
+        assert welcome.welcome.next_seq == 3  # batch 3 was never applied
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            assert (await client.lookup(list(range(500, 564)))).matches == {}
         await w.close()
 
 

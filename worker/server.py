@@ -1,5 +1,6 @@
 """Build and run a worker process: runtime, ``worker.v1.Worker`` gRPC service (health and
-reflection), metrics, and the coordinator agent; shutdown deregisters, then drains."""
+reflection), metrics, and the coordinator agent; shutdown stops admitting, drains, flushes the
+rollout reporter, then deregisters."""
 
 from __future__ import annotations
 
