@@ -130,7 +130,11 @@ class CoordinatorService:
     @classmethod
     async def open(cls, config: CoordinatorConfig, **kwargs: object) -> CoordinatorService:
         """Open the configured store (embedded when no Redis URL) and load the policy state."""
-        store = await open_store(config.redis, namespace=config.store_namespace)
+        # A store call must give up well inside a lease: a heartbeat waits on it, and an
+        # unreachable (not refusing) Redis must not lapse every worker while it times out.
+        timeout = min(5.0, config.lease_ms / 3000)
+        store = await open_store(config.redis, namespace=config.store_namespace,
+                                 timeout_s=timeout)
         service = cls(config, store, **kwargs)  # type: ignore[arg-type]
         await service.updates.refresh()
         return service

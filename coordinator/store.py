@@ -266,12 +266,14 @@ def parse_entry_id(entry_id: str) -> tuple[int, int]:
 
 
 async def open_store(
-    url: str | None, *, namespace: str, clock: Callable[[], float] = time.monotonic
+    url: str | None, *, namespace: str, clock: Callable[[], float] = time.monotonic,
+    timeout_s: float = 5.0,
 ) -> MetadataStore:
     """``None`` -> a ``MemoryStore`` whose leases use ``clock`` (monotonic seconds); a
     ``redis://``, ``rediss://`` or ``unix://`` URL -> a connected ``RedisStore`` (leases are
     Redis TTLs, ``clock`` is unused). Raises ValueError for any other scheme and
-    StoreUnavailable when Redis cannot be reached."""
+    StoreUnavailable when Redis cannot be reached. ``timeout_s`` bounds every Redis command
+    (an unreachable host must not stall a caller longer than that)."""
     if url is None:
         from coordinator.store_memory import MemoryStore
 
@@ -282,7 +284,7 @@ async def open_store(
         raise ValueError(f"unsupported store URL scheme {scheme!r}; accepted: {accepted}")
     from coordinator.store_redis import RedisStore
 
-    return await RedisStore.connect(url, namespace=namespace)
+    return await RedisStore.connect(url, namespace=namespace, timeout_s=timeout_s)
 
 
 def __getattr__(name: str) -> object:
