@@ -10,14 +10,14 @@ drain), then SIGKILL to whatever outlives the grace period; it is idempotent.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -45,29 +45,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGTERM the child when the launcher dies (None
-    elsewhere). ``prctl`` is resolved here, before fork, so the child only makes the call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
-
-    return preexec
+def _die_with_parent() -> list[str]:
+    """An argv prefix asking Linux to SIGTERM the child when the launcher dies (util-linux
+    ``setpriv --pdeathsig``, kept across exec; empty where it is missing). Not a
+    ``preexec_fn``: that forces ``fork()`` instead of ``vfork()``, and grpc's fork handlers can
+    then deadlock the parent while one of its channels is open."""
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
 
 
 def spawn(args: Sequence[str], *, env: Mapping[str, str] | None = None,
           stderr: IO[bytes] | int | None = subprocess.PIPE) -> subprocess.Popen[bytes]:
     """``python -m kvcoord.cli ARGS`` in a new session (own process group), stdout discarded."""
     return subprocess.Popen(
-        [sys.executable, "-m", "kvcoord.cli", *args], env={**os.environ, **(env or {})},
-        start_new_session=True, preexec_fn=_die_with_parent(),
+        [*_die_with_parent(), sys.executable, "-m", "kvcoord.cli", *args],
+        env={**os.environ, **(env or {})}, start_new_session=True,
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
     )
 

@@ -21,7 +21,6 @@ names carrying this run's uid.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import secrets
 import shutil
@@ -62,11 +61,13 @@ def _used_subnets() -> set[int]:
     return used
 
 
-def _die_with_parent() -> None:
-    """``preexec_fn``: SIGKILL the child when the test process dies (Linux; kept across exec),
-    so a killed pytest leaves no process behind in a namespace nobody will delete."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+def _die_with_parent() -> list[str]:
+    """An argv prefix that makes the child SIGKILLed when the test process dies (util-linux
+    ``setpriv``; kept across exec), so a killed pytest leaves nothing running in namespaces no
+    one will delete. Why not ``preexec_fn``: it forces ``fork()`` instead of ``vfork()``, and
+    grpc's fork handlers then deadlock the parent while a channel is open (seen here)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
 
 
 @dataclass
@@ -84,10 +85,11 @@ class Host:
             stdout: IO[bytes] | int | None = subprocess.DEVNULL,
             stderr: IO[bytes] | int | None = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
         """``argv`` inside this host (``ip netns exec``, which execs it: same pid), in its own
-        session (process group = pid), with ``env`` (default: the test's environment)."""
+        session (process group = pid), with ``env`` (default: the test's environment). Call it
+        from the main thread: the parent-death signal follows the thread that started it."""
         process = subprocess.Popen(
-            ["ip", "netns", "exec", self.namespace, *argv], env=dict(env or os.environ),
-            start_new_session=True, preexec_fn=_die_with_parent,
+            ["ip", "netns", "exec", self.namespace, *_die_with_parent(), *argv],
+            env=dict(env or os.environ), start_new_session=True,
             stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
         )
         self.processes.append(process)
