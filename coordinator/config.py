@@ -72,6 +72,12 @@ class CoordinatorConfig:
     """How often watchers re-read the store for changes made through other replicas."""
     max_rollouts: int = 1_000_000
     """Rollout records kept in the stream (older ones are trimmed)."""
+    replica_id: str | None = None
+    """This replica's name in the events stream and ``kvcoord status`` (unset: host-pid-rand)."""
+    bootstrap_timeout_ms: int = 5_000
+    """A new replica waits this long for the others' snapshots before reporting SERVING."""
+    max_replication_events: int = 1_000_000
+    """Replication events kept in the store's stream (a replica further behind re-snapshots)."""
     # kv_aware routing weights (coordinator.routing.KvAwareWeights documents each).
     kv_prefill_token: float = 1.0
     kv_lower_tier_token: float = 0.25
@@ -84,7 +90,8 @@ class CoordinatorConfig:
             "page_size", "lease_ms", "heartbeat_ms", "pending_ttl_ms", "max_pending_entries",
             "max_prompt_tokens", "max_batch_prompts", "max_events_per_batch",
             "max_message_bytes", "reaper_interval_ms", "barrier_timeout_ms", "route_retry_ms",
-            "update_timeout_ms", "policy_poll_ms", "max_rollouts",
+            "update_timeout_ms", "policy_poll_ms", "max_rollouts", "bootstrap_timeout_ms",
+            "max_replication_events",
         )
         for name in positive:
             if getattr(self, name) <= 0:

@@ -56,6 +56,9 @@ class WorkerSession:
     draining: bool = False
     next_seq: int = 1
     resync_id: int | None = None
+    # The coordinator replica that holds the worker's Sync stream (its events reach the others
+    # through the store's events stream); "" until one does.
+    owner: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # Uncached prefill tokens of each route issued and not yet reported finished, oldest first.
     inflight: deque[int] = field(default_factory=deque)

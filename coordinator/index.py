@@ -224,6 +224,16 @@ class PrefixIndex:
         w = self._workers.get(worker_id)
         return frozenset(w.held if w else ())
 
+    def worker_inventory(self, worker_id: str) -> dict[str, list[bytes]]:
+        """The keys ``worker_id`` holds by tier value (the form ``replace_worker`` takes)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return {}
+        inventory: dict[str, list[bytes]] = {}
+        for key in w.held:
+            inventory.setdefault(w.spilled.get(key, Tier.GPU).value, []).append(key)
+        return inventory
+
     def tier_of(self, worker_id: str, key: bytes) -> Tier | None:
         """The tier in which ``worker_id`` holds ``key``, or None if it does not hold it."""
         w = self._workers.get(worker_id)

@@ -72,6 +72,15 @@ class PolicyUpdates:
         # ((target, epoch), clock) when this coordinator first saw the update in progress.
         self._first_seen: tuple[tuple[int, int], float] | None = None
         self.last: CommitResult | None = None
+        # target -> this replica's workers already sent their command for it (by Begin here,
+        # or by ``follow`` relaying an update begun through another replica).
+        self._relayed: dict[int, set[str]] = {}
+        # One change at a time per replica: a ``follow`` must not relay an update this replica
+        # is itself beginning or finishing.
+        self._lock = asyncio.Lock()
+        # Told after each change made here (Begin's abort_running flag), so the other replicas
+        # hear of it at once rather than at their next poll.
+        self.on_change: Callable[[bool], None] = lambda abort_running: None
 
     # ------------------------------------------------------------------ state
 
@@ -106,6 +115,14 @@ class PolicyUpdates:
     async def begin(
         self, expected_version: int, mode: str, weights_uri: str, abort_running: bool = False
     ) -> PolicyRecord:
+        async with self._lock:
+            record = await self._begin(expected_version, mode, weights_uri, abort_running)
+        self.on_change(abort_running)
+        return record
+
+    async def _begin(
+        self, expected_version: int, mode: str, weights_uri: str, abort_running: bool
+    ) -> PolicyRecord:
         record = await self._cas(
             lambda cur: policy.begin(cur, expected_version, mode, weights_uri)
         )
@@ -123,15 +140,18 @@ class PolicyUpdates:
             await self._store.record_ack(target, session.worker_id, "member")
         log.info("policy.begin", version=record.version, target=target, mode=record.mode,
                  members=[s.worker_id for s in members])
+        relayed = self._relayed.setdefault(target, set())
+        relayed.update(s.worker_id for s in members if self._sessions.has_stream(s.worker_id))
+        self._abort_running[target] = abort_running
         if record.mode == "sync":
-            for session in members:
+            for session in members:  # the other replicas' workers get theirs from them
                 session.draining = True
                 self._sessions.send(session.worker_id,
                                     Command("drain", target, abort_running=abort_running))
-            self._abort_running[target] = abort_running
             self._fleet.changed()
         else:
-            self._rolling = asyncio.create_task(self._roll(target, members, weights_uri))
+            local = [s for s in members if s.worker_id in relayed]
+            self._rolling = asyncio.create_task(self._roll(target, local, weights_uri))
         return record
 
     async def _roll(self, target: int, members: list[WorkerSession], uri: str) -> None:
@@ -200,19 +220,39 @@ class PolicyUpdates:
             if barrier.done or self._clock() >= deadline:
                 break
             await self._wait_change(min(0.05, max(0.0, deadline - self._clock())))
-        record = await self._cas(lambda cur: policy.commit(cur, version))
-        for worker_id in sorted(barrier.missing):
-            self._fence(worker_id, version)
-        for worker_id in sorted(barrier.acked):
-            session = self._fleet.get(worker_id)
-            if session is not None:
-                session.draining = False
-                self._sessions.send(worker_id, Command("resume", version))
-        self._fleet.changed()
+        async with self._lock:
+            record = await self._cas(lambda cur: policy.commit(cur, version))
+            self._stages[version] = _latest(stored, self._stages.get(version, {}))
+            self._finish(version, committed=True, acked=barrier.acked)
+        self.on_change(False)
         result = CommitResult(record, tuple(sorted(barrier.acked)), tuple(sorted(barrier.missing)))
         self.last = result
         log.info("policy.commit", version=version, acked=result.acked, fenced=result.fenced)
         return result
+
+    def _finish(self, target: int, *, committed: bool, acked: frozenset[str]) -> None:
+        """The update to ``target`` ended. Committed: members in ``acked`` resume, the rest
+        are fenced; aborted: every member re-applies the current weights and resumes. Commands
+        reach this replica's workers; the others' owners do the same when they follow."""
+        record = self.record
+        members = self._stages.get(target, {})
+        for worker_id in sorted(members):
+            session = self._fleet.get(worker_id)
+            if session is None:
+                continue
+            session.draining = False
+            if not committed:
+                # Always: an APPLY of the abandoned version may still be in flight to it. The
+                # worker runs commands in order and skips a reload of what it already serves.
+                self._sessions.send(worker_id, Command("apply", record.version,
+                                                       record.weights_uri))
+                self._sessions.send(worker_id, Command("resume", record.version))
+            elif worker_id in acked:
+                self._sessions.send(worker_id, Command("resume", target))
+            else:
+                self._fence(worker_id, target)
+        self._fleet.changed()
+        self._relayed.pop(target, None)
 
     def _fence(self, worker_id: str, version: int) -> None:
         session = self._fleet.get(worker_id)
@@ -229,23 +269,25 @@ class PolicyUpdates:
         acks = await self._store.get_acks(version)
         return frozenset(acks) | frozenset(self._stages.get(version, {}))
 
-    def reconnected(self, session: WorkerSession) -> None:
-        """A member's stream came back mid-update: resend the command its stage calls for (a
-        command or ack lost with the old stream must not get it fenced). The worker skips what
-        it already did (an APPLY of the version it serves is acked without a reload)."""
+    async def reconnected(self, session: WorkerSession) -> None:
+        """A member's stream came back (here, or moved here from another replica) mid-update:
+        resend the command its stage calls for (a command or ack lost with the old stream must
+        not get it fenced). The worker skips what it already did (an APPLY of the version it
+        serves is acked without a reload)."""
         record = self.record
         target = record.target_version
         if target is None:
             return
         stage = self._stages.get(target, {}).get(session.worker_id)
+        if stage is None:  # a member of an update begun through another replica
+            stage = (await self._load_members(target)).get(session.worker_id)
         if stage is None or stage == "applied":
             return
+        self._relayed.setdefault(target, set()).add(session.worker_id)
         if record.mode == "sync" and stage == "member":
             session.draining = True
             self._fleet.changed()
-            abort_running = self._abort_running.get(target, False)
-            self._sessions.send(session.worker_id,
-                                Command("drain", target, abort_running=abort_running))
+            self._command_for(session, record, stage)
         else:
             self._sessions.send(
                 session.worker_id, Command("apply", target, record.target_weights_uri)
@@ -255,19 +297,81 @@ class PolicyUpdates:
     async def abort(self, version: int) -> PolicyRecord:
         """Back to SERVING(current): every member is told to (re)apply the current weights and
         resume."""
-        record = await self._cas(lambda cur: policy.abort(cur, version))
-        for worker_id in sorted(await self._members(version)):
-            session = self._fleet.get(worker_id)
-            if session is None:
-                continue
-            session.draining = False
-            # Always: an APPLY of the abandoned version may still be in flight to it. The
-            # worker runs commands in order and skips a reload of what it already serves.
-            self._sessions.send(worker_id, Command("apply", record.version, record.weights_uri))
-            self._sessions.send(worker_id, Command("resume", record.version))
-        self._fleet.changed()
+        async with self._lock:
+            record = await self._cas(lambda cur: policy.abort(cur, version))
+            await self._load_members(version)
+            self._finish(version, committed=False, acked=frozenset())
+        self.on_change(False)
         log.info("policy.abort", version=version, back_to=record.version)
         return record
+
+    async def _load_members(self, target: int) -> dict[str, str]:
+        """Every member of the update to ``target`` with its furthest stage, from the store
+        (acks taken by any replica) merged with what this replica saw."""
+        merged = _latest(await self._store.get_acks(target), self._stages.get(target, {}))
+        self._stages[target] = merged
+        return merged
+
+    # ------------------------------------------------------------------ other replicas' updates
+
+    async def follow(self, *, abort_running: bool | None = None) -> None:
+        """Catch up with the stored state changed through another replica (its PolicyChanged
+        event, or the periodic re-read): an update that ended sends RESUME/APPLY or fences
+        this replica's members as the commit or abort calls for; an update in progress sends
+        this replica's members the command their stage calls for, once each."""
+        async with self._lock:
+            old = self.record
+            new = await self._store.get_policy()
+            if new.epoch < old.epoch:
+                return  # a read older than what we already hold
+            self._set(new)
+            ended = old.target_version
+            if ended is not None and ended != new.target_version:
+                stages = await self._load_members(ended)
+                committed = new.version >= ended
+                acked = frozenset(w for w, stage in stages.items() if stage == "applied")
+                self._finish(ended, committed=committed, acked=acked)
+            target = new.target_version
+            if target is None:
+                return
+            if abort_running is not None:
+                self._abort_running.setdefault(target, abort_running)
+            await self._relay(new, await self._load_members(target))
+
+    async def _relay(self, record: PolicyRecord, stages: dict[str, str]) -> None:
+        target = record.target_version
+        assert target is not None
+        relayed = self._relayed.setdefault(target, set())
+        rolling: list[WorkerSession] = []
+        for worker_id, stage in sorted(stages.items()):
+            session = self._fleet.get(worker_id)
+            if (worker_id in relayed or session is None
+                    or not self._sessions.has_stream(worker_id)):
+                continue
+            relayed.add(worker_id)
+            if record.mode == "async":
+                if stage != "applied":
+                    rolling.append(session)
+                continue
+            session.draining = stage != "applied"
+            self._fleet.changed()
+            self._command_for(session, record, stage)
+        if rolling:
+            self._rolling = asyncio.create_task(
+                self._roll(target, rolling, record.target_weights_uri)
+            )
+
+    def _command_for(self, session: WorkerSession, record: PolicyRecord, stage: str) -> None:
+        """Send the command a sync update's member at ``stage`` is due."""
+        target = record.target_version
+        assert target is not None
+        if stage == "member":
+            abort_running = self._abort_running.get(target, False)
+            self._sessions.send(session.worker_id,
+                                Command("drain", target, abort_running=abort_running))
+        elif stage == "drained":
+            self._sessions.send(session.worker_id,
+                                Command("apply", target, record.target_weights_uri))
 
     async def expire(self) -> None:
         """Abort an update nobody committed within ``update_timeout_ms`` (a trainer that died

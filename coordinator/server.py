@@ -73,6 +73,11 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     metrics_port = None
     if config.metrics_port is not None:
         metrics_port = metrics.serve(config.metrics_port)
+    # Probes see NOT_SERVING until this replica's index holds the other replicas' workers.
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    await health.set("", not_serving)
+    await health.set(SERVICE_NAME, not_serving)
+    await service.wait_ready()
     serving = health_pb2.HealthCheckResponse.SERVING
     await health.set("", serving)
     await health.set(SERVICE_NAME, serving)

@@ -21,6 +21,7 @@ from coordinator.fleet import Fleet, WorkerSession, WorkerStatus
 from coordinator.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig, PageHasher
 from coordinator.index import PrefixIndex
 from coordinator.policy_updates import PolicyUpdates
+from coordinator.replication import Replicator, default_replica_id
 from coordinator.rollouts import RolloutLog
 from coordinator.routing import load_floor
 from coordinator.scheduling import Scheduler
@@ -80,7 +81,10 @@ class CoordinatorService:
         *,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        replicate: bool = False,
     ) -> None:
+        """``replicate``: share the index with the other replicas on ``store`` through its
+        events stream (``coordinator.replication``); on by default with Redis."""
         self.config = config
         self.store = store
         self.clock = clock
@@ -115,10 +119,19 @@ class CoordinatorService:
             store=store,
             policy=lambda: self.updates.record,
             clock=clock,
+            replica_id=config.replica_id or default_replica_id(),
         )
         self.updates = PolicyUpdates(
             config=config, store=store, fleet=self.fleet, sessions=self.sessions, clock=clock
         )
+        self.replicator: Replicator | None = None
+        if replicate:
+            self.replicator = Replicator(
+                config=config, store=store, fleet=self.fleet, index=self.index,
+                sessions=self.sessions, updates=self.updates, clock=clock,
+            )
+            self.sessions.replication = self.replicator
+            self.updates.on_change = self.replicator.policy_changed
         self.rollouts = RolloutLog(store, maxlen=config.max_rollouts)
         self._reaper: asyncio.Task[None] | None = None
 
@@ -135,18 +148,35 @@ class CoordinatorService:
         timeout = min(5.0, config.lease_ms / 3000)
         store = await open_store(config.redis, namespace=config.store_namespace,
                                  timeout_s=timeout)
+        kwargs.setdefault("replicate", config.redis is not None)
         service = cls(config, store, **kwargs)  # type: ignore[arg-type]
         await service.updates.refresh()
         return service
 
+    @property
+    def replica_id(self) -> str:
+        return self.sessions.replica_id
+
     async def start(self) -> None:
+        """Start the reaper and, with replicas, replication (``wait_ready`` for its bootstrap)."""
+        if self.replicator is not None:
+            await self.replicator.start()
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvcoord-reaper")
+
+    async def wait_ready(self) -> None:
+        """Return once this replica's index holds the other replicas' workers (or they did not
+        answer within the bootstrap timeout); at once without replication."""
+        if self.replicator is not None:
+            await self.replicator.wait_ready()
 
     async def stop(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        if self.replicator is not None:
+            await self.replicator.flush()
+            await self.replicator.stop()
         await self.store.close()
 
     async def _reap_forever(self) -> None:
@@ -178,6 +208,8 @@ class CoordinatorService:
             raise NotFound(f"unknown worker {worker_id!r}")
         session.cordoned = cordoned
         self.fleet.changed()
+        if self.replicator is not None:
+            self.replicator.cordoned(session)
         log.info("worker.cordoned" if cordoned else "worker.uncordoned", worker=worker_id)
         cached = len(self.index.worker_keys(worker_id))
         return WorkerView(session, session.status(self.clock()), cached)

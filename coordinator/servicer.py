@@ -173,7 +173,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 send=lambda message: outbox.put_nowait(convert.outbound_to_pb(message)),
             )
             send(replies)
-            self._service.updates.reconnected(session)
+            await self._service.updates.reconnected(session)
             async for request in requests:
                 check_protocol(request.protocol_version)
                 if not sessions.owns(session, stream_id):

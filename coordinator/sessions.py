@@ -9,8 +9,9 @@ worker unroutable at once; its entries go after a grace period.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 
@@ -102,6 +103,46 @@ StreamCloser = Callable[[DomainError], None]
 StreamSender = Callable[[Outbound], None]
 
 
+class ReplicationSink(Protocol):
+    """Where the sessions report what their own workers changed, for the other replicas
+    (``coordinator.replication``). Each call must return at once (it queues)."""
+
+    def registered(self, session: WorkerSession) -> None: ...
+    def attached(self, session: WorkerSession) -> None: ...
+    def detached(self, session: WorkerSession) -> None: ...
+    def pages(self, session: WorkerSession, seq: int, events: Sequence[PageEventIn]) -> None: ...
+    def replaced(self, session: WorkerSession, seq: int,
+                 keys_by_tier: Mapping[str, Sequence[bytes]]) -> None: ...
+    def state(self, session: WorkerSession, completed_routes: int) -> None: ...
+    def dropped(self, session: WorkerSession, reason: str) -> None: ...
+
+
+class NoReplication:
+    """The sink of a coordinator without replicas (the embedded store): reports go nowhere."""
+
+    def registered(self, session: WorkerSession) -> None:
+        pass
+
+    def attached(self, session: WorkerSession) -> None:
+        pass
+
+    def detached(self, session: WorkerSession) -> None:
+        pass
+
+    def pages(self, session: WorkerSession, seq: int, events: Sequence[PageEventIn]) -> None:
+        pass
+
+    def replaced(self, session: WorkerSession, seq: int,
+                 keys_by_tier: Mapping[str, Sequence[bytes]]) -> None:
+        pass
+
+    def state(self, session: WorkerSession, completed_routes: int) -> None:
+        pass
+
+    def dropped(self, session: WorkerSession, reason: str) -> None:
+        pass
+
+
 @dataclass(slots=True)
 class SyncCounters:
     events_applied: int = 0
@@ -128,7 +169,10 @@ class WorkerSessions:
         store: MetadataStore,
         policy: Callable[[], PolicyRecord],
         clock: Callable[[], float],
+        replica_id: str = "local",
     ) -> None:
+        self.replica_id = replica_id
+        self.replication: ReplicationSink = NoReplication()
         self._config = config
         self._hash_config = hash_config
         self._index = index
@@ -190,11 +234,10 @@ class WorkerSessions:
             external=req.external,
             total_pages=req.total_pages,
             lease_deadline=self._clock() + cfg.lease_ms / 1000,
+            owner=self.replica_id,
         )
-        if self._fleet.put(session) is not None:
-            self._index.drop_worker(req.worker_id)
-        self._detach(req.worker_id, "worker re-registered: this stream's incarnation is stale")
-        self._staging.pop(req.worker_id, None)
+        self.install(session, "worker re-registered: this stream's incarnation is stale")
+        self.replication.registered(session)
         log.info(
             "worker.registered", worker=req.worker_id, incarnation=record.incarnation,
             address=req.address, policy_version=req.policy_version,
@@ -214,7 +257,26 @@ class WorkerSessions:
         await self._store.deregister_worker(worker_id, incarnation)
         self._drop(worker_id, reason="deregistered")
 
+    def install(self, session: WorkerSession, reason: str) -> None:
+        """Make ``session`` the worker's current one: an older incarnation's entries go, and
+        its stream (if on this replica) ends with FAILED_PRECONDITION(reason)."""
+        if self._fleet.put(session) is not None:
+            self._index.drop_worker(session.worker_id)
+        self._detach(session.worker_id, reason)
+        self._staging.pop(session.worker_id, None)
+
+    def is_local(self, session: WorkerSession) -> bool:
+        """Whether this replica owns the worker (holds, or last held, its stream)."""
+        return session.owner == self.replica_id or session.worker_id in self._streams
+
     def _drop(self, worker_id: str, *, reason: str) -> None:
+        session = self._fleet.get(worker_id)
+        if session is not None and self.is_local(session):
+            self.replication.dropped(session, reason)
+        self.forget(worker_id, reason)
+
+    def forget(self, worker_id: str, reason: str) -> None:
+        """Remove the worker and its entries here (its stream, if any, ends)."""
         self._fleet.remove(worker_id)
         dropped = self._index.drop_worker(worker_id)
         self._detach(worker_id, f"worker dropped ({reason}): re-register")
@@ -239,7 +301,9 @@ class WorkerSessions:
         session.connected = True
         session.disconnected_at = None
         session.lease_deadline = self._clock() + self._config.lease_ms / 1000
+        session.owner = self.replica_id
         self._fleet.changed()
+        self.replication.attached(session)
         replies: list[Outbound] = [Welcome(session.next_seq)]
         if session.resync_id is not None:
             # The stream that carried the open resync died: ask again on this one, or the
@@ -268,6 +332,10 @@ class WorkerSessions:
         owner[2](message)
         return True
 
+    def has_stream(self, worker_id: str) -> bool:
+        """Whether the worker's Sync stream is attached to this replica."""
+        return worker_id in self._streams
+
     def close_stream(self, worker_id: str, reason: str) -> None:
         """End the worker's current stream with FAILED_PRECONDITION(reason), if it has one."""
         self._detach(worker_id, reason)
@@ -286,6 +354,7 @@ class WorkerSessions:
         session.connected = False
         session.disconnected_at = self._clock()
         self._fleet.changed()
+        self.replication.detached(session)
         log.info("worker.disconnected", worker=session.worker_id, stream=stream_id)
 
     def _start_resync(self, session: WorkerSession, reason: str) -> Resync:
@@ -320,6 +389,7 @@ class WorkerSessions:
             else:
                 self._index.drop_worker(worker_id)
         self.counters.events_applied += len(events)
+        self.replication.pages(session, seq, events)
         return [Ack(seq)]
 
     async def heartbeat(self, session: WorkerSession, beat: HeartbeatIn) -> list[Outbound]:
@@ -345,16 +415,19 @@ class WorkerSessions:
         if beat.policy_version != session.policy_version:
             # The worker says which weights it has loaded (after a LoadWeights, an APPLY, or a
             # fenced worker catching up): route it under that version from now on.
-            self.set_version(session, beat.policy_version)
+            self.set_version(session, beat.policy_version, publish=False)
+        self.replication.state(session, beat.completed_routes)
         return []
 
-    def set_version(self, session: WorkerSession, version: int) -> None:
+    def set_version(self, session: WorkerSession, version: int, *, publish: bool = True) -> None:
         """The worker now serves ``version`` (its keys are hashed under it)."""
         log.info("worker.version", worker=session.worker_id, old=session.policy_version,
                  new=version)
         session.policy_version = version
         session.served_versions.add(version)
         self._fleet.changed()
+        if publish:
+            self.replication.state(session, 0)
 
     def inventory(self, session: WorkerSession, chunk: InventoryIn) -> list[Outbound]:
         """Stage a resync inventory; the last chunk replaces the worker's holdings at once."""
@@ -379,6 +452,7 @@ class WorkerSessions:
         self._index.replace_worker(session.worker_id, staging.keys_by_tier)
         session.resync_id = None
         session.next_seq = chunk.seq + 1
+        self.replication.replaced(session, chunk.seq, staging.keys_by_tier)
         log.info("worker.resynced", worker=session.worker_id, pages=staging.count, seq=chunk.seq)
         return [Ack(chunk.seq)]
 
@@ -391,6 +465,8 @@ class WorkerSessions:
         for session in self._fleet.lapsed(now):
             session.connected = False
             session.disconnected_at = now
+            if self.is_local(session):
+                self.replication.detached(session)
             self._detach(session.worker_id, "lease lapsed")
             self._fleet.changed()
             log.warning("worker.lease_lapsed", worker=session.worker_id)

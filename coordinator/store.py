@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -32,6 +32,7 @@ __all__ = [
     "PolicyRecord",
     "RedisStore",
     "StoreUnavailable",
+    "StreamBounds",
     "StreamEntry",
     "WorkerRecord",
     "open_store",
@@ -91,6 +92,15 @@ class WorkerRecord:
 class StreamEntry:
     entry_id: str
     fields: Mapping[str, str] = field(hash=False)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamBounds:
+    """A stream's oldest kept entry id and the last id it ever handed out (None when the
+    stream does not exist: never written, or lost with a Redis restart without persistence)."""
+
+    first_id: str | None
+    last_id: str | None
 
 
 class MetadataStore(Protocol):
@@ -189,6 +199,32 @@ class MetadataStore(Protocol):
         oldest kept entry), oldest first. Entries trimmed away are silently skipped."""
         ...
 
+    async def append_many(
+        self, stream: str, entries: Sequence[Mapping[str, str]], *, maxlen: int
+    ) -> list[str]:
+        """``append`` each entry, in order, in one round trip; their ids, in order."""
+        ...
+
+    async def tail(
+        self, stream: str, *, after: str, count: int, block_ms: int
+    ) -> list[StreamEntry]:
+        """Like ``read`` from ``after`` ("0-0": from the oldest), but waits up to ``block_ms``
+        for the first entry to arrive; [] when none did. ``block_ms`` must stay below the
+        store's command timeout."""
+        ...
+
+    async def stream_bounds(self, stream: str) -> StreamBounds:
+        """The stream's first kept and last generated ids (see ``StreamBounds``)."""
+        ...
+
+    async def announce_replica(self, replica_id: str, ttl_ms: int) -> None:
+        """Mark coordinator replica ``replica_id`` alive for ``ttl_ms`` from now."""
+        ...
+
+    async def live_replicas(self) -> list[str]:
+        """Replicas whose announcement has not run out, sorted."""
+        ...
+
 
 # --- checks both implementations share ------------------------------------------------------
 
@@ -252,6 +288,12 @@ def check_entry_fields(fields: Mapping[str, str]) -> dict[str, str]:
     if not fields:
         raise ValueError("a stream entry needs at least one field")
     return dict(fields)
+
+
+def check_replica_id(replica_id: str) -> str:
+    if not replica_id or not replica_id.isprintable() or len(replica_id) > 128:
+        raise ValueError(f"replica id must be 1..128 printable characters, got {replica_id!r}")
+    return replica_id
 
 
 def parse_entry_id(entry_id: str) -> tuple[int, int]:

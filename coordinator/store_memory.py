@@ -7,23 +7,27 @@ respect to other tasks on the same event loop; the store is not thread-safe.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import contextlib
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 import structlog
 
 from coordinator.store import (
     PolicyRecord,
+    StreamBounds,
     StreamEntry,
     WorkerRecord,
     check_entry_fields,
     check_lease,
     check_namespace,
     check_policy_transition,
+    check_replica_id,
     check_stream,
     check_worker_id,
     parse_entry_id,
@@ -62,6 +66,8 @@ class MemoryStore:
         self._acks: dict[int, dict[str, str]] = {}
         self._streams: dict[str, deque[StreamEntry]] = {}
         self._last_ids: dict[str, tuple[int, int]] = {}
+        self._appended: dict[str, asyncio.Event] = {}  # set (and replaced) on every append
+        self._replicas: dict[str, float] = {}  # replica id -> expiry, in ``clock`` seconds
         # A fresh logger each time, so log capture in tests works even with cached loggers.
         structlog.get_logger(__name__).warning(
             "store.embedded",
@@ -192,7 +198,46 @@ class MemoryStore:
         entries.append(entry)
         while len(entries) > maxlen:
             entries.popleft()
+        appended = self._appended.pop(stream, None)
+        if appended is not None:
+            appended.set()
         return entry.entry_id
+
+    async def append_many(
+        self, stream: str, entries: Sequence[Mapping[str, str]], *, maxlen: int
+    ) -> list[str]:
+        return [await self.append(stream, fields, maxlen=maxlen) for fields in entries]
+
+    async def tail(
+        self, stream: str, *, after: str, count: int, block_ms: int
+    ) -> list[StreamEntry]:
+        """The one method that awaits: it waits for an append (or ``block_ms``)."""
+        found = await self.read(stream, after=after, count=count)
+        if found or block_ms <= 0:
+            return found
+        appended = self._appended.setdefault(stream, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(appended.wait(), block_ms / 1000)
+        return await self.read(stream, after=after, count=count)
+
+    async def stream_bounds(self, stream: str) -> StreamBounds:
+        check_stream(stream, count_or_maxlen=1)
+        if stream not in self._last_ids:
+            return StreamBounds(None, None)
+        entries = self._streams.get(stream)
+        last_ms, last_seq = self._last_ids[stream]
+        return StreamBounds(entries[0].entry_id if entries else None, f"{last_ms}-{last_seq}")
+
+    async def announce_replica(self, replica_id: str, ttl_ms: int) -> None:
+        check_replica_id(replica_id)
+        check_lease(ttl_ms)
+        self._replicas[replica_id] = self._clock() + ttl_ms / 1000
+
+    async def live_replicas(self) -> list[str]:
+        now = self._clock()
+        for replica_id in [r for r, expiry in self._replicas.items() if expiry <= now]:
+            del self._replicas[replica_id]
+        return sorted(self._replicas)
 
     async def read(self, stream: str, *, after: str | None, count: int) -> list[StreamEntry]:
         check_stream(stream, count_or_maxlen=count)

@@ -16,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.typing import EncodableT, FieldT
@@ -31,12 +32,14 @@ from coordinator.store import (
     PolicyPhase,
     PolicyRecord,
     StoreUnavailable,
+    StreamBounds,
     StreamEntry,
     WorkerRecord,
     check_entry_fields,
     check_lease,
     check_namespace,
     check_policy_transition,
+    check_replica_id,
     check_stream,
     check_worker_id,
     parse_entry_id,
@@ -76,6 +79,16 @@ for i, worker_id in ipairs(ARGV) do
   if redis.call('EXISTS', KEYS[i + 1]) == 0 then redis.call('SREM', KEYS[1], worker_id) end
 end
 return 0
+"""
+
+# KEYS: replicas sorted set (score = expiry, Redis ms). ARGV: replica id or "", ttl ms.
+# Drops the expired, then (with an id) announces it; returns the live ids.
+_REPLICAS = """
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms)
+if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], ms + tonumber(ARGV[2]), ARGV[1]) end
+return redis.call('ZRANGE', KEYS[1], 0, -1)
 """
 
 # KEYS: policy hash. ARGV: field names, expected, new, defaults: n values each (n = #ARGV / 4),
@@ -154,6 +167,7 @@ class RedisStore:
         self._update = client.register_script(_UPDATE)
         self._prune = client.register_script(_PRUNE)
         self._cas = client.register_script(_CAS)
+        self._replicas = client.register_script(_REPLICAS)
 
     @classmethod
     async def connect(cls, url: str, *, namespace: str, timeout_s: float = 5.0) -> RedisStore:
@@ -331,3 +345,55 @@ class RedisStore:
         with self._unavailable():
             raw = await self._redis.xrange(self._key(stream), min=start, max="+", count=count)
         return [StreamEntry(_str(entry_id), _text(fields or {})) for entry_id, fields in raw or []]
+
+    async def append_many(
+        self, stream: str, entries: Sequence[Mapping[str, str]], *, maxlen: int
+    ) -> list[str]:
+        check_stream(stream, count_or_maxlen=maxlen)
+        checked = [check_entry_fields(fields) for fields in entries]
+        if not checked:
+            return []
+        with self._unavailable():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for fields in checked:
+                    entry: dict[FieldT, EncodableT] = dict(fields.items())
+                    pipe.xadd(self._key(stream), entry, maxlen=maxlen, approximate=True)
+                ids = await pipe.execute()
+        return [_str(entry_id) for entry_id in ids]
+
+    async def tail(
+        self, stream: str, *, after: str, count: int, block_ms: int
+    ) -> list[StreamEntry]:
+        check_stream(stream, count_or_maxlen=count)
+        cursor = "-".join(map(str, parse_entry_id(after)))
+        with self._unavailable():
+            raw = await self._redis.xread(
+                {self._key(stream): cursor}, count=count, block=max(block_ms, 1)
+            )
+        streams: list[Any] = list(raw or [])
+        return [
+            StreamEntry(_str(entry_id), _text(fields or {}))
+            for _key, entries in streams
+            for entry_id, fields in entries
+        ]
+
+    async def stream_bounds(self, stream: str) -> StreamBounds:
+        check_stream(stream, count_or_maxlen=1)
+        with self._unavailable():
+            try:
+                info = await self._redis.xinfo_stream(self._key(stream))
+            except ResponseError:  # no such key
+                return StreamBounds(None, None)
+        first = info.get("first-entry")
+        return StreamBounds(_str(first[0]) if first else None, _str(info["last-generated-id"]))
+
+    async def announce_replica(self, replica_id: str, ttl_ms: int) -> None:
+        check_replica_id(replica_id)
+        check_lease(ttl_ms)
+        with self._unavailable():
+            await self._replicas(keys=[self._key("replicas")], args=[replica_id, ttl_ms])
+
+    async def live_replicas(self) -> list[str]:
+        with self._unavailable():
+            ids = await self._replicas(keys=[self._key("replicas")], args=["", 0])
+        return sorted(_str(replica_id) for replica_id in ids)
