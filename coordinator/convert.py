@@ -223,7 +223,7 @@ def worker_to_pb(view: WorkerView) -> pb.WorkerInfo:
         free_pages=load.free_pages, running_requests=load.running_requests,
         queued_tokens=load.queued_tokens, inflight_routes=load.inflight_routes,
         routed_requests=s.routed_requests, routed_tokens=s.routed_tokens,
-        routed_cached_tokens=s.routed_cached_tokens,
+        routed_cached_tokens=s.routed_cached_tokens, owner_replica=s.owner,
     )
 
 
@@ -236,7 +236,11 @@ def stats_to_pb(stats: StatsSnapshot) -> pb.Stats:
         cached_tokens=stats.cached_tokens, hit_ratio=stats.hit_ratio,
         events_applied=stats.events_applied, resyncs=stats.resyncs,
         policy_version=stats.policy.version, policy_phase=PHASE_TO_PB[stats.policy.phase],
-        store=stats.store,
+        store=stats.store, replica_id=stats.replica_id, replicas=stats.replicas,
+        replication_published=stats.replication_published,
+        replication_applied=stats.replication_applied,
+        replication_lag_p50_ms=stats.replication_lag_p50_ms,
+        replication_lag_p99_ms=stats.replication_lag_p99_ms,
     )
 
 

@@ -70,5 +70,21 @@ class _StateCollector(Collector):
              s.events_applied),
             ("kvcoord_sync_resyncs", "Resync requests sent to workers", s.resyncs),
         ]
+        if s.replica_id:
+            counters += [
+                ("kvcoord_replication_published", "Replication events this replica published",
+                 s.replication_published),
+                ("kvcoord_replication_applied", "Other replicas' events this replica applied",
+                 s.replication_applied),
+            ]
+            lag = GaugeMetricFamily(
+                "kvcoord_replication_lag_seconds",
+                "Publish-to-apply lag of recently applied replication events", labels=["quantile"],
+            )
+            lag.add_metric(["0.5"], s.replication_lag_p50_ms / 1000)
+            lag.add_metric(["0.99"], s.replication_lag_p99_ms / 1000)
+            yield lag
+            yield GaugeMetricFamily("kvcoord_replicas", "Live coordinator replicas on the store",
+                                    value=len(s.replicas))
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -112,6 +112,7 @@ class Replicator:
         self._waiting_for: set[str] = set()  # peers whose bootstrap snapshot is still due
         self.ready = asyncio.Event()
         self.peers: list[str] = []
+        self.live: list[str] = [self.replica_id]  # live replicas, as of the last announce
         self.lags_ms: deque[float] = deque(maxlen=_LAG_SAMPLES)
         self.counters = ReplicationCounters()
 
@@ -351,6 +352,7 @@ class Replicator:
                 now = self._clock()
                 if now >= next_announce:
                     await self._store.announce_replica(self.replica_id, self._config.lease_ms)
+                    self.live = await self._store.live_replicas()
                     next_announce = now + self._config.heartbeat_ms / 1000
                     await self._check_stream()
                 await self._updates.follow()

@@ -194,6 +194,7 @@ class WorkerInfo:
     routed_requests: int = 0
     routed_tokens: int = 0
     routed_cached_tokens: int = 0
+    owner_replica: str = ""
 
     @property
     def hit_ratio(self) -> float:
@@ -217,6 +218,12 @@ class Stats:
     policy_version: int
     policy_phase: str
     store: str
+    replica_id: str = ""
+    replicas: tuple[str, ...] = ()
+    replication_published: int = 0
+    replication_applied: int = 0
+    replication_lag_p50_ms: float = 0.0
+    replication_lag_p99_ms: float = 0.0
 
 
 # ---------------------------------------------------------------- requests
@@ -324,7 +331,7 @@ def worker_from(info: pb.WorkerInfo) -> WorkerInfo:
         free_pages=info.free_pages, running_requests=info.running_requests,
         queued_tokens=info.queued_tokens, inflight_routes=info.inflight_routes,
         routed_requests=info.routed_requests, routed_tokens=info.routed_tokens,
-        routed_cached_tokens=info.routed_cached_tokens,
+        routed_cached_tokens=info.routed_cached_tokens, owner_replica=info.owner_replica,
     )
 
 
@@ -337,6 +344,11 @@ def stats_from(stats: pb.Stats) -> Stats:
         hit_ratio=stats.hit_ratio, events_applied=stats.events_applied, resyncs=stats.resyncs,
         policy_version=stats.policy_version,
         policy_phase=_PHASES.get(stats.policy_phase, "unspecified"), store=stats.store,
+        replica_id=stats.replica_id, replicas=tuple(stats.replicas),
+        replication_published=stats.replication_published,
+        replication_applied=stats.replication_applied,
+        replication_lag_p50_ms=stats.replication_lag_p50_ms,
+        replication_lag_p99_ms=stats.replication_lag_p99_ms,
     )
 
 

@@ -65,6 +65,12 @@ class StatsSnapshot:
     resyncs: int
     policy: PolicyRecord
     store: str
+    replica_id: str = ""
+    replicas: tuple[str, ...] = ()
+    replication_published: int = 0
+    replication_applied: int = 0
+    replication_lag_p50_ms: float = 0.0
+    replication_lag_p99_ms: float = 0.0
 
     @property
     def hit_ratio(self) -> float:
@@ -218,6 +224,16 @@ class CoordinatorService:
         now = self.clock()
         index = self.index.stats()
         counters = self.scheduler.counters
+        replication: dict[str, object] = {}
+        replicator = self.replicator
+        if replicator is not None:
+            replication = {
+                "replica_id": self.replica_id, "replicas": tuple(replicator.live),
+                "replication_published": replicator.counters.published,
+                "replication_applied": replicator.counters.applied,
+                "replication_lag_p50_ms": replicator.lag_quantile(0.5) or 0.0,
+                "replication_lag_p99_ms": replicator.lag_quantile(0.99) or 0.0,
+            }
         return StatsSnapshot(
             workers=len(self.fleet),
             routable_workers=sum(
@@ -234,4 +250,5 @@ class CoordinatorService:
             resyncs=self.sessions.counters.resyncs,
             policy=self.policy,
             store=type(self.store).__name__,
+            **replication,  # type: ignore[arg-type]
         )

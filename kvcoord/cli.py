@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     coord.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
     coord.add_argument("--routing-policy", help="kv_aware (default), round_robin, least_loaded")
+    coord.add_argument("--replica-id", help="this replica's name among the replicas sharing "
+                       "--redis (default <hostname>-<pid>-<random>)")
     coord.add_argument("--log-level", help="debug, info (default), warning, error")
 
     work = sub.add_parser("worker", help="run a worker (reference engine, gRPC service, "
@@ -153,6 +155,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     flags = {
         "listen": args.listen, "redis": args.redis, "metrics_port": args.metrics_port,
         "page_size": args.page_size, "routing_policy": args.routing_policy,
+        "replica_id": args.replica_id,
         "log_level": args.log_level,
     }
     try:
@@ -219,16 +222,22 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"({stats.policy_phase})  index: {stats.index_keys} keys, {stats.index_entries} entries, "
         f"{stats.pending_entries} pending  routes={stats.routes}  hit={stats.hit_ratio:.1%}"
     )
+    if stats.replica_id:
+        print(
+            f"replica {stats.replica_id}  live replicas: {', '.join(stats.replicas)}  "
+            f"replication lag p50/p99: {stats.replication_lag_p50_ms:.1f}/"
+            f"{stats.replication_lag_p99_ms:.1f} ms"
+        )
     rows = [
         [w.worker_id, w.address, w.state, f"v{w.policy_version}", str(w.incarnation),
          f"{w.cached_pages}/{w.total_pages}", str(w.free_pages), str(w.running_requests),
          str(w.queued_tokens), str(w.inflight_routes), str(w.routed_requests),
-         f"{w.hit_ratio:.1%}"]
+         f"{w.hit_ratio:.1%}", w.owner_replica or "-"]
         for w in workers
     ]
     print(render_table(
         ["worker", "address", "state", "policy", "inc", "pages", "free", "running", "queued",
-         "inflight", "routed", "hit"], rows,
+         "inflight", "routed", "hit", "replica"], rows,
     ))
     return 0
 

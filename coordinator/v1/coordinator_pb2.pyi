@@ -504,7 +504,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "incarnation", "policy_version", "state", "external", "cached_pages", "total_pages", "free_pages", "running_requests", "queued_tokens", "inflight_routes", "routed_requests", "routed_tokens", "routed_cached_tokens")
+    __slots__ = ("worker_id", "address", "incarnation", "policy_version", "state", "external", "cached_pages", "total_pages", "free_pages", "running_requests", "queued_tokens", "inflight_routes", "routed_requests", "routed_tokens", "routed_cached_tokens", "owner_replica")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -520,6 +520,7 @@ class WorkerInfo(_message.Message):
     ROUTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_REPLICA_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     incarnation: int
@@ -535,7 +536,8 @@ class WorkerInfo(_message.Message):
     routed_requests: int
     routed_tokens: int
     routed_cached_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., external: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., inflight_routes: _Optional[int] = ..., routed_requests: _Optional[int] = ..., routed_tokens: _Optional[int] = ..., routed_cached_tokens: _Optional[int] = ...) -> None: ...
+    owner_replica: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., external: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., inflight_routes: _Optional[int] = ..., routed_requests: _Optional[int] = ..., routed_tokens: _Optional[int] = ..., routed_cached_tokens: _Optional[int] = ..., owner_replica: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("protocol_version", "workers")
@@ -552,7 +554,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("protocol_version", "workers", "routable_workers", "index_keys", "index_entries", "pending_entries", "lookups", "routes", "prompt_tokens", "cached_tokens", "hit_ratio", "events_applied", "resyncs", "policy_version", "policy_phase", "store")
+    __slots__ = ("protocol_version", "workers", "routable_workers", "index_keys", "index_entries", "pending_entries", "lookups", "routes", "prompt_tokens", "cached_tokens", "hit_ratio", "events_applied", "resyncs", "policy_version", "policy_phase", "store", "replica_id", "replicas", "replication_published", "replication_applied", "replication_lag_p50_ms", "replication_lag_p99_ms")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ROUTABLE_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -569,6 +571,12 @@ class Stats(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     POLICY_PHASE_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_LAG_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_LAG_P99_MS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     workers: int
     routable_workers: int
@@ -585,7 +593,13 @@ class Stats(_message.Message):
     policy_version: int
     policy_phase: PolicyPhase
     store: str
-    def __init__(self, protocol_version: _Optional[int] = ..., workers: _Optional[int] = ..., routable_workers: _Optional[int] = ..., index_keys: _Optional[int] = ..., index_entries: _Optional[int] = ..., pending_entries: _Optional[int] = ..., lookups: _Optional[int] = ..., routes: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., events_applied: _Optional[int] = ..., resyncs: _Optional[int] = ..., policy_version: _Optional[int] = ..., policy_phase: _Optional[_Union[PolicyPhase, str]] = ..., store: _Optional[str] = ...) -> None: ...
+    replica_id: str
+    replicas: _containers.RepeatedScalarFieldContainer[str]
+    replication_published: int
+    replication_applied: int
+    replication_lag_p50_ms: float
+    replication_lag_p99_ms: float
+    def __init__(self, protocol_version: _Optional[int] = ..., workers: _Optional[int] = ..., routable_workers: _Optional[int] = ..., index_keys: _Optional[int] = ..., index_entries: _Optional[int] = ..., pending_entries: _Optional[int] = ..., lookups: _Optional[int] = ..., routes: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., events_applied: _Optional[int] = ..., resyncs: _Optional[int] = ..., policy_version: _Optional[int] = ..., policy_phase: _Optional[_Union[PolicyPhase, str]] = ..., store: _Optional[str] = ..., replica_id: _Optional[str] = ..., replicas: _Optional[_Iterable[str]] = ..., replication_published: _Optional[int] = ..., replication_applied: _Optional[int] = ..., replication_lag_p50_ms: _Optional[float] = ..., replication_lag_p99_ms: _Optional[float] = ...) -> None: ...
 
 class CordonRequest(_message.Message):
     __slots__ = ("protocol_version", "worker_id", "cordoned")
