@@ -20,7 +20,6 @@ the tailer ask everyone for snapshots again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import socket
@@ -109,6 +108,9 @@ class Replicator:
         self._publishing = False
         self._cursor = "0-0"
         self._tasks: list[asyncio.Task[None]] = []
+        # Loops also check this: redis-py can turn a cancellation that lands on its read
+        # timeout into a TimeoutError (StoreUnavailable here), which the loops survive.
+        self._stopping = False
         self._waiting_for: set[str] = set()  # peers whose bootstrap snapshot is still due
         self.ready = asyncio.Event()
         self.peers: list[str] = []
@@ -126,6 +128,7 @@ class Replicator:
         self._waiting_for = set(await self._store.live_replicas()) - {self.replica_id}
         self.peers = sorted(self._waiting_for)
         await self._store.announce_replica(self.replica_id, self._config.lease_ms)
+        self.live = sorted({*self.peers, self.replica_id})
         self._enqueue(SnapshotWanted(""))
         if not self._waiting_for:
             self.ready.set()
@@ -150,11 +153,12 @@ class Replicator:
         return True
 
     async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
         self._tasks.clear()
 
     async def flush(self, timeout: float = 2.0) -> None:
@@ -230,7 +234,7 @@ class Replicator:
 
     async def _publish_forever(self) -> None:
         attempt = 0
-        while True:
+        while not self._stopping:
             if not self._queue and not self._dirty:
                 self._wake.clear()
                 await self._wake.wait()
@@ -272,7 +276,7 @@ class Replicator:
 
     async def _tail_forever(self) -> None:
         attempt = 0
-        while True:
+        while not self._stopping:
             try:
                 entries = await self._store.tail(STREAM, after=self._cursor, count=_READ_BATCH,
                                                  block_ms=_BLOCK_MS)
@@ -346,7 +350,7 @@ class Replicator:
         """Keep this replica listed as live, and catch policy changes whose event was lost."""
         period = min(self._config.heartbeat_ms, self._config.policy_poll_ms) / 1000
         next_announce = 0.0
-        while True:
+        while not self._stopping:
             await asyncio.sleep(period)
             try:
                 now = self._clock()

@@ -7,7 +7,6 @@ The gRPC servicer is a thin adapter over this; tests and the benchmark can drive
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 from collections.abc import Callable
@@ -140,6 +139,7 @@ class CoordinatorService:
             self.updates.on_change = self.replicator.policy_changed
         self.rollouts = RolloutLog(store, maxlen=config.max_rollouts)
         self._reaper: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @property
     def policy(self) -> PolicyRecord:
@@ -176,10 +176,10 @@ class CoordinatorService:
             await self.replicator.wait_ready()
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._reaper is not None:
             self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+            await asyncio.wait([self._reaper], timeout=2.0)
         if self.replicator is not None:
             await self.replicator.flush()
             await self.replicator.stop()
@@ -187,7 +187,7 @@ class CoordinatorService:
 
     async def _reap_forever(self) -> None:
         interval = self.config.reaper_interval_ms / 1000
-        while True:
+        while not self._stopping:  # not only cancel: see Replicator._stopping
             await asyncio.sleep(interval)
             try:
                 self.sessions.reap()

@@ -169,6 +169,13 @@ class ScriptedWorker:
                 await self._reader
         self._call = None
 
+    async def move_to(self, target: str) -> None:
+        """Close the stream and channel and dial ``target`` (another coordinator replica),
+        keeping the registration and sequence numbers: ``connect()`` next to resume there."""
+        await self.close()
+        self.target = target
+        self._channel = grpc.aio.insecure_channel(target)
+
     async def close(self) -> None:
         await self.disconnect()
         if self._channel is not None:

@@ -17,6 +17,7 @@ from coordinator.store import (
     PolicyPhase,
     PolicyRecord,
     StoreUnavailable,
+    StreamBounds,
     WorkerRecord,
     open_store,
     parse_entry_id,
@@ -250,6 +251,67 @@ async def test_append_keeps_the_stream_bounded(store: MetadataStore) -> None:
     slack = 0 if isinstance(store, MemoryStore) else REDIS_STREAM_SLACK
     assert maxlen <= len(kept) <= maxlen + slack
     assert kept == ids[-len(kept) :]
+
+
+async def test_append_many_appends_in_order_in_one_call(store: MetadataStore) -> None:
+    ids = await store.append_many("events", [{"n": str(i)} for i in range(5)], maxlen=100)
+    assert [parse_entry_id(i) for i in ids] == sorted(set(map(parse_entry_id, ids)))
+    kept = await store.read("events", after=None, count=10)
+    assert [(e.entry_id, dict(e.fields)) for e in kept] == [
+        (entry_id, {"n": str(i)}) for i, entry_id in enumerate(ids)
+    ]
+    assert await store.append_many("events", [], maxlen=100) == []
+    with pytest.raises(ValueError, match="at least one field"):
+        await store.append_many("events", [{"a": "1"}, {}], maxlen=100)
+
+
+async def test_tail_waits_for_the_next_entry_and_returns_empty_on_timeout(
+    store: MetadataStore, open_peer: OpenPeer,
+) -> None:
+    peer = await open_peer()
+    first = await store.append("events", {"n": "0"}, maxlen=100)
+    assert [e.entry_id for e in await store.tail("events", after="0-0", count=10,
+                                                 block_ms=50)] == [first]
+    started = time.monotonic()
+    assert await store.tail("events", after=first, count=10, block_ms=100) == []
+    assert time.monotonic() - started >= 0.09
+
+    async def append_later() -> str:
+        await asyncio.sleep(0.05)
+        return await peer.append("events", {"n": "1"}, maxlen=100)
+
+    appending = asyncio.create_task(append_later())
+    found = await store.tail("events", after=first, count=10, block_ms=2_000)
+    assert [(e.entry_id, dict(e.fields)) for e in found] == [(await appending, {"n": "1"})]
+
+
+async def test_stream_bounds_give_the_first_kept_and_last_generated_ids(
+    store: MetadataStore,
+) -> None:
+    assert await store.stream_bounds("events") == StreamBounds(None, None)
+    ids = [await store.append("events", {"n": str(i)}, maxlen=1) for i in range(3)]
+    bounds = await store.stream_bounds("events")
+    assert bounds.last_id == ids[-1]
+    assert bounds.first_id in ids  # Redis trims whole nodes: maybe not the very last one
+    with pytest.raises(ValueError, match="unknown stream"):
+        await store.stream_bounds("other")
+
+
+async def test_replicas_are_live_until_their_announcement_runs_out(
+    store: MetadataStore, clock: FakeClock, open_peer: OpenPeer,
+) -> None:
+    peer = await open_peer()
+    assert await store.live_replicas() == []
+    await store.announce_replica("c2", LEASE_MS)
+    await peer.announce_replica("c1", SHORT_LEASE_MS)
+    assert await peer.live_replicas() == ["c1", "c2"]
+    if isinstance(store, MemoryStore):
+        clock.advance(SHORT_LEASE_MS / 1000)
+    else:
+        await asyncio.sleep(SHORT_LEASE_MS / 1000 + 0.05)
+    assert await store.live_replicas() == ["c2"]
+    with pytest.raises(ValueError, match="replica id"):
+        await store.announce_replica("", LEASE_MS)
 
 
 async def test_memory_stream_ids_increase_when_the_wall_clock_steps_back() -> None:
