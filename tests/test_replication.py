@@ -19,9 +19,11 @@ from coordinator.client import AsyncCoordinatorClient
 from coordinator.replica_events import Pages, encode
 from coordinator.server import RunningCoordinator
 from coordinator.sessions import PageEventIn
+from coordinator.v1 import coordinator_pb2 as pb
 from kvcoord.scripted_worker import ScriptedWorker
 from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
 from tests.redis_server import RedisServer
+from worker.client import AsyncWorkerClient
 from worker.config import WorkerConfig
 from worker.server import RunningWorker, start_worker
 
@@ -72,7 +74,7 @@ async def scripted(coordinator: RunningCoordinator, worker_id: str = "w1") -> Sc
 async def test_page_events_at_one_replica_reach_the_others(redis_url: str) -> None:
     async with replicas(redis_url, "A", "B") as (a, b):
         worker = await scripted(a)
-        first, second, third = (worker.keys(p) for p in PROMPTS)
+        first, second = (worker.keys(p) for p in PROMPTS[:2])
         await worker.store(first)
         await worker.store(second)
         await worker.remove(second[1:])
@@ -84,15 +86,9 @@ async def test_page_events_at_one_replica_reach_the_others(redis_url: str) -> No
             stats = await client.stats()
             assert (stats.replica_id, stats.replicas) == ("B", ("A", "B"))
             assert stats.replication_applied > 0
-        await worker.send_events([pb_cleared()])
+        await worker.send_events([pb.PageEvent(kind=pb.PageEvent.KIND_CLEARED)])
         await agree(a, b, expect=lambda got: got == [{}, {}, {}])
         await worker.close()
-
-
-def pb_cleared() -> object:
-    from coordinator.v1 import coordinator_pb2 as pb
-
-    return pb.PageEvent(kind=pb.PageEvent.KIND_CLEARED)
 
 
 async def test_a_new_replica_holds_the_fleet_when_it_reports_serving(redis_url: str) -> None:
@@ -297,8 +293,6 @@ async def test_workers_of_a_stopped_replica_move_to_the_survivor_with_their_page
 
 
 async def _generate(worker: RunningWorker) -> int:
-    from worker.client import AsyncWorkerClient
-
     async with AsyncWorkerClient(f"127.0.0.1:{worker.port}") as client:
         await client.generate(PROMPT, 2)
     return len(PROMPT) // PAGE * PAGE

@@ -1,0 +1,128 @@
+"""ReplicaApplier's rules on a real fleet, index and sessions (pure core, no network):
+incarnations order registrations, page batches apply in sequence order, a gap asks the owner
+once, a worker whose stream is here is ours to describe, fencing never reverts."""
+
+from __future__ import annotations
+
+from coordinator.config import CoordinatorConfig
+from coordinator.errors import DomainError
+from coordinator.replica_apply import ReplicaApplier
+from coordinator.replica_events import (
+    Attached,
+    Detached,
+    Dropped,
+    Pages,
+    Registered,
+    Replaced,
+    State,
+)
+from coordinator.routing import WorkerLoad
+from coordinator.service import CoordinatorService
+from coordinator.sessions import Outbound, PageEventIn, RegistrationRequest
+from coordinator.store_memory import MemoryStore
+from tests.conftest import FakeClock
+
+K = [bytes([i]) * 16 for i in range(8)]
+
+
+class Replica:
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.service = CoordinatorService(
+            CoordinatorConfig(replica_id="here"), MemoryStore(clock=self.clock),
+            clock=self.clock,
+        )
+        self.wanted: list[str] = []
+        self.applier = ReplicaApplier(
+            config=self.service.config, fleet=self.service.fleet, index=self.service.index,
+            sessions=self.service.sessions, clock=self.clock, want_snapshot=self.wanted.append,
+        )
+
+    def held(self, worker_id: str = "w1") -> set[bytes]:
+        return set(self.service.index.worker_keys(worker_id))
+
+
+def registered(incarnation: int = 1) -> Registered:
+    return Registered("w1", incarnation, "10.0.0.1:7000", "default", 0, False, 64)
+
+
+def stored(seq: int, *keys: bytes, incarnation: int = 1) -> Pages:
+    return Pages("w1", incarnation, seq, (PageEventIn("stored", keys),))
+
+
+def test_an_older_registration_is_ignored_and_a_newer_one_replaces_the_session() -> None:
+    r = Replica()
+    r.applier.apply("c2", registered(2))
+    r.applier.apply("c2", Attached("w1", 2, 1))
+    r.applier.apply("c2", stored(1, K[0], incarnation=2))
+    r.applier.apply("c2", registered(1))  # late, from an older life
+    session = r.service.fleet.get("w1")
+    assert session is not None and (session.incarnation, session.owner) == (2, "c2")
+    assert r.held() == {K[0]}
+    r.applier.apply("c3", registered(3))
+    session = r.service.fleet.get("w1")
+    assert session is not None and (session.incarnation, session.owner) == (3, "c3")
+    assert r.held() == set()  # the old incarnation's pages went with it
+    r.applier.apply("c2", stored(2, K[1], incarnation=2))  # stale incarnation: ignored
+    assert r.held() == set()
+
+
+def test_batches_apply_in_order_and_a_gap_asks_the_owner_once() -> None:
+    r = Replica()
+    r.applier.apply("c2", registered())
+    r.applier.apply("c2", Attached("w1", 1, 1))
+    r.applier.apply("c2", stored(1, K[0]))
+    r.applier.apply("c2", stored(1, K[0]))  # a duplicate: skipped
+    r.applier.apply("c2", stored(3, K[2]))  # batch 2 never arrived
+    r.applier.apply("c2", stored(4, K[3]))
+    assert (r.held(), r.wanted) == ({K[0]}, ["w1"])
+    r.applier.apply("c2", Replaced("w1", 1, 4, {"gpu": (K[0], K[1], K[2], K[3])}))
+    r.applier.apply("c2", stored(5, K[4]))
+    assert r.held() == {K[0], K[1], K[2], K[3], K[4]}
+    assert r.applier.counters.gaps == 2  # two batches past the gap, one request
+
+
+def test_an_unknown_worker_is_asked_for_and_a_departure_is_not() -> None:
+    r = Replica()
+    r.applier.apply("c2", stored(4, K[0]))
+    r.applier.apply("c2", Detached("w2", 1))
+    r.applier.apply("c2", Dropped("w3", 1, "deregistered"))
+    assert r.wanted == ["w1"]
+
+
+def test_state_from_a_former_owner_is_ignored_and_fencing_never_reverts() -> None:
+    r = Replica()
+    r.applier.apply("c2", registered())
+    r.applier.apply("c2", Attached("w1", 1, 1))
+    r.applier.apply("c2", State("w1", 1, 0, WorkerLoad(running_requests=3), 0, False, True))
+    r.applier.apply("c3", Attached("w1", 1, 1))  # the worker moved to c3
+    r.applier.apply("c2", State("w1", 1, 5, WorkerLoad(running_requests=9), 0, False, False))
+    r.applier.apply("c3", State("w1", 1, 0, WorkerLoad(running_requests=4), 0, False, False))
+    session = r.service.fleet.get("w1")
+    assert session is not None
+    assert (session.owner, session.policy_version, session.load.running_requests,
+            session.fenced) == ("c3", 0, 4, True)
+    r.applier.apply("c2", Detached("w1", 1))  # not the owner any more: ignored
+    assert session.connected
+    r.applier.apply("c3", Detached("w1", 1))
+    assert not session.connected
+
+
+async def test_a_worker_streaming_here_is_ours_until_another_replica_says_it_moved() -> None:
+    r = Replica()
+    registration = await r.service.sessions.register(RegistrationRequest(
+        "w1", "10.0.0.1:7000", "blake2b-128", 16, r.service.hash_config.fingerprint(), 64, 0,
+        False, "default"))
+    closed: list[DomainError] = []
+    sent: list[Outbound] = []
+    session, stream, _ = r.service.sessions.hello(
+        "w1", registration.incarnation, 0, close=closed.append, send=sent.append)
+    r.service.sessions.events(session, 1, [PageEventIn("stored", (K[0],))])
+    r.applier.apply("c2", stored(2, K[1], incarnation=registration.incarnation))
+    r.applier.apply("c2", Replaced("w1", registration.incarnation, 9, {}))
+    assert r.held() == {K[0]} and closed == []
+    r.applier.apply("c2", Attached("w1", registration.incarnation, 2))
+    assert len(closed) == 1
+    assert "attached to coordinator replica c2" in str(closed[0])
+    assert session.owner == "c2"
+    assert not r.service.sessions.owns(session, stream)  # the servicer stops reading it
