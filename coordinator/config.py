@@ -72,6 +72,9 @@ class CoordinatorConfig:
     """How often watchers re-read the store for changes made through other replicas."""
     max_rollouts: int = 1_000_000
     """Rollout records kept in the stream (older ones are trimmed)."""
+    replication: bool = True
+    """With ``redis``: share the index with the other replicas on it (off: a lone coordinator
+    that only keeps its metadata in Redis, and publishes nothing)."""
     replica_id: str | None = None
     """This replica's name in the events stream and ``kvcoord status`` (unset: host-pid-rand)."""
     bootstrap_timeout_ms: int = 5_000

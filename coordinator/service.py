@@ -154,7 +154,7 @@ class CoordinatorService:
         timeout = min(5.0, config.lease_ms / 3000)
         store = await open_store(config.redis, namespace=config.store_namespace,
                                  timeout_s=timeout)
-        kwargs.setdefault("replicate", config.redis is not None)
+        kwargs.setdefault("replicate", config.redis is not None and config.replication)
         service = cls(config, store, **kwargs)  # type: ignore[arg-type]
         await service.updates.refresh()
         return service

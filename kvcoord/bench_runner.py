@@ -144,11 +144,42 @@ def _policy_targets(results: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def replication_steps(quick: bool) -> list[Step]:
+    from bench.bench_replication import bench_bootstrap, bench_ingest, bench_lag
+
+    return [
+        ("ingest", lambda: bench_ingest(seconds=1.0 if quick else 2.0)),
+        ("lag", lambda: bench_lag(rate=500, seconds=1.0 if quick else 3.0)),
+        ("bootstrap", lambda: bench_bootstrap(pages=1024 if quick else 4096)),
+    ]
+
+
+def _replication_targets(results: dict[str, Any]) -> list[list[str]]:
+    """The bars this project set for replication (issue 6 asks for the lag to be measured)."""
+    ingest, lag, boot = results["ingest"], results["lag"], results["bootstrap"]
+    rows = [
+        ("Sync ingest, replication on / off (the owner's publishing cost)", ">= 0.7x",
+         ingest["ratio.on_vs_off"], ingest["ratio.on_vs_off"] >= 0.7, "{:.2f}x"),
+        ("same, with a peer process sharing this 2-core machine", "-",
+         ingest["ratio.on_with_peer_vs_off"], None, "{:.2f}x"),
+        (f"replication lag p99 at {lag['rate_batches_per_s.target']} batches/s", "<= 50 ms",
+         lag["lag_ms.p99"], lag["lag_ms.p99"] <= 50, "{:.1f} ms"),
+        ("peer index equal to the owner's after the run", "<= 1000 ms",
+         lag["indexes_equal_after_ms"], lag["indexes_equal_after_ms"] <= 1000, "{:.1f} ms"),
+        (f"new replica SERVING with {boot['pages']:,} pages indexed", "<= 2000 ms",
+         boot["serving_after_ms"], boot["serving_after_ms"] <= 2000 and boot["index_complete"],
+         "{:.0f} ms"),
+    ]
+    return [[name, target, fmt.format(value), "-" if ok is None else "met" if ok else "MISSED"]
+            for name, target, value, ok, fmt in rows]
+
+
 SUITES: dict[str, tuple[Callable[[bool], list[Step]], Callable[[dict[str, Any]], list[list[str]]]]]
 SUITES = {
     "coordinator": (coordinator_steps, _coordinator_targets),
     "worker": (worker_steps, _worker_targets),
     "policy": (policy_steps, _policy_targets),
+    "replication": (replication_steps, _replication_targets),
 }
 
 

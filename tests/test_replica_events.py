@@ -25,6 +25,7 @@ from coordinator.replica_events import (
     State,
     decode,
     encode,
+    origin_of,
 )
 from coordinator.routing import WorkerLoad
 from coordinator.sessions import PageEventIn
@@ -60,41 +61,47 @@ def test_every_event_round_trips(event: ReplicaEvent) -> None:
         "c1", 1_700_000_000_123, event)
 
 
-def _pages_fields(body: dict[str, object], blob: bytes) -> dict[str, str]:
-    return {"o": "c1", "t": "1", "k": "pages", "j": json.dumps(body),
-            "p": base64.b64encode(blob).decode()}
+def entry(kind: str, body: object, blob: bytes = b"", *, origin: str = "c1",
+          published: str = "1") -> dict[str, str]:
+    """A stream entry built by hand, part by part (``body`` a JSON string or a value)."""
+    text = body if isinstance(body, str) else json.dumps(body)
+    return {"e": "\x1f".join((origin, published, kind, text, base64.b64encode(blob).decode()))}
+
+
+PAGES = {"w": "w", "i": 1, "s": 1}
 
 
 @pytest.mark.parametrize(("fields", "why"), [
     ({}, "no fields"),
-    ({"o": "c1", "t": "1", "k": "teleported", "j": "{}"}, "unknown kind"),
-    ({"o": "c1", "t": "soon", "k": "want", "j": '{"worker_id": ""}'}, "bad timestamp"),
-    ({"o": "c1", "t": "1", "k": "want", "j": "{not json"}, "bad JSON"),
-    ({"o": "c1", "t": "1", "k": "attached",
-      "j": '{"worker_id": "w", "incarnation": true, "next_seq": 1}'}, "bool for an int"),
-    ({"o": "c1", "t": "1", "k": "attached", "j": '{"worker_id": "w"}'}, "missing fields"),
-    ({"o": "c1", "t": "1", "k": "want", "j": '{"worker_id": "", "extra": 1}'}, "extra field"),
-    ({"o": "c1", "t": "1", "k": "want", "j": '{"worker_id": ""}', "p": "AAAA"},
-     "keys where none belong"),
-    (_pages_fields({"w": "w", "i": 1, "s": 1, "e": [["stored", "gpu", 2]]}, KEYS[0]),
-     "fewer keys than counted"),
-    (_pages_fields({"w": "w", "i": 1, "s": 1, "e": [["stored", "gpu", 1]]}, KEYS[0] * 2),
+    ({"o": "c1", "t": "1", "k": "want", "j": "{}"}, "an older layout"),
+    ({"e": "c1\x1f1\x1fwant"}, "too few parts"),
+    (entry("teleported", {}), "unknown kind"),
+    (entry("want", {"worker_id": ""}, published="soon"), "bad timestamp"),
+    (entry("want", "{not json"), "bad JSON"),
+    (entry("attached", {"worker_id": "w", "incarnation": True, "next_seq": 1}),
+     "bool for an int"),
+    (entry("attached", {"worker_id": "w"}), "missing fields"),
+    (entry("want", {"worker_id": "", "extra": 1}), "extra field"),
+    (entry("want", {"worker_id": ""}, KEYS[0]), "keys where none belong"),
+    (entry("pages", {**PAGES, "e": [["stored", "gpu", 2]]}, KEYS[0]), "fewer keys than counted"),
+    (entry("pages", {**PAGES, "e": [["stored", "gpu", 1]]}, KEYS[0] * 2),
      "more keys than counted"),
-    (_pages_fields({"w": "w", "i": 1, "s": 1, "e": [["stored", "gpu", 1]]}, b"x" * 15),
-     "a ragged key blob"),
-    (_pages_fields({"w": "w", "i": 1, "s": 1, "e": [["melted", "gpu", 1]]}, KEYS[0]),
-     "unknown page event"),
-    (_pages_fields({"w": "w", "i": 1, "s": 1, "e": [["stored", "tape", 1]]}, KEYS[0]),
-     "unknown tier"),
-    ({"o": "c1", "t": "1", "k": "pages", "j": '{"w": "w", "i": 1, "s": 1, "e": []}',
-      "p": "!!!"}, "not base64"),
-    ({"o": "c1", "t": "1", "k": "state",
-      "j": '{"w": "w", "i": 1, "v": 0, "l": [1, 2], "c": 0, "d": false, "f": false}'},
+    (entry("pages", {**PAGES, "e": [["stored", "gpu", 1]]}, b"x" * 15), "a ragged key blob"),
+    (entry("pages", {**PAGES, "e": [["melted", "gpu", 1]]}, KEYS[0]), "unknown page event"),
+    (entry("pages", {**PAGES, "e": [["stored", "tape", 1]]}, KEYS[0]), "unknown tier"),
+    ({"e": "c1\x1f1\x1fpages\x1f" + json.dumps({**PAGES, "e": []}) + "\x1f!!!"},
+     "not base64"),
+    (entry("state", {"w": "w", "i": 1, "v": 0, "l": [1, 2], "c": 0, "d": False, "f": False}),
      "short load"),
-    ({"o": "c1", "t": "1", "k": "state",
-      "j": '{"w": "w", "i": 1, "v": 0, "l": [-1, 0, 0, 0], "c": 0, "d": false, "f": false}'},
-     "negative load"),
+    (entry("state", {"w": "w", "i": 1, "v": 0, "l": [-1, 0, 0, 0], "c": 0, "d": False,
+                     "f": False}), "negative load"),
 ])
 def test_malformed_entries_are_refused_with_a_reason(fields: dict[str, str], why: str) -> None:
     with pytest.raises(MalformedEvent, match="unreadable replication event"):
         decode(fields)
+
+
+def test_the_origin_is_read_without_decoding_the_rest() -> None:
+    assert origin_of(encode("c7", 1, SnapshotWanted(""))) == "c7"
+    assert origin_of({"e": "c7\x1fgarbage"}) == "c7"
+    assert origin_of({}) == ""
