@@ -172,6 +172,23 @@ class Replicator:
         while (self._queue or self._publishing) and self._clock() < deadline:
             await asyncio.sleep(0.005)
 
+    async def caught_up(self, timeout: float) -> bool:
+        """Wait until everything in the stream now has been applied here (at most ``timeout``
+        seconds); False when it was not, or the store could not say."""
+        try:
+            last = (await self._store.stream_bounds(STREAM)).last_id
+        except StoreUnavailable:
+            return False
+        if last is None:
+            return True
+        target = parse_entry_id(last)
+        deadline = self._clock() + timeout
+        while parse_entry_id(self._cursor) < target:
+            if self._clock() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
     # ------------------------------------------------------------------ ReplicationSink
 
     def registered(self, session: WorkerSession) -> None:

@@ -175,6 +175,16 @@ class CoordinatorService:
         if self.replicator is not None:
             await self.replicator.wait_ready()
 
+    async def before_hello(self, worker_id: str, incarnation: int, last_acked_seq: int) -> None:
+        """A worker arriving from another replica may be ahead of what this replica has applied
+        of the events stream: catch up first (briefly), so it resumes instead of resyncing."""
+        if self.replicator is None:
+            return
+        session = self.fleet.get(worker_id)
+        if session is None or session.incarnation < incarnation or (
+                session.incarnation == incarnation and session.next_seq <= last_acked_seq):
+            await self.replicator.caught_up(timeout=0.5)
+
     async def stop(self) -> None:
         self._stopping = True
         if self._reaper is not None:

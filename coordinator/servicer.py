@@ -167,6 +167,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             if first.WhichOneof("body") != "hello":
                 raise FailedPrecondition("the first Sync message must be a hello")
             hello = first.hello
+            await self._service.before_hello(hello.worker_id, hello.incarnation,
+                                             hello.last_acked_seq)
             session, stream_id, replies = sessions.hello(
                 hello.worker_id, hello.incarnation, hello.last_acked_seq,
                 close=outbox.put_nowait,

@@ -126,7 +126,7 @@ async def test_a_worker_moving_to_another_replica_resumes_from_its_acked_sequenc
         worker = await scripted(a)
         await worker.store(worker.keys(PROMPTS[0]))
         await worker.store(worker.keys(PROMPTS[1]))
-        await agree(a, b, expect=lambda got: got[1] == {"w1": 48})
+        # No waiting for B to have these: at the hello, B catches up with the stream first.
         await worker.move_to(target(b))
         welcome = await worker.connect()
         assert welcome.welcome.next_seq == 3
