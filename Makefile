@@ -10,7 +10,7 @@ LISTEN ?= 127.0.0.1:50051
 GEN_DIRS := coordinator/v1 $(wildcard worker/v1)
 
 .DEFAULT_GOAL := help
-.PHONY: help install proto proto-check lint test bench run demo clean
+.PHONY: help install proto proto-check lint test bench chaos run demo clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -44,6 +44,9 @@ test: $(STAMP) proto-check ## run the whole test suite (starts its own redis-ser
 
 bench: $(STAMP) ## run the benchmarks; tables printed, JSON in bench/results/
 	$(VENV)/bin/kvcoord bench
+
+chaos: $(STAMP) ## faults on a namespace cluster, 2 replicas (root; ~2 min); bench/results/chaos.json
+	$(PY) -m bench.chaos
 
 run: $(STAMP) ## run a coordinator on LISTEN (embedded store)
 	$(VENV)/bin/kvcoord coordinator --listen $(LISTEN)
