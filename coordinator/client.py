@@ -33,7 +33,7 @@ from coordinator.sdk_types import (
     batch_request,
     begin_request,
     call_metadata,
-    channel_options,
+    client_channel_options,
     is_transport_failure,
     lookup_from,
     lookup_request,
@@ -78,7 +78,7 @@ class CoordinatorClient:
         self._targets = Targets.parse(targets)
         self._metadata = call_metadata(token)
         self._timeout = timeout
-        options = channel_options(max_message_bytes)
+        options = client_channel_options(max_message_bytes)
         self._channels = [grpc.insecure_channel(t, options=options) for t in self._targets]
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
 
@@ -189,21 +189,45 @@ class CoordinatorClient:
     def rollouts(self, since: str | None = None, follow: bool = False) -> Iterator[RolloutRecord]:
         """Rollout records after cursor ``since`` (oldest kept when None); ``follow`` keeps the
         stream open for new ones. Each record's ``cursor`` resumes after it."""
-        request = pb.ReadRolloutsRequest(since=since or "", follow=follow)
-        try:
-            for record in self._stubs[0].ReadRollouts(request, metadata=self._metadata):
-                yield rollout_from(record)
-        except grpc.RpcError as exc:
-            raise KvcoordError.from_rpc(exc) from None
+        cursor = since or ""
+
+        def request() -> pb.ReadRolloutsRequest:  # a failover resumes after the last record
+            return pb.ReadRolloutsRequest(since=cursor, follow=follow)
+
+        for record in self._stream("ReadRollouts", request):
+            cursor = record.cursor
+            yield rollout_from(record)
 
     def watch_policy(self) -> Iterator[PolicyState]:
-        """The policy state now, then every change (a server stream)."""
-        try:
-            for state in self._stubs[0].WatchPolicy(pb.WatchPolicyRequest(),
-                                                    metadata=self._metadata):
-                yield policy_from(state)
-        except grpc.RpcError as exc:
-            raise KvcoordError.from_rpc(exc) from None
+        """The policy state now, then every change (a server stream, moved to another target
+        when its coordinator goes away)."""
+        last: PolicyState | None = None
+        for message in self._stream("WatchPolicy", pb.WatchPolicyRequest):
+            state = policy_from(message)
+            if state != last:  # a new stream starts with the state we may have seen
+                last = state
+                yield state
+
+    def _stream(self, method: str, request: Callable[[], Any]) -> Iterator[Any]:
+        """A server stream that moves to the next target on a transport failure, asking
+        ``request()`` again (so it can resume); gives up once every target failed in a row
+        without a message."""
+        failures = 0
+        while True:
+            stub = next(self._targets.rotation(self._stubs))
+            try:
+                for message in getattr(stub, method)(request(), metadata=self._metadata):
+                    failures = 0
+                    yield message
+                return
+            except grpc.RpcError as exc:
+                error = KvcoordError.from_rpc(exc)
+                if not is_transport_failure(error):
+                    raise error from None
+                self._targets.failed()
+                failures += 1
+                if failures >= len(self._stubs):
+                    raise error from None
 
     def workers(self) -> list[WorkerInfo]:
         response = self._call("ListWorkers", pb.ListWorkersRequest())
@@ -227,7 +251,7 @@ class AsyncCoordinatorClient:
         self._targets = Targets.parse(targets)
         self._metadata = call_metadata(token)
         self._timeout = timeout
-        options = channel_options(max_message_bytes)
+        options = client_channel_options(max_message_bytes)
         self._channels = [grpc.aio.insecure_channel(t, options=options) for t in self._targets]
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
 
@@ -322,23 +346,46 @@ class AsyncCoordinatorClient:
         update.result = await self.commit_policy_update(update.version, timeout=timeout)
 
     async def watch_policy(self) -> AsyncIterator[PolicyState]:
-        """The policy state now, then every change (a server stream)."""
-        try:
-            async for state in self._stubs[0].WatchPolicy(pb.WatchPolicyRequest(),
-                                                          metadata=self._metadata):
-                yield policy_from(state)
-        except grpc.RpcError as exc:
-            raise KvcoordError.from_rpc(exc) from None
+        """The policy state now, then every change (a server stream, moved to another target
+        when its coordinator goes away)."""
+        last: PolicyState | None = None
+        async for message in self._stream("WatchPolicy", pb.WatchPolicyRequest):
+            state = policy_from(message)
+            if state != last:
+                last = state
+                yield state
 
     async def rollouts(
         self, since: str | None = None, follow: bool = False
     ) -> AsyncIterator[RolloutRecord]:
-        request = pb.ReadRolloutsRequest(since=since or "", follow=follow)
-        try:
-            async for record in self._stubs[0].ReadRollouts(request, metadata=self._metadata):
-                yield rollout_from(record)
-        except grpc.RpcError as exc:
-            raise KvcoordError.from_rpc(exc) from None
+        cursor = since or ""
+
+        def request() -> pb.ReadRolloutsRequest:
+            return pb.ReadRolloutsRequest(since=cursor, follow=follow)
+
+        async for record in self._stream("ReadRollouts", request):
+            cursor = record.cursor
+            yield rollout_from(record)
+
+    async def _stream(self, method: str, request: Callable[[], Any]) -> AsyncIterator[Any]:
+        """``CoordinatorClient._stream``, awaited."""
+        failures = 0
+        while True:
+            stub = next(self._targets.rotation(self._stubs))
+            try:
+                async for message in getattr(stub, method)(request(),
+                                                           metadata=self._metadata):
+                    failures = 0
+                    yield message
+                return
+            except grpc.RpcError as exc:
+                error = KvcoordError.from_rpc(exc)
+                if not is_transport_failure(error):
+                    raise error from None
+                self._targets.failed()
+                failures += 1
+                if failures >= len(self._stubs):
+                    raise error from None
 
     async def commit_policy_update(self, version: int, timeout: float = 30.0) -> PolicyState:
         request = pb.CommitPolicyUpdateRequest(version=version, timeout_ms=int(timeout * 1000))

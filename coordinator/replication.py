@@ -360,8 +360,10 @@ class Replicator:
     async def _check_stream(self) -> None:
         """After a store outage: a stream that vanished or was trimmed past our cursor lost
         events we never applied; ask every owner for its workers again."""
-        bounds = await self._store.stream_bounds(STREAM)
+        # The cursor as it was before asking: the tailer moves it on meanwhile, and a cursor
+        # read after the answer could be past a last id that was current when Redis answered.
         cursor = parse_entry_id(self._cursor)
+        bounds = await self._store.stream_bounds(STREAM)
         lost = (bounds.last_id is None and cursor != (0, 0)) or (
             bounds.last_id is not None and parse_entry_id(bounds.last_id) < cursor
         ) or (bounds.first_id is not None and parse_entry_id(bounds.first_id) > cursor
@@ -370,7 +372,8 @@ class Replicator:
             self.counters.resnapshots += 1
             log.warning("replication.stream_lost", replica=self.replica_id, cursor=self._cursor,
                         first=bounds.first_id, last=bounds.last_id)
-            self._cursor = bounds.last_id or "0-0"
+            if bounds.last_id is not None and parse_entry_id(bounds.last_id) < cursor:
+                self._cursor = bounds.last_id  # a new stream: its ids start over
             self._dirty = self._want_all = True  # our own workers are re-published too
             self._wake.set()
 

@@ -94,6 +94,20 @@ class Targets(Sequence[str]):
         self._current = (self._current + 1) % len(self._targets)
 
 
+def client_channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """``channel_options`` plus what a failover client needs: its own subchannels (grpc shares
+    connections between channels to one address, and with them the reconnect backoff a channel
+    to a dead coordinator built up: a new client could not reach the restarted one for up to
+    two minutes) and a reconnect backoff capped at 1 s."""
+    return [
+        *channel_options(max_message_bytes),
+        ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Message-size limits shared by servers and clients (grpc answers RESOURCE_EXHAUSTED)."""
     return [

@@ -15,14 +15,15 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.client import AsyncCoordinatorClient
+from coordinator.client import AsyncCoordinatorClient, CoordinatorClient
 from coordinator.replica_events import Pages, encode
+from coordinator.rollouts import Rollout
 from coordinator.server import RunningCoordinator
 from coordinator.sessions import PageEventIn
 from coordinator.v1 import coordinator_pb2 as pb
 from kvcoord.scripted_worker import ScriptedWorker
 from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
 from worker.client import AsyncWorkerClient
 from worker.config import WorkerConfig
 from worker.server import RunningWorker, start_worker
@@ -304,3 +305,47 @@ async def _cached(client: AsyncCoordinatorClient) -> bool:
 
 async def _owned_by(client: AsyncCoordinatorClient, replica: str) -> bool:
     return [(w.owner_replica, w.state) for w in await client.workers()] == [(replica, "ready")]
+
+
+# ---------------------------------------------------------------- the SDK's streams fail over
+
+
+async def test_a_following_rollout_reader_resumes_on_another_replica_from_its_cursor(
+    redis_url: str,
+) -> None:
+    async with AsyncExitStack() as stack:
+        b = await stack.enter_async_context(running_coordinator(redis=redis_url, replica_id="B"))
+        a_running = running_coordinator(redis=redis_url, replica_id="A")
+        a = await a_running.__aenter__()
+        stack.push_async_exit(a_running)
+        log = b.service.rollouts
+        await log.append("w1", {3}, [Rollout(f"r{i}", 3, "w1", 40, 32, 8) for i in range(3)])
+        client = await stack.enter_async_context(
+            AsyncCoordinatorClient(f"{target(a)},{target(b)}"))
+        seen: list[str] = []
+
+        async def follow() -> None:
+            async for record in client.rollouts(follow=True):
+                seen.append(record.rollout_id)
+
+        reader = asyncio.create_task(follow())
+        await eventually(lambda: _true(len(seen) == 3), what="the first records through A")
+        await a.stop(grace=0.1)
+        await log.append("w1", {3}, [Rollout(f"r{i}", 3, "w1", 40, 32, 8) for i in (3, 4)])
+        await eventually(lambda: _true(len(seen) == 5), what="the rest through B")
+        reader.cancel()
+        assert seen == ["r0", "r1", "r2", "r3", "r4"]  # none twice, none lost
+
+
+def test_the_blocking_sdk_reads_streams_through_the_first_live_target(redis_url: str) -> None:
+    async def scenario() -> None:
+        async with running_coordinator(redis=redis_url, replica_id="B") as b:
+            await b.service.rollouts.append("w1", {0}, [Rollout("r0", 0, "w1", 4, 0, 1)])
+            dead = f"127.0.0.1:{free_port()}"
+            with CoordinatorClient(f"{dead},{target(b)}", timeout=5) as client:
+                records = await asyncio.to_thread(lambda: list(client.rollouts()))
+                assert [r.rollout_id for r in records] == ["r0"]
+                state = await asyncio.to_thread(lambda: next(iter(client.watch_policy())))
+                assert state.version == 0
+
+    asyncio.run(scenario())
