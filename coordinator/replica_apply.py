@@ -36,7 +36,7 @@ from coordinator.replica_events import (
     ReplicaEvent,
     State,
 )
-from coordinator.sessions import WorkerSessions
+from coordinator.sessions import WorkerSessions, apply_page_events
 
 log = structlog.get_logger(__name__)
 
@@ -159,14 +159,7 @@ class ReplicaApplier:
             self.counters.gaps += 1
             self._ask(session.worker_id)
             return
-        worker_id = session.worker_id
-        for page_event in event.events:
-            if page_event.kind == "stored":
-                self._index.store(worker_id, page_event.keys, page_event.tier)
-            elif page_event.kind == "removed":
-                self._index.remove(worker_id, page_event.keys)
-            else:
-                self._index.drop_worker(worker_id)
+        apply_page_events(self._index, session.worker_id, event.events)
         session.next_seq = event.seq + 1
         self._renew(session)
 

@@ -98,6 +98,17 @@ class Command:
     abort_running: bool = False
 
 
+def apply_page_events(index: PrefixIndex, worker_id: str, events: Sequence[PageEventIn]) -> None:
+    """One batch's page events, in order, to ``worker_id``'s holdings."""
+    for event in events:
+        if event.kind == "stored":
+            index.store(worker_id, event.keys, event.tier)
+        elif event.kind == "removed":
+            index.remove(worker_id, event.keys)
+        else:
+            index.drop_worker(worker_id)
+
+
 Outbound = Welcome | Ack | Resync | Command
 StreamCloser = Callable[[DomainError], None]
 StreamSender = Callable[[Outbound], None]
@@ -380,14 +391,7 @@ class WorkerSessions:
         if verdict is BatchVerdict.GAP:
             return [self._start_resync(session, f"sequence gap: got {seq}, "
                                                 f"expected {session.next_seq}")]
-        worker_id = session.worker_id
-        for event in events:
-            if event.kind == "stored":
-                self._index.store(worker_id, event.keys, event.tier)
-            elif event.kind == "removed":
-                self._index.remove(worker_id, event.keys)
-            else:
-                self._index.drop_worker(worker_id)
+        apply_page_events(self._index, session.worker_id, events)
         self.counters.events_applied += len(events)
         self.replication.pages(session, seq, events)
         return [Ack(seq)]
