@@ -67,7 +67,7 @@ _LAG_SAMPLES = 4096
 # Each Redis round trip costs the event loop ~100 us of redis-py, whatever it carries: the
 # publisher waits this long for more events before a round trip, and the tailer this long
 # between reads, so a busy replica sends and reads many events per trip (a few ms of lag).
-_COALESCE_S = 0.002
+_COALESCE_S = 0.005
 
 
 def default_replica_id() -> str:

@@ -204,12 +204,15 @@ async def test_a_redis_crash_is_reconciled_once_redis_is_back(persistent: bool) 
             # A applies what its worker says meanwhile (lookups keep answering from memory)...
             await worker.store(worker.keys(PROMPTS[1]))
             assert (await lookups(a))[1] == {"w1": 48}
+            replicator = a.service.replicator
+            assert replicator is not None
+            await eventually(lambda: _true(replicator.counters.publish_failures >= 1),
+                             what="A to fail publishing the batch")
             server.start()
             # ...and B has it once A re-published its view (B re-asks for everything when the
             # stream it was reading is gone).
             await agree(a, b, expect=lambda got: got[:2] == [{"w1": 64}, {"w1": 48}])
-            assert a.service.replicator is not None and b.service.replicator is not None
-            assert a.service.replicator.counters.publish_failures >= 1
+            assert b.service.replicator is not None
             if not persistent:
                 assert b.service.replicator.counters.resnapshots >= 1
             await worker.close()
