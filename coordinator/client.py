@@ -240,6 +240,16 @@ class CoordinatorClient:
         request = pb.CordonRequest(worker_id=worker_id, cordoned=cordoned)
         return worker_from(self._call("Cordon", request).worker)
 
+    def deregister(self, worker_id: str) -> bool:
+        """Remove ``worker_id``'s current incarnation (its pages leave the index at once);
+        False when no such worker is registered. What a worker pod's preStop hook calls."""
+        current = [w for w in self.workers() if w.worker_id == worker_id]
+        if not current:
+            return False
+        request = pb.DeregisterRequest(worker_id=worker_id, incarnation=current[0].incarnation)
+        self._call("Deregister", request)
+        return True
+
 
 class AsyncCoordinatorClient:
     """The asyncio twin of ``CoordinatorClient``: same methods, awaited."""

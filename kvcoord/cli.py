@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--timeout", type=float, default=10.0,
                        help="seconds to keep retrying while no worker can take it (default 10)")
 
+    dereg = sub.add_parser("deregister", help="take a worker out of the index now (a worker "
+                           "pod's preStop hook)")
+    _add_target(dereg)
+    dereg.add_argument("--worker-id", required=True)
+
     status = sub.add_parser("status", help="workers, pages, load and hit rate")
     _add_target(status)
     status.add_argument("--json", action="store_true", help="print JSON")
@@ -207,6 +212,15 @@ def cmd_route(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deregister(args: argparse.Namespace) -> int:
+    from coordinator.client import CoordinatorClient
+
+    with CoordinatorClient(args.coordinator) as client:
+        removed = client.deregister(args.worker_id)
+    print(f"worker {args.worker_id}: " + ("deregistered" if removed else "not registered"))
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from coordinator.client import CoordinatorClient
     from kvcoord.tables import render_table
@@ -324,7 +338,7 @@ COMMANDS = {
     "policy": cmd_policy,
     "coordinator": cmd_coordinator, "worker": cmd_worker, "route": cmd_route, "status": cmd_status,
     "rollouts": cmd_rollouts, "bench": cmd_bench, "demo": cmd_demo, "up": cmd_up,
-    "simulate": cmd_simulate,
+    "simulate": cmd_simulate, "deregister": cmd_deregister,
 }
 
 

@@ -107,3 +107,26 @@ def test_coordinator_runs_on_redis(redis_url: str) -> None:
         assert json.loads(status.stdout)["stats"]["store"] == "RedisStore"
     finally:
         stop_process(process)
+
+
+async def test_deregister_takes_a_worker_and_its_pages_out_at_once() -> None:
+    import asyncio
+
+    from coordinator.client import AsyncCoordinatorClient
+    from kvcoord.scripted_worker import ScriptedWorker
+    from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
+
+    async with running_coordinator() as coordinator:
+        worker = ScriptedWorker(target(coordinator), "w-0", hash_config=DEV_HASH)
+        await worker.start()
+        await worker.store(worker.keys(list(range(32))))
+        gone = await asyncio.to_thread(run_cli, "deregister", "--coordinator",
+                                       target(coordinator), "--worker-id", "w-0")
+        assert (gone.returncode, gone.stdout.strip()) == (0, "worker w-0: deregistered")
+        async with AsyncCoordinatorClient(target(coordinator)) as client:
+            assert await client.workers() == []
+            assert (await client.lookup(list(range(32)))).matches == {}
+        again = await asyncio.to_thread(run_cli, "deregister", "--coordinator",
+                                        target(coordinator), "--worker-id", "w-0")
+        assert (again.returncode, again.stdout.strip()) == (0, "worker w-0: not registered")
+        await worker.close()
