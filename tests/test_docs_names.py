@@ -1,0 +1,95 @@
+"""The names the docs tell operators to use exist in the code: every ``kvcoord_*`` metric is
+exposed by a coordinator or a worker, every ``KVCOORD_*`` variable is read by a loader, and every
+``kvcoord`` subcommand in a command line parses."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.service import CoordinatorService
+from coordinator.store_memory import MemoryStore
+from worker.config import WorkerConfig
+from worker.metrics import WorkerMetrics
+from worker.runtime import RuntimeStats
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Read outside the two config dataclasses (see ARCHITECTURE.md §6).
+OTHER_VARIABLES = {"KVCOORD_COORDINATOR", "KVCOORD_HASH_KEY", "KVCOORD_HASH_ALGORITHM",
+                   "KVCOORD_PAGE_SIZE"}
+
+
+def exposed_metric_names() -> set[str]:
+    """Every sample name a coordinator (with replication) and a worker expose."""
+    service = CoordinatorService(CoordinatorConfig(replica_id="r"), MemoryStore(),
+                                 replicate=True)
+    stats = RuntimeStats(**{f.name: 0 for f in dataclasses.fields(RuntimeStats)})
+    coordinator = CoordinatorMetrics(service)
+    coordinator.requests.labels("Route", "OK").inc()
+    coordinator.latency.labels("Route").observe(0.001)
+    text = generate_latest(coordinator.registry).decode()
+    worker = WorkerMetrics(lambda: stats)
+    worker.requests.labels("Generate", "OK").inc()
+    worker.latency.labels("Generate").observe(0.1)
+    worker.prompt_tokens.labels("cached").inc()
+    worker.sync_keys.labels("stored").inc()
+    worker.sync_policy_commands.labels("drain").inc()
+    text += generate_latest(worker.registry).decode()
+    names = set()
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    return names
+
+
+def _mentioned(pattern: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for doc in DOCS:
+        for name in re.findall(pattern, doc.read_text()):
+            found.setdefault(name, []).append(doc.name)
+    return found
+
+
+def test_every_metric_the_docs_name_is_exposed() -> None:
+    exposed = exposed_metric_names()
+    base = {re.sub(r"_(bucket|sum|count|created)$", "", n) for n in exposed} | exposed
+    mentioned = _mentioned(r"\bkvcoord_[a-z_]*[a-z](?:_\*)?")
+    missing = {
+        name: docs for name, docs in mentioned.items()
+        if not (name in base or (name.endswith("_*")
+                and any(n.startswith(name[:-1]) for n in base)))  # a family: kvcoord_worker_*
+    }
+    assert not missing, f"metrics named in the docs but not exposed: {missing}"
+    assert len(mentioned) > 20  # the check sees the docs at all
+
+
+def test_every_variable_the_docs_name_is_read() -> None:
+    known = {"KVCOORD_" + f.name.upper() for cls in (CoordinatorConfig, WorkerConfig)
+             for f in dataclasses.fields(cls)} | OTHER_VARIABLES
+    mentioned = _mentioned(r"\bKVCOORD_[A-Z_]*[A-Z]")
+    unknown = {name: docs for name, docs in mentioned.items()
+               if name not in known and name != "KVCOORD_KV"}  # KVCOORD_KV_* (a family)
+    assert not unknown, f"variables named in the docs that no loader reads: {unknown}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_kvcoord_command_line_in_the_docs_parses(doc: Path) -> None:
+    from kvcoord.cli import build_parser
+
+    parser = build_parser()
+    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", doc.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#", 1)[0].strip().rstrip("&").strip()
+            if not line.startswith("kvcoord "):
+                continue
+            words = line.split()[1:]
+            if "$(" in line or "|" in words:
+                continue  # shell substitutions: not a literal command line
+            parser.parse_args(words)  # SystemExit on an unknown subcommand or flag
