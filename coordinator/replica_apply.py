@@ -36,7 +36,7 @@ from coordinator.replica_events import (
     ReplicaEvent,
     State,
 )
-from coordinator.sessions import WorkerSessions, apply_page_events
+from coordinator.sessions import DEREGISTERED, WorkerSessions, apply_page_events
 
 log = structlog.get_logger(__name__)
 
@@ -100,7 +100,8 @@ class ReplicaApplier:
                     session.disconnected_at = self._clock()
                     self._fleet.changed()
             elif isinstance(event, Dropped):
-                self._sessions.forget(session.worker_id, f"{event.reason} (replica {origin})")
+                self._sessions.forget(session.worker_id, f"{event.reason} (replica {origin})",
+                                      final=event.reason == DEREGISTERED)
 
     def _session(self, event: ReplicaEvent, *, ask: bool) -> WorkerSession | None:
         """The session the event is about, when the incarnations match. A worker this replica

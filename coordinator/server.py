@@ -68,15 +68,16 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"could not bind {config.listen}")
+    # Probes see NOT_SERVING until this replica's index holds the other replicas' workers (set
+    # before the server starts: grpc's health servicer begins with "" SERVING).
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    await health.set("", not_serving)
+    await health.set(SERVICE_NAME, not_serving)
     await service.start()
     await server.start()
     metrics_port = None
     if config.metrics_port is not None:
         metrics_port = metrics.serve(config.metrics_port)
-    # Probes see NOT_SERVING until this replica's index holds the other replicas' workers.
-    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    await health.set("", not_serving)
-    await health.set(SERVICE_NAME, not_serving)
     await service.wait_ready()
     serving = health_pb2.HealthCheckResponse.SERVING
     await health.set("", serving)

@@ -217,11 +217,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         if not request.records:
             return pb.ReportRolloutsResponse(protocol_version=PROTOCOL_VERSION, accepted=0)
         worker_id = request.records[0].worker_id
-        session = self._service.fleet.get(worker_id)
-        if session is None:
+        served = self._service.sessions.served_versions_of(worker_id)
+        if served is None:
             raise FailedPrecondition(f"unknown worker {worker_id!r}: register first")
         accepted = await self._service.rollouts.append(
-            worker_id, session.served_versions, [convert.rollout_from(r) for r in request.records]
+            worker_id, served, [convert.rollout_from(r) for r in request.records]
         )
         return pb.ReportRolloutsResponse(protocol_version=PROTOCOL_VERSION, accepted=accepted)
 

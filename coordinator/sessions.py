@@ -109,6 +109,9 @@ def apply_page_events(index: PrefixIndex, worker_id: str, events: Sequence[PageE
             index.drop_worker(worker_id)
 
 
+DEREGISTERED = "deregistered"
+"""The word a deregistered worker's stream ends with (workers must not register again)."""
+
 Outbound = Welcome | Ack | Resync | Command
 StreamCloser = Callable[[DomainError], None]
 StreamSender = Callable[[Outbound], None]
@@ -197,6 +200,9 @@ class WorkerSessions:
         # with an error, so a superseded or dropped stream learns at once, not on its next send.
         self._streams: dict[str, tuple[int, StreamCloser, StreamSender]] = {}
         self._staging: dict[str, _Staging] = {}
+        # worker id -> (versions its last incarnation served, until when): rollout records of
+        # generations that finish after the worker was dropped are still attributable.
+        self._departed: dict[str, tuple[frozenset[int], float]] = {}
         self.counters = SyncCounters()
 
     # ------------------------------------------------------------------ registration
@@ -263,10 +269,24 @@ class WorkerSessions:
         )
 
     async def deregister(self, worker_id: str, incarnation: int) -> None:
-        """Remove a worker for good (graceful shutdown); refused for a stale incarnation."""
+        """Remove a worker for good (graceful shutdown, a pod's preStop); refused for a stale
+        incarnation. Its stream ends with FAILED_PRECONDITION naming DEREGISTERED, which a
+        worker takes as final (it does not register again)."""
         self._fleet.require(worker_id, incarnation)
         await self._store.deregister_worker(worker_id, incarnation)
-        self._drop(worker_id, reason="deregistered")
+        self._drop(worker_id, reason="deregistered", final=True)
+
+    def served_versions_of(self, worker_id: str) -> set[int] | None:
+        """The versions the worker's current incarnation served, or, for a worker dropped less
+        than ``drop_grace_ms`` ago, the last incarnation's (its in-flight generations' rollout
+        records may still arrive); None for a worker never heard of."""
+        session = self._fleet.get(worker_id)
+        if session is not None:
+            return session.served_versions
+        departed = self._departed.get(worker_id)
+        if departed is None or departed[1] <= self._clock():
+            return None
+        return set(departed[0])
 
     def install(self, session: WorkerSession, reason: str) -> None:
         """Make ``session`` the worker's current one: an older incarnation's entries go, and
@@ -280,17 +300,23 @@ class WorkerSessions:
         """Whether this replica owns the worker (holds, or last held, its stream)."""
         return session.owner == self.replica_id or session.worker_id in self._streams
 
-    def _drop(self, worker_id: str, *, reason: str) -> None:
+    def _drop(self, worker_id: str, *, reason: str, final: bool = False) -> None:
         session = self._fleet.get(worker_id)
         if session is not None and self.is_local(session):
             self.replication.dropped(session, reason)
-        self.forget(worker_id, reason)
+        self.forget(worker_id, reason, final=final)
 
-    def forget(self, worker_id: str, reason: str) -> None:
-        """Remove the worker and its entries here (its stream, if any, ends)."""
-        self._fleet.remove(worker_id)
+    def forget(self, worker_id: str, reason: str, *, final: bool = False) -> None:
+        """Remove the worker and its entries here (its stream, if any, ends: with
+        ``DEREGISTERED`` when ``final``, else asking it to register again)."""
+        session = self._fleet.remove(worker_id)
+        if session is not None:
+            grace = self._config.drop_grace_ms / 1000
+            self._departed[worker_id] = (frozenset(session.served_versions),
+                                         self._clock() + grace)
         dropped = self._index.drop_worker(worker_id)
-        self._detach(worker_id, f"worker dropped ({reason}): re-register")
+        self._detach(worker_id, f"worker {DEREGISTERED}: it left the fleet" if final
+                     else f"worker dropped ({reason}): re-register")
         self._staging.pop(worker_id, None)
         log.info("worker.dropped", worker=worker_id, reason=reason, entries=dropped)
 
@@ -476,4 +502,6 @@ class WorkerSessions:
             log.warning("worker.lease_lapsed", worker=session.worker_id)
         for session in self._fleet.expired(now, self._config.drop_grace_ms / 1000):
             self._drop(session.worker_id, reason="gone past grace period")
+        for worker_id in [w for w, (_, until) in self._departed.items() if until <= now]:
+            del self._departed[worker_id]
         self._index.expire_pending()

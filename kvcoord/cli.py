@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.sdk_types import KvcoordError
+from coordinator.store import StoreUnavailable
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -169,7 +170,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         print(f"kvcoord coordinator: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
-    asyncio.run(serve_forever(config))
+    try:
+        asyncio.run(serve_forever(config))
+    except StoreUnavailable as exc:  # Redis not up (yet): one line, and a restart will retry
+        print(f"kvcoord coordinator: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

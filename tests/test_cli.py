@@ -130,3 +130,11 @@ async def test_deregister_takes_a_worker_and_its_pages_out_at_once() -> None:
                                         target(coordinator), "--worker-id", "w-0")
         assert (again.returncode, again.stdout.strip()) == (0, "worker w-0: not registered")
         await worker.close()
+
+
+def test_a_coordinator_without_its_redis_exits_with_one_line() -> None:
+    down = run_cli("coordinator", "--listen", "127.0.0.1:0", "--redis",
+                   f"redis://127.0.0.1:{free_port()}/0")
+    assert down.returncode == 1
+    assert down.stderr.startswith("kvcoord coordinator: metadata store unavailable")
+    assert "Traceback" not in down.stderr

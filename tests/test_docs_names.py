@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,29 @@ def test_every_kvcoord_command_line_in_the_docs_parses(doc: Path) -> None:
             if "$(" in line or "|" in words:
                 continue  # shell substitutions: not a literal command line
             parser.parse_args(words)  # SystemExit on an unknown subcommand or flag
+
+
+def test_the_guides_own_overlay_example_renders_with_the_image_and_key_it_sets(
+    tmp_path: Path,
+) -> None:
+    from tests import kustomize_lite
+
+    guide = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    blocks = {}
+    for body in re.findall(r"^ *```yaml\n(.*?)^ *```", guide, re.S | re.M):
+        text = textwrap.dedent(body)
+        name = re.match(r"# (my-cluster/[\w.-]+)", text)
+        if name:
+            blocks[name.group(1)] = text
+    assert set(blocks) == {"my-cluster/kustomization.yaml", "my-cluster/secret-patch.yaml"}
+    # The example sits next to a checkout called kvcoord; here the checkout is ROOT.
+    (tmp_path / "kvcoord").symlink_to(ROOT)
+    (tmp_path / "my-cluster").mkdir()
+    for name, text in blocks.items():
+        (tmp_path / name).write_text(text)
+    resources = kustomize_lite.build(tmp_path / "my-cluster")
+    secret = next(r for r in resources if r["kind"] == "Secret")
+    assert secret["stringData"]["KVCOORD_HASH_KEY"].startswith("3f9c")
+    images = {c["image"] for r in resources if (spec := kustomize_lite.pod_spec(r))
+              for c in spec["containers"] if "kvcoord" in c["image"]}
+    assert images == {"registry.example.com/ml/kvcoord:0.1.0-cuda"}

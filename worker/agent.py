@@ -41,6 +41,7 @@ PROTOCOL_VERSION = 1
 COMPLETION_COALESCE_S = 0.02
 # FAILED_PRECONDITION details meaning "this incarnation is gone": register again.
 _REREGISTER = ("unknown worker", "stale incarnation", "re-register")
+_DEREGISTERED = "worker deregistered"  # coordinator.sessions.DEREGISTERED's stream end
 
 
 class RegistrationRefused(Exception):
@@ -66,6 +67,7 @@ class CoordinatorAgent:
         self.incarnation = 0
         self.synced = asyncio.Event()
         self.failed = asyncio.Event()
+        self.left = asyncio.Event()  # deregistered from outside: never registers again
         self.error: BaseException | None = None
         self._runtime = runtime
         self._gate = gate
@@ -116,7 +118,7 @@ class CoordinatorAgent:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self._policy.stop()
-        if deregister and self.incarnation:
+        if deregister and self.incarnation and not self.left.is_set():
             request = pb.DeregisterRequest(
                 protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
                 incarnation=self.incarnation,
@@ -133,8 +135,22 @@ class CoordinatorAgent:
         return pb_grpc.CoordinatorStub(self._channels[self._target])
 
     def _rollout_stub(self) -> pb_grpc.CoordinatorStub | None:
-        """The stub rollouts go through: the synced coordinator's, None while not synced."""
-        return self._stub() if self.synced.is_set() else None
+        """The stub rollouts go through: the synced coordinator's, None while not synced. After
+        a deregistration the coordinator still takes this worker's last records for a while."""
+        return self._stub() if self.synced.is_set() or self.left.is_set() else None
+
+    async def cordon_self(self) -> None:
+        """Ask the coordinator to stop routing here now (best effort, short): the start of a
+        graceful stop, so no route lands here while running generations drain."""
+        if not self.incarnation or self.left.is_set():
+            return
+        request = pb.CordonRequest(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
+                                   cordoned=True)
+        try:
+            await self._stub().Cordon(request, timeout=min(2.0, self.config.rpc_timeout_ms / 1000))
+            log.info("agent.cordoned", worker=self.worker_id)
+        except grpc.RpcError as exc:
+            log.warning("agent.cordon_failed", worker=self.worker_id, code=exc.code().name)
 
     async def _run(self) -> None:
         attempt = 0
@@ -151,6 +167,13 @@ class CoordinatorAgent:
                 return
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details() or ""
+                if code == grpc.StatusCode.FAILED_PRECONDITION and _DEREGISTERED in details:
+                    # Removed on purpose (a pod's preStop, an operator): final. The process
+                    # keeps answering what it runs until it is stopped; it never comes back.
+                    self.left.set()
+                    self._disconnected()
+                    log.info("agent.left_fleet", worker=self.worker_id, details=details)
+                    return
                 if code == grpc.StatusCode.FAILED_PRECONDITION and any(
                     s in details for s in _REREGISTER
                 ):

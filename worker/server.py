@@ -65,12 +65,13 @@ class RunningWorker:
         return self.agent.address
 
     async def stop(self, grace: float = 10.0, *, deregister: bool = True) -> None:
-        """Report NOT_SERVING and close the generation gate (new Generate calls get UNAVAILABLE
-        and are retried elsewhere), let in-flight calls finish for up to ``grace`` seconds so
-        their rollout records are reported, then flush the reporter and deregister (the
-        coordinator stops routing here and forgets our pages), and close."""
+        """Report NOT_SERVING, close the generation gate (new Generate calls get UNAVAILABLE
+        and are retried elsewhere) and cordon this worker (no new routes), let in-flight calls
+        finish for up to ``grace`` seconds so their rollout records are reported, then flush the
+        reporter and deregister (the coordinator forgets our pages), and close."""
         await self.health.enter_graceful_shutdown()
         self.gate.close()
+        await self.agent.cordon_self()  # no new routes while the running ones finish
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.gate.wait_idle(), grace)
         await self.agent.stop(deregister=deregister)

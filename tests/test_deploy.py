@@ -1,0 +1,1111 @@
+"""deploy/: the Kubernetes manifests and the image, checked without a cluster or docker.
+
+Each kustomization (base and every overlay) is rendered the way ``kubectl apply -k`` would
+(tests/kustomize_lite.py), validated against the Kubernetes OpenAPI schemas (kubernetes-validate,
+strict: unknown fields are errors), and cross-checked, against itself and against the code the
+pods run: Services select pods and name their ports, the ports are the ones in the container
+args, every ``KVCOORD_*`` variable is one the config loaders read, the container command lines
+go through the real ``kvcoord`` CLI into a valid configuration, the NetworkPolicies admit exactly
+the intended peers, the dashboard plots metrics the code exports, and the Dockerfile builds what
+the manifests run.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+import types
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+
+import kvcoord.cli
+from coordinator.config import ENV_PREFIX, ConfigError, CoordinatorConfig
+from coordinator.hashing import load_hash_config
+from coordinator.store import REDIS_SCHEMES
+from coordinator.v1 import coordinator_pb2
+from tests import kustomize_lite
+from tests.kustomize_lite import Resource, pod_spec, split_image
+from worker.config import WorkerConfig
+from worker.v1 import worker_pb2
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+OVERLAYS = ("cpu-dev", "gpu", "monitoring", "external-redis")
+# base is not applied on its own (its GPU workers run the CPU image): the checks that are about
+# a deployable whole run on the overlays only.
+RENDERS = ("base", *(f"overlays/{name}" for name in OVERLAYS))
+# The oldest Kubernetes these manifests support (native gRPC probes are GA since 1.27) and the
+# newest the pinned kubernetes-validate knows.
+KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")
+NAMESPACE = "kvcoord"
+IMAGE = "ghcr.io/kvcoord/kvcoord"
+COMPONENT = "app.kubernetes.io/component"
+KVCOORD_COMPONENTS = ("coordinator", "worker")  # the containers that run `kvcoord`
+PLACEHOLDER_KEY = "REPLACE-ME-with-openssl-rand-hex-32"
+
+
+# --------------------------------------------------------------------------- rendering helpers
+
+
+@functools.cache
+def _render(name: str) -> tuple[Resource, ...]:
+    return tuple(kustomize_lite.build(K8S / name))
+
+
+def render(name: str) -> list[Resource]:
+    """The rendered resources of ``name`` (a fresh copy the test may change)."""
+    return copy.deepcopy(list(_render(name)))
+
+
+@pytest.fixture(params=RENDERS)
+def rendered(request: pytest.FixtureRequest) -> list[Resource]:
+    return render(request.param)
+
+
+@pytest.fixture(params=[f"overlays/{name}" for name in OVERLAYS])
+def overlay(request: pytest.FixtureRequest) -> list[Resource]:
+    return render(request.param)
+
+
+def of_kind(resources: list[Resource], kind: str) -> list[Resource]:
+    return [r for r in resources if r["kind"] == kind]
+
+
+def named(resources: list[Resource], kind: str, name: str) -> Resource:
+    (found,) = [r for r in of_kind(resources, kind) if r["metadata"]["name"] == name]
+    return found
+
+
+def workloads(resources: list[Resource]) -> list[Resource]:
+    return [r for r in resources if pod_spec(r) is not None]
+
+
+def containers_of(workload: Resource) -> list[dict[str, Any]]:
+    spec = pod_spec(workload)
+    assert spec is not None
+    containers: list[dict[str, Any]] = spec["containers"]
+    return containers
+
+
+def pod_labels(workload: Resource) -> dict[str, str]:
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def component(workload: Resource) -> str:
+    return pod_labels(workload)[COMPONENT]
+
+
+def kvcoord_containers(resources: list[Resource]) -> Iterator[tuple[Resource, dict[str, Any]]]:
+    """(workload, container) for every container that runs the kvcoord image."""
+    for workload in workloads(resources):
+        for container in containers_of(workload):
+            if split_image(container["image"])[0] == IMAGE:
+                yield workload, container
+
+
+def container_port(container: dict[str, Any], name: str) -> int:
+    (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == name]
+    return int(port)
+
+
+def pod_name(workload: Resource) -> str:
+    """A name a pod of ``workload`` gets (what fieldRef metadata.name yields)."""
+    if workload["kind"] == "StatefulSet":
+        return f"{workload['metadata']['name']}-0"
+    return f"{workload['metadata']['name']}-5d8f7b9c4-x2x7q"
+
+
+def container_env(resources: list[Resource], workload: Resource,
+                  container: dict[str, Any]) -> dict[str, str]:
+    """The environment Kubernetes gives ``container``: envFrom sources in order, then env."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(named(resources, "ConfigMap", source["configMapRef"]["name"])["data"])
+        else:
+            env.update(named(resources, "Secret", source["secretRef"]["name"])["stringData"])
+    for variable in container.get("env", []):
+        if "value" in variable:
+            env[variable["name"]] = variable["value"]
+        else:
+            field = variable["valueFrom"]["fieldRef"]["fieldPath"]
+            assert field == "metadata.name", f"no test value for fieldRef {field}"
+            env[variable["name"]] = pod_name(workload)
+    return env
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in command and args; a reference to an undefined variable
+    stays literal there, which is never what a manifest means, so it fails here."""
+
+    def value(match: re.Match[str]) -> str:
+        assert match.group(1) in env, f"$({match.group(1)}) is not in the container's env"
+        return env[match.group(1)]
+
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", value, arg)
+
+
+def parsed_args(resources: list[Resource], workload: Resource, container: dict[str, Any]) -> Any:
+    env = container_env(resources, workload, container)
+    args = [expand(a, env) for a in container["args"]]
+    return kvcoord.cli.build_parser().parse_args(args)
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A metav1.LabelSelector (matchLabels, matchExpressions) against ``labels``."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator = expression["key"], expression["operator"]
+        values = expression.get("values", [])
+        holds = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[operator]
+        if not holds:
+            return False
+    return True
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def test_every_overlay_folder_is_rendered_by_these_tests() -> None:
+    found = {p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml")}
+    assert found == set(OVERLAYS)
+
+
+def _kustomizations() -> list[Path]:
+    return sorted(p.parent for p in K8S.rglob(kustomize_lite.KUSTOMIZATION))
+
+
+# Files under deploy/k8s that no kustomization lists, each with the reason (none today).
+UNLISTED: dict[str, str] = {}
+
+
+def test_kustomizations_list_files_that_exist_and_every_file_is_listed() -> None:
+    listed: set[Path] = set()
+    for directory in _kustomizations():
+        spec = kustomize_lite.load_kustomization(directory)
+        entries = [*spec.get("resources", []), *(p["path"] for p in spec.get("patches", []))]
+        entries += [f for g in spec.get("configMapGenerator", []) for f in g["files"]]
+        for entry in entries:
+            path = (directory / entry).resolve()
+            assert path.is_file() or (path / kustomize_lite.KUSTOMIZATION).is_file(), (
+                f"{directory.relative_to(ROOT)} lists {entry}, which does not exist"
+            )
+            listed.add(path)
+    files = {p.resolve() for p in K8S.rglob("*") if p.suffix in (".yaml", ".yml", ".json")}
+    unlisted = {
+        str(p.relative_to(ROOT)) for p in files - listed
+        if p.name != kustomize_lite.KUSTOMIZATION and str(p.relative_to(K8S)) not in UNLISTED
+    }
+    assert unlisted == set(), "no kustomization lists these files"
+
+
+# --------------------------------------------------------------------------- the renderer
+
+
+def _write(directory: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (directory / name).write_text(text)
+
+
+_DEPLOYMENT = """
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: app, namespace: other}
+spec:
+  template:
+    spec:
+      containers:
+        - {name: a, image: "ghcr.io/x/app:1", args: [one, two],
+           env: [{name: KEEP, value: "1"}, {name: GONE, value: "2"}],
+           resources: {limits: {memory: 1Gi, nvidia.com/gpu: 1}}}
+        - {name: b, image: "redis:7"}
+"""
+
+
+def test_the_renderer_merges_patches_as_kubernetes_strategic_merge_does(tmp_path: Path) -> None:
+    patch = """
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: app}
+spec:
+  template:
+    spec:
+      containers:
+        - {name: a, args: [three], env: [{name: GONE, $patch: delete}, {name: NEW, value: "3"}],
+           resources: {limits: {nvidia.com/gpu: null}}}
+"""
+    _write(tmp_path, {"app.yaml": _DEPLOYMENT, "patch.yaml": patch, "kustomization.yaml": """
+namespace: ns
+resources: [app.yaml]
+patches: [{path: patch.yaml}]
+images: [{name: ghcr.io/x/app, newTag: "2"}]
+"""})
+    (deployment,) = kustomize_lite.build(tmp_path)
+    first, second = deployment["spec"]["template"]["spec"]["containers"]
+    assert deployment["metadata"]["namespace"] == "ns"
+    assert first["args"] == ["three"]  # lists without a merge key are replaced
+    assert first["env"] == [{"name": "KEEP", "value": "1"}, {"name": "NEW", "value": "3"}]
+    assert first["resources"] == {"limits": {"memory": "1Gi"}}
+    assert (first["image"], second) == ("ghcr.io/x/app:2", {"name": "b", "image": "redis:7"})
+
+
+@pytest.mark.parametrize("kustomization", [
+    "resources: [app.yaml]\ncommonLabels: {a: b}",
+    "resources: [app.yaml]\npatches: [{path: patch.yaml, target: {kind: Deployment}}]",
+    "resources: [../outside.yaml]",
+    "resources: [app.yaml]\npatches: [{path: missing.yaml}]",
+])
+def test_the_renderer_refuses_what_it_does_not_do(tmp_path: Path, kustomization: str) -> None:
+    (tmp_path / "outside.yaml").write_text(_DEPLOYMENT)
+    folder = tmp_path / "kustomization"
+    folder.mkdir()
+    _write(folder, {"app.yaml": _DEPLOYMENT, "patch.yaml": _DEPLOYMENT,
+                    "kustomization.yaml": kustomization})
+    with pytest.raises(kustomize_lite.KustomizeError):
+        kustomize_lite.build(folder)
+
+
+# --------------------------------------------------------------------------- schemas
+
+# The ServiceMonitor CRD (monitoring.coreos.com/v1) is not in the Kubernetes schemas. This is a
+# trimmed copy of the Prometheus Operator's openAPIV3Schema (v0.84,
+# example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml): only the fields
+# these manifests use, with the same types, patterns and required lists, and unknown fields
+# refused (the real CRD has more fields; a new one used here must be added below).
+_DURATION = (r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?"
+             r"(([0-9]+)ms)?)$")
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {
+            "type": "object", "required": ["name"], "additionalProperties": False,
+            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
+                           "labels": _STRING_MAP, "annotations": _STRING_MAP},
+        },
+        "spec": {
+            "type": "object", "required": ["endpoints", "selector"], "additionalProperties": False,
+            "properties": {
+                "jobLabel": {"type": "string"},
+                "targetLabels": {"type": "array", "items": {"type": "string"}},
+                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+                "namespaceSelector": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"any": {"type": "boolean"},
+                                   "matchNames": {"type": "array", "items": {"type": "string"}}},
+                },
+                "selector": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"matchLabels": _STRING_MAP, "matchExpressions": {
+                        "type": "array", "items": {
+                            "type": "object", "required": ["key", "operator"],
+                            "additionalProperties": False,
+                            "properties": {"key": {"type": "string"},
+                                           "operator": {"type": "string"},
+                                           "values": {"type": "array",
+                                                      "items": {"type": "string"}}}}}},
+                },
+                "endpoints": {"type": "array", "items": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {
+                        "port": {"type": "string"},
+                        "targetPort": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+                        "path": {"type": "string"},
+                        "scheme": {"enum": ["http", "https"]},
+                        "interval": {"type": "string", "pattern": _DURATION},
+                        "scrapeTimeout": {"type": "string", "pattern": _DURATION},
+                        "honorLabels": {"type": "boolean"},
+                    },
+                }},
+            },
+        },
+    },
+}
+
+
+def validate_schema(resource: Resource, version: str) -> None:
+    if resource["kind"] == "ServiceMonitor":
+        jsonschema.validate(resource, SERVICE_MONITOR_SCHEMA)
+    else:
+        kubernetes_validate.validate(resource, version, strict=True)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_rendered_manifests_validate_against_the_kubernetes_schemas(
+    rendered: list[Resource], version: str
+) -> None:
+    for resource in rendered:
+        try:
+            validate_schema(resource, version)
+        except jsonschema.ValidationError as exc:
+            where = "/".join(str(p) for p in exc.absolute_path)
+            pytest.fail(f"{resource['kind']}/{resource['metadata']['name']} at {where}: "
+                        f"{exc.message}")
+
+
+def test_the_schema_check_refuses_unknown_fields() -> None:
+    # Strict mode is what catches a misspelled field; make sure it is on for both kinds of check.
+    deployment = named(render("base"), "Deployment", "kvcoord-coordinator")
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(jsonschema.ValidationError, match="livenesProbe"):
+        validate_schema(deployment, KUBERNETES_VERSIONS[0])
+    monitor = named(render("overlays/monitoring"), "ServiceMonitor", "kvcoord-worker")
+    monitor["spec"]["endpoints"][0]["intervall"] = "15s"
+    with pytest.raises(jsonschema.ValidationError, match="intervall"):
+        validate_schema(monitor, KUBERNETES_VERSIONS[0])
+
+
+def test_resources_live_in_the_kvcoord_namespace_with_the_common_labels(
+    rendered: list[Resource],
+) -> None:
+    for resource in rendered:
+        metadata = resource["metadata"]
+        if resource["kind"] != "Namespace":
+            assert metadata.get("namespace") == NAMESPACE, metadata["name"]
+        assert metadata["labels"]["app.kubernetes.io/name"] == "kvcoord", metadata["name"]
+        assert metadata["labels"]["app.kubernetes.io/part-of"] == "kvcoord", metadata["name"]
+    for workload in workloads(rendered):
+        assert component(workload) in ("coordinator", "worker", "redis")
+        assert workload["metadata"]["labels"][COMPONENT] == component(workload)
+        assert selects(workload["spec"]["selector"], pod_labels(workload))
+
+
+# --------------------------------------------------------------------------- services and ports
+
+
+def test_services_select_pods_that_expose_their_target_ports(rendered: list[Resource]) -> None:
+    for service in of_kind(rendered, "Service"):
+        selector = service["spec"]["selector"]
+        backends = [w for w in workloads(rendered) if selects({"matchLabels": selector},
+                                                              pod_labels(w))]
+        assert backends, f"Service {service['metadata']['name']} selects no pods"
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            for workload in backends:
+                exposed = [p for c in containers_of(workload)
+                           for p in c.get("ports", [])]
+                key = "name" if isinstance(target, str) else "containerPort"
+                assert any(p.get(key) == target for p in exposed), (
+                    f"Service {service['metadata']['name']} port {port['name']} -> {target}: "
+                    f"not a port of {workload['metadata']['name']}"
+                )
+
+
+def test_statefulsets_are_governed_by_their_headless_service(rendered: list[Resource]) -> None:
+    for statefulset in of_kind(rendered, "StatefulSet"):
+        service = named(rendered, "Service", statefulset["spec"]["serviceName"])
+        assert service["spec"]["clusterIP"] == "None"
+        assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels(statefulset))
+
+
+def test_container_ports_are_the_ports_in_listen_and_metrics_port(
+    rendered: list[Resource],
+) -> None:
+    for workload, container in kvcoord_containers(rendered):
+        args = parsed_args(rendered, workload, container)
+        assert host_port(args.listen)[1] == container_port(container, "grpc")
+        assert args.metrics_port == container_port(container, "metrics")
+        assert {p["name"] for p in container["ports"]} == {"grpc", "metrics"}
+
+
+def test_probes_call_grpc_health_on_the_grpc_port(rendered: list[Resource]) -> None:
+    # Both servers register grpc.health.v1 (coordinator/server.py, worker/server.py).
+    for workload, container in kvcoord_containers(rendered):
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": container_port(container, "grpc")}, (
+                f"{workload['metadata']['name']} {probe}"
+            )
+    for workload in workloads(rendered):
+        for container in containers_of(workload):
+            names = {p["name"] for p in container.get("ports", [])}
+            numbers = {p["containerPort"] for p in container.get("ports", [])}
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                port = container.get(probe, {}).get("tcpSocket", {}).get("port")
+                assert port is None or port in names | numbers
+
+
+def test_in_cluster_addresses_name_services_that_exist(rendered: list[Resource]) -> None:
+    """Every *.svc.cluster.local address in the config or the args: its Service exists in its
+    namespace and has the port; a pod name belongs to the StatefulSet the headless Service
+    governs (``$(POD_NAME)`` only in that StatefulSet's own pods)."""
+    texts: list[tuple[Resource | None, str]] = []
+    for resource in of_kind(rendered, "ConfigMap") + of_kind(rendered, "Secret"):
+        texts += [(None, v) for v in {**resource.get("data", {}),
+                                      **resource.get("stringData", {})}.values()]
+    for workload in workloads(rendered):
+        for container in containers_of(workload):
+            texts += [(workload, a) for a in container.get("args", [])]
+    pattern = re.compile(r"([A-Za-z0-9$()._-]+)\.svc\.cluster\.local(?::(\d+))?")
+    found = 0
+    for owner, text in texts:
+        for match in pattern.finditer(text):
+            found += 1
+            *pod, service_name, namespace = match.group(1).split(".")
+            assert namespace == NAMESPACE, match.group(0)
+            service = named(rendered, "Service", service_name)
+            if match.group(2):
+                assert int(match.group(2)) in [p["port"] for p in service["spec"]["ports"]]
+            if pod:
+                assert service["spec"]["clusterIP"] == "None", match.group(0)
+                (statefulset,) = [s for s in of_kind(rendered, "StatefulSet")
+                                  if s["spec"]["serviceName"] == service_name]
+                if pod == ["$(POD_NAME)"]:
+                    assert owner is statefulset, f"{match.group(0)} outside {service_name}"
+                else:
+                    prefix, _, ordinal = pod[0].rpartition("-")
+                    assert prefix == statefulset["metadata"]["name"]
+                    assert int(ordinal) < statefulset["spec"]["replicas"]
+    assert found >= 2  # the coordinators' Service in the ConfigMap, the workers' advertise
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def _env_names(config: type) -> set[str]:
+    return {ENV_PREFIX + field.name.upper() for field in dataclasses.fields(config)}
+
+
+def _literal_variables(function: Any) -> set[str]:
+    return set(re.findall(r'"(KVCOORD_[A-Z_]+)"', inspect.getsource(function)))
+
+
+# What each process reads: its config dataclass, the module-level hashing config, and the CLI's
+# default TARGETS (kvcoord status|deregister|... run inside a pod).
+_OUTSIDE_CONFIG = _literal_variables(load_hash_config) | _literal_variables(kvcoord.cli._add_target)
+READ_BY = {
+    "coordinator": _env_names(CoordinatorConfig) | _OUTSIDE_CONFIG,
+    "worker": _env_names(WorkerConfig) | _OUTSIDE_CONFIG,
+}
+
+
+def test_the_reader_table_comes_from_the_code() -> None:
+    outside = {"KVCOORD_HASH_KEY", "KVCOORD_HASH_ALGORITHM", "KVCOORD_PAGE_SIZE",
+               "KVCOORD_COORDINATOR"}
+    assert outside == _OUTSIDE_CONFIG
+    assert {"KVCOORD_REDIS", "KVCOORD_REPLICA_ID", "KVCOORD_LEASE_MS"} <= READ_BY["coordinator"]
+    assert "KVCOORD_REDIS" not in READ_BY["worker"]
+
+
+def test_every_kvcoord_variable_is_one_the_pods_code_reads(rendered: list[Resource]) -> None:
+    consumers: dict[tuple[str, str], set[str]] = {}
+    for workload, container in kvcoord_containers(rendered):
+        reads = READ_BY[component(workload)]
+        for source in container.get("envFrom", []):
+            kind, ref = ("ConfigMap", "configMapRef") if "configMapRef" in source else (
+                "Secret", "secretRef")
+            named(rendered, kind, source[ref]["name"])  # exists
+            consumers.setdefault((kind, source[ref]["name"]), set()).add(component(workload))
+        for variable in container.get("env", []):
+            name = variable["name"]
+            assert not name.startswith(ENV_PREFIX) or name in reads, (
+                f"{workload['metadata']['name']}: {name} is read by no {component(workload)}"
+            )
+    for (kind, name), components in consumers.items():
+        resource = named(rendered, kind, name)
+        for key in {**resource.get("data", {}), **resource.get("stringData", {})}:
+            assert key.startswith(ENV_PREFIX), f"{kind} {name}: {key} is not a KVCOORD_ variable"
+            assert any(key in READ_BY[c] for c in components), (
+                f"{kind} {name}: {key} is read by none of {sorted(components)}"
+            )
+
+
+def _pod_environment(rendered: list[Resource], workload: Resource,
+                     container: dict[str, Any]) -> dict[str, str]:
+    env = container_env(rendered, workload, container)
+    if env.get("KVCOORD_HASH_KEY") == PLACEHOLDER_KEY:  # what an operator replaces
+        env["KVCOORD_HASH_KEY"] = "ab" * 32
+    return env
+
+
+@dataclasses.dataclass
+class Started:
+    """What `kvcoord coordinator|worker` handed to serve_forever, instead of serving."""
+
+    configs: list[Any] = dataclasses.field(default_factory=list)
+    cuda_checks: int = 0
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> Started:
+    """Run the real CLI entry point up to the server: flags and environment through argparse and
+    the config loaders, with serve_forever captured (no ports, no torch, no GPU)."""
+    record = Started()
+
+    async def serve_forever(config: Any) -> int:
+        record.configs.append(config)
+        return 0
+
+    def cuda_available() -> bool:
+        record.cuda_checks += 1
+        return True  # the pod's node has the GPU it asked for
+
+    fake_server = types.SimpleNamespace(serve_forever=serve_forever)
+    monkeypatch.setitem(sys.modules, "coordinator.server", fake_server)
+    monkeypatch.setitem(sys.modules, "worker.server", fake_server)
+    monkeypatch.setattr("worker.config._cuda_available", cuda_available)
+    monkeypatch.setattr("coordinator.logs.configure_logging", lambda level: None)
+    return record
+
+
+def test_pods_start_with_a_valid_configuration_from_their_args_and_environment(
+    overlay: list[Resource], started: Started, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    configmap = named(overlay, "ConfigMap", "kvcoord-config")["data"]
+    cuda_workers = 0
+    for workload, container in kvcoord_containers(overlay):
+        env = _pod_environment(overlay, workload, container)
+        with monkeypatch.context() as scope:
+            for name in [n for n in os.environ if n.startswith(ENV_PREFIX)]:
+                scope.delenv(name)
+            for name, value in env.items():
+                scope.setenv(name, value)
+            args = [expand(a, env) for a in container["args"]]
+            assert kvcoord.cli.main(args) == 0, f"{workload['metadata']['name']}: {args}"
+        config = started.configs.pop()
+        assert config.listen.startswith("0.0.0.0:")
+        assert config.hash_key == (env["KVCOORD_HASH_KEY"] or None)
+        assert config.page_size == int(configmap["KVCOORD_PAGE_SIZE"])
+        if component(workload) == "coordinator":
+            assert isinstance(config, CoordinatorConfig)
+            assert (config.redis, config.replica_id) == (env["KVCOORD_REDIS"], pod_name(workload))
+            assert config.redis.partition("://")[0] in REDIS_SCHEMES
+            assert config.heartbeat_ms < config.lease_ms
+        else:
+            assert isinstance(config, WorkerConfig)
+            host = f"{pod_name(workload)}.kvcoord-worker.{NAMESPACE}.svc.cluster.local"
+            assert config.advertise == f"{host}:{container_port(container, 'grpc')}"
+            assert config.worker_id == pod_name(workload)
+            assert config.coordinator == configmap["KVCOORD_COORDINATOR"]
+            assert config.heartbeat_ms == int(configmap["KVCOORD_HEARTBEAT_MS"])
+            cuda_workers += config.device == "cuda"
+    assert started.configs == []
+    assert started.cuda_checks == cuda_workers  # `--device cuda` is refused without a GPU
+
+
+def test_the_secret_template_keeps_pods_from_starting_until_a_key_is_set() -> None:
+    for name in RENDERS:
+        value = named(render(name), "Secret", "kvcoord-secrets")["stringData"]["KVCOORD_HASH_KEY"]
+        # No overlay ships a key: the template's placeholder, or empty (cpu-dev: the public
+        # development key, with a warning).
+        assert value == ("" if name == "overlays/cpu-dev" else PLACEHOLDER_KEY), name
+    for config in (CoordinatorConfig, WorkerConfig):
+        with pytest.raises(ConfigError, match="hex"):
+            config.from_sources({"listen": "127.0.0.1:1"}, {"KVCOORD_HASH_KEY": PLACEHOLDER_KEY})
+        assert config.from_sources({}, {"KVCOORD_HASH_KEY": ""}).hash_key is None
+
+
+def test_container_args_parse_with_the_kvcoord_cli(rendered: list[Resource]) -> None:
+    for workload, container in kvcoord_containers(rendered):
+        args = parsed_args(rendered, workload, container)
+        assert args.command == component(workload)
+
+
+def test_a_renamed_flag_breaks_the_parse() -> None:
+    resources = render("overlays/gpu")
+    workload = named(resources, "StatefulSet", "kvcoord-worker")
+    (container,) = containers_of(workload)
+    container["args"] = [a.replace("--advertise", "--advertise-address")
+                         for a in container["args"]]
+    with pytest.raises(SystemExit):
+        parsed_args(resources, workload, container)
+
+
+def test_the_worker_prestop_hook_deregisters_this_pod(rendered: list[Resource]) -> None:
+    workload = named(rendered, "StatefulSet", "kvcoord-worker")
+    (container,) = containers_of(workload)
+    shell, flag, script = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert (shell, flag) == ("sh", "-c")
+    assert "$(" not in script  # Kubernetes does not expand $(VAR) in exec commands
+    env = container_env(rendered, workload, container)
+
+    def variable(match: re.Match[str]) -> str:
+        assert match.group(1) in env, f"the preStop hook uses ${match.group(1)}, which is unset"
+        return env[match.group(1)]
+
+    argv = [re.sub(r"\$([A-Za-z_][A-Za-z0-9_]*)", variable, word)
+            for word in shlex.split(script)]
+    assert argv[0] == "kvcoord"
+    args = kvcoord.cli.build_parser().parse_args(argv[1:])
+    assert (args.command, args.worker_id) == ("deregister", pod_name(workload))
+    assert args.coordinator == env["KVCOORD_COORDINATOR"]
+
+
+def _default(config: type, name: str) -> Any:
+    (field,) = [f for f in dataclasses.fields(config) if f.name == name]
+    return field.default
+
+
+def test_termination_grace_covers_the_drain() -> None:
+    from coordinator.client import DEFAULT_TIMEOUT
+    from coordinator.server import RunningCoordinator
+    from worker.server import RunningWorker
+
+    resources = render("base")
+    coordinator = named(resources, "Deployment", "kvcoord-coordinator")
+    (container,) = containers_of(coordinator)
+    sleep, seconds = container["lifecycle"]["preStop"]["exec"]["command"]
+    drain = inspect.signature(RunningCoordinator.stop).parameters["grace"].default
+    assert sleep == "sleep"
+    # The preStop pause, the drain, and a few seconds to close the store.
+    assert pod_spec(coordinator)["terminationGracePeriodSeconds"] >= int(seconds) + drain + 5
+    worker = pod_spec(named(resources, "StatefulSet", "kvcoord-worker"))
+    # preStop: `kvcoord deregister` (CoordinatorClient.deregister: ListWorkers, then Deregister),
+    # then SIGTERM: the drain, then the worker's own Deregister.
+    budget = (2 * DEFAULT_TIMEOUT
+              + inspect.signature(RunningWorker.stop).parameters["grace"].default
+              + _default(WorkerConfig, "rpc_timeout_ms") / 1000)
+    assert worker["terminationGracePeriodSeconds"] >= budget
+
+
+# --------------------------------------------------------------------------- images and GPUs
+
+
+def test_kvcoord_images_carry_the_project_version_and_redis_is_pinned(
+    rendered: list[Resource],
+) -> None:
+    version = PYPROJECT["project"]["version"]
+    for _workload, container in kvcoord_containers(rendered):
+        _name, tag = split_image(container["image"])
+        assert tag in (version, f"{version}-cuda"), container["image"]
+    for workload in workloads(rendered):
+        for container in containers_of(workload):
+            assert split_image(container["image"])[1] not in ("", "latest"), container["image"]
+
+
+def test_workers_ask_for_a_gpu_exactly_when_they_run_cuda_on_the_cuda_image(
+    overlay: list[Resource],
+) -> None:
+    for workload, container in kvcoord_containers(overlay):
+        limits = container["resources"].get("limits", {})
+        gpu = "nvidia.com/gpu" in limits or "nvidia.com/gpu" in container["resources"].get(
+            "requests", {})
+        if component(workload) == "coordinator":
+            assert not gpu
+            continue
+        device = parsed_args(overlay, workload, container).device
+        assert device in ("cpu", "cuda")
+        cuda_image = split_image(container["image"])[1].endswith("-cuda")
+        assert (device == "cuda") == gpu == cuda_image, (device, limits, container["image"])
+
+
+def test_overlays_run_the_intended_fleet() -> None:
+    def shape(name: str) -> tuple[int, str, bool, bool]:
+        resources = render(name)
+        coordinator = named(resources, "Deployment", "kvcoord-coordinator")
+        worker = named(resources, "StatefulSet", "kvcoord-worker")
+        device = parsed_args(resources, worker, containers_of(worker)[0]).device
+        in_cluster_redis = bool([s for s in of_kind(resources, "StatefulSet")
+                                 if component(s) == "redis"])
+        pdb = any(p["metadata"]["name"] == "kvcoord-coordinator"
+                  for p in of_kind(resources, "PodDisruptionBudget"))
+        return coordinator["spec"]["replicas"], device, in_cluster_redis, pdb
+
+    assert shape("overlays/cpu-dev") == (1, "cpu", True, False)
+    assert shape("overlays/gpu") == (2, "cuda", True, True)
+    assert shape("overlays/monitoring") == (2, "cuda", True, True)
+    assert shape("overlays/external-redis") == (2, "cuda", False, True)
+
+
+def test_disruption_budgets_leave_room_for_a_drain(rendered: list[Resource]) -> None:
+    for budget in of_kind(rendered, "PodDisruptionBudget"):
+        (workload,) = [w for w in workloads(rendered)
+                       if selects(budget["spec"]["selector"], pod_labels(w))]
+        replicas = workload["spec"]["replicas"]
+        if "minAvailable" in budget["spec"]:
+            assert budget["spec"]["minAvailable"] < replicas, budget["metadata"]["name"]
+        else:
+            assert budget["spec"]["maxUnavailable"] >= 1
+
+
+def test_pods_run_as_the_images_user_without_privileges(rendered: list[Resource]) -> None:
+    user = int(_final_stage_user().split(":")[0])
+    group = int(_final_stage_user().split(":")[1])
+    for workload in workloads(rendered):
+        spec = pod_spec(workload)
+        assert spec is not None
+        # Service links would add KVCOORD_COORDINATOR_PORT=tcp://... and friends: names in the
+        # KVCOORD_ space the config loaders read.
+        assert spec["enableServiceLinks"] is False
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        if component(workload) in KVCOORD_COMPONENTS:
+            assert (spec["securityContext"]["runAsUser"],
+                    spec["securityContext"]["runAsGroup"]) == (user, group)
+        for container in spec["containers"]:
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] is True
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"]["drop"] == ["ALL"]
+
+
+def test_redis_persists_every_write_and_only_coordinators_get_its_url(
+    overlay: list[Resource],
+) -> None:
+    redis = [s for s in of_kind(overlay, "StatefulSet") if component(s) == "redis"]
+    configmap = named(overlay, "ConfigMap", "kvcoord-config")["data"]
+    if redis:
+        (container,) = containers_of(redis[0])
+        options = " ".join(container["args"])
+        assert "--appendonly yes" in options and "--appendfsync always" in options
+        (claim,) = redis[0]["spec"]["volumeClaimTemplates"]
+        assert {"name": claim["metadata"]["name"], "mountPath": "/data"} in container[
+            "volumeMounts"]
+        assert configmap["KVCOORD_REDIS"].startswith("redis://kvcoord-redis-0.kvcoord-redis.")
+    else:
+        assert "KVCOORD_REDIS" not in configmap
+        holders = [s["metadata"]["name"] for s in of_kind(overlay, "Secret")
+                   if "KVCOORD_REDIS" in s["stringData"]]
+        assert holders == ["kvcoord-redis"]
+        for workload, container in kvcoord_containers(overlay):
+            refs = [s.get("secretRef", {}).get("name") for s in container["envFrom"]]
+            assert ("kvcoord-redis" in refs) == (component(workload) == "coordinator")
+
+
+# --------------------------------------------------------------------------- network policies
+
+# Who may reach which port of which pods. Sources outside the namespace: pods labelled with a
+# kvcoord.io/role (any namespace) and Prometheus in `monitoring`.
+INTENDED_INGRESS = {
+    ("coordinator", 50051): {"worker", "scheduler", "trainer"},
+    ("coordinator", 9100): {"prometheus"},
+    ("worker", 50061): {"scheduler", "trainer"},
+    ("worker", 9101): {"prometheus"},
+    ("redis", 6379): {"coordinator"},
+}
+OUTSIDE_PODS = {  # name: (namespace, pod labels)
+    "scheduler": ("inference", {"kvcoord.io/role": "scheduler"}),
+    "trainer": ("rl", {"kvcoord.io/role": "trainer"}),
+    "prometheus": ("monitoring", {"app.kubernetes.io/name": "prometheus"}),
+    "stranger-here": (NAMESPACE, {"app": "debug"}),
+    "stranger-elsewhere": ("default", {"app": "debug"}),
+    "prometheus-elsewhere": ("default", {"app.kubernetes.io/name": "prometheus"}),
+}
+
+
+def _peer_admits(peer: dict[str, Any], policy_namespace: str, source: tuple[str, dict[str, str]]
+                 ) -> bool:
+    namespace, labels = source
+    assert "ipBlock" not in peer
+    if "namespaceSelector" in peer:
+        namespace_ok = selects(peer["namespaceSelector"],
+                               {"kubernetes.io/metadata.name": namespace})
+    else:
+        namespace_ok = namespace == policy_namespace
+    return namespace_ok and selects(peer.get("podSelector", {}), labels)
+
+
+def allowed(policies: list[Resource], target: dict[str, str], port: int,
+            source: tuple[str, dict[str, str]]) -> bool:
+    """NetworkPolicy ingress semantics for a pod in NAMESPACE: open unless some policy selects
+    it; then some rule of a selecting policy must admit both the source and the port."""
+    selecting = [p for p in policies if selects(p["spec"]["podSelector"], target)
+                 and "Ingress" in p["spec"]["policyTypes"]]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            ports = [p["port"] for p in rule.get("ports", [])]
+            if ports and port not in ports:
+                continue
+            if "from" not in rule or any(_peer_admits(peer, NAMESPACE, source)
+                                         for peer in rule["from"]):
+                return True
+    return False
+
+
+def test_network_policies_admit_exactly_the_intended_peers(rendered: list[Resource]) -> None:
+    policies = of_kind(rendered, "NetworkPolicy")
+    sources = dict(OUTSIDE_PODS)
+    for workload in workloads(rendered):
+        sources[component(workload)] = (NAMESPACE, pod_labels(workload))
+    checked = 0
+    for workload in workloads(rendered):
+        for container in containers_of(workload):
+            for port in (p["containerPort"] for p in container["ports"]):
+                admitted = {name for name, source in sources.items()
+                            if allowed(policies, pod_labels(workload), port, source)}
+                intended = INTENDED_INGRESS.get((component(workload), port), set())
+                assert admitted == intended & set(sources), (component(workload), port)
+                checked += 1
+    assert checked == len([k for k in INTENDED_INGRESS if k[0] in
+                           {component(w) for w in workloads(rendered)}])
+
+
+def test_every_network_policy_selects_pods(rendered: list[Resource]) -> None:
+    for policy in of_kind(rendered, "NetworkPolicy"):
+        assert any(selects(policy["spec"]["podSelector"], pod_labels(w))
+                   for w in workloads(rendered)), policy["metadata"]["name"]
+
+
+# --------------------------------------------------------------------------- monitoring
+
+
+def test_service_monitors_scrape_every_kvcoord_metrics_port() -> None:
+    resources = render("overlays/monitoring")
+    scraped = set()
+    for monitor in of_kind(resources, "ServiceMonitor"):
+        services = [s for s in of_kind(resources, "Service")
+                    if selects(monitor["spec"]["selector"], s["metadata"]["labels"])]
+        assert services, monitor["metadata"]["name"]
+        for service in services:
+            for endpoint in monitor["spec"]["endpoints"]:
+                (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+                assert port["targetPort"] == "metrics"
+            scraped.add(service["metadata"]["labels"][COMPONENT])
+    assert scraped == set(KVCOORD_COMPONENTS)
+
+
+_TARGET_LABELS = {"namespace", "pod", "service", "job", "instance", "container", "endpoint"}
+
+
+def exported_metrics() -> dict[str, set[str]]:
+    """Every kvcoord_* series name the coordinator and the worker export, with its labels."""
+    from coordinator.metrics import CoordinatorMetrics
+    from coordinator.service import StatsSnapshot
+    from worker.metrics import WorkerMetrics
+    from worker.runtime import RuntimeStats
+
+    # replica_id set: the replication metrics appear only with replicas.
+    stats = StatsSnapshot(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, types.SimpleNamespace(version=0),
+                          "RedisStore", replica_id="r1")
+    coordinator = CoordinatorMetrics(types.SimpleNamespace(stats=lambda: stats))
+    worker = WorkerMetrics(lambda: RuntimeStats(0, 0, 0, 0, 0, 0))
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+    labelled = {m._name: set(m._labelnames)  # the collectors created with label names
+                for m in [*vars(coordinator).values(), *vars(worker).values()]
+                if hasattr(m, "_labelnames")}
+    names: dict[str, set[str]] = {}
+    for registry in (coordinator.registry, worker.registry):
+        for family in registry.collect():
+            labels = {k for s in family.samples for k in s.labels}
+            labels |= labelled.get(family.name, set())
+            for suffix in suffixes[family.type]:
+                names[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+    return names
+
+
+def test_the_exported_metrics_are_read_from_the_code() -> None:
+    names = exported_metrics()
+    assert names["kvcoord_coordinator_requests_total"] == {"method", "code"}
+    assert names["kvcoord_replication_lag_seconds"] == {"quantile"}
+    assert names["kvcoord_worker_prompt_tokens_total"] == {"source"}
+    assert "kvcoord_worker_pages_free" in names and "kvcoord_routes_total" in names
+
+
+def _dashboard() -> dict[str, Any]:
+    dashboard: dict[str, Any] = json.loads(
+        (K8S / "overlays" / "monitoring" / "kvcoord-dashboard.json").read_text())
+    return dashboard
+
+
+def test_the_dashboard_plots_metrics_and_labels_the_code_exports() -> None:
+    exported = exported_metrics()
+    rpcs = {m.name for d in (coordinator_pb2.DESCRIPTOR, worker_pb2.DESCRIPTOR)
+            for s in d.services_by_name.values() for m in s.methods}
+    exprs = [t["expr"] for p in _dashboard()["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in _dashboard()["templating"]["list"] if "definition" in v]
+    assert len(exprs) > 20
+    for expr in exprs:
+        used = re.findall(r"\bkvcoord_\w+", expr)
+        assert used, expr
+        labels = set(_TARGET_LABELS)
+        for name in used:
+            assert name in exported, f"{name} is exported by no kvcoord process"
+            labels |= exported[name]
+        for selector in re.findall(r"\{([^}]*)\}", expr):
+            for label, value in re.findall(r'(\w+)\s*(?:=~|!~|!=|=)\s*"([^"]*)"', selector):
+                assert label in labels, f"{label} in {expr}"
+                if label == "method":
+                    assert set(value.split("|")) <= rpcs, f"{value} is no RPC"
+        for grouping in re.findall(r"\bby \(([^)]*)\)", expr):
+            for label in grouping.split(","):
+                assert label.strip() in labels, f"by {label} in {expr}"
+
+
+def test_the_dashboard_is_a_grafana_dashboard_in_a_labelled_configmap() -> None:
+    dashboard = _dashboard()
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["query"] == "prometheus"
+    for panel in panels:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}"
+            assert [t["refId"] for t in panel["targets"]] == [
+                chr(ord("A") + i) for i in range(len(panel["targets"]))]
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24
+    configmap = named(render("overlays/monitoring"), "ConfigMap", "kvcoord-grafana-dashboard")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(configmap["data"]["kvcoord-dashboard.json"]) == dashboard
+
+
+# --------------------------------------------------------------------------- the Dockerfile
+
+
+@dataclasses.dataclass
+class Stage:
+    base: str
+    name: str
+    instructions: list[tuple[str, str]]
+
+
+def dockerfile() -> tuple[list[tuple[str, str]], list[Stage]]:
+    """(instructions before the first FROM, stages): (INSTRUCTION, arguments) pairs, with line
+    continuations joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    header: list[tuple[str, str]] = []
+    stages: list[Stage] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        instruction, _, arguments = line.partition(" ")
+        instruction, arguments = instruction.upper(), arguments.strip()
+        if instruction == "FROM":
+            base, _, name = arguments.partition(" AS ")
+            stages.append(Stage(base.strip(), name.strip(), []))
+        elif stages:
+            stages[-1].instructions.append((instruction, arguments))
+        else:
+            header.append((instruction, arguments))
+    return header, stages
+
+
+def _final_stage_user() -> str:
+    _header, stages = dockerfile()
+    users = [a for i, a in stages[-1].instructions if i == "USER"]
+    return users[-1]
+
+
+def test_one_build_argument_picks_the_cpu_or_the_cuda_runtime() -> None:
+    header, stages = dockerfile()
+    assert ("ARG", "VARIANT=cpu") in header
+    by_name = {s.name: s for s in stages}
+    assert stages[-1].base == "runtime-${VARIANT}"
+    assert {"runtime-cpu", "runtime-cuda", "builder"} <= set(by_name)
+    assert by_name["runtime-cpu"].base.startswith("python:")
+    assert by_name["runtime-cuda"].base.startswith("nvidia/cuda:")
+    cpu_install = " ".join(a for i, a in by_name["runtime-cpu"].instructions if i == "RUN")
+    assert "--index-url https://download.pytorch.org/whl/cpu" in cpu_install
+
+
+def test_the_image_runs_kvcoord_as_an_unprivileged_user() -> None:
+    _header, stages = dockerfile()
+    final = dict(stages[-1].instructions)
+    assert json.loads(final["ENTRYPOINT"]) == ["kvcoord"]  # exec form: signals reach kvcoord
+    assert isinstance(json.loads(final["CMD"]), list)
+    assert "kvcoord" in PYPROJECT["project"]["scripts"]
+    user, group = _final_stage_user().split(":")
+    assert int(user) == int(group) == 10001
+    assert f"--uid {user}" in final["RUN"]
+
+
+def test_the_image_installs_the_worker_extra_with_the_projects_torch() -> None:
+    header, stages = dockerfile()
+    (torch_pin,) = [d for d in PYPROJECT["project"]["optional-dependencies"]["worker"]
+                    if d.startswith("torch")]
+    assert ("ARG", f"TORCH_VERSION={torch_pin.removeprefix('torch==')}") in header
+    for stage in stages:
+        for instruction, arguments in stage.instructions:
+            if instruction == "RUN" and "torch==" in arguments:
+                assert '"torch==${TORCH_VERSION}"' in arguments
+    final_run = dict(stages[-1].instructions)["RUN"]
+    extras = re.findall(r"\[(\w+)\]", final_run)
+    assert extras == ["worker"]
+    assert set(extras) <= set(PYPROJECT["project"]["optional-dependencies"])
+    required = tuple(int(x) for x in PYPROJECT["project"]["requires-python"]
+                     .removeprefix(">=").split("."))
+    for stage in stages:
+        match = re.match(r"python:(\d+)\.(\d+)", stage.base)
+        if match:
+            assert (int(match[1]), int(match[2])) >= required, stage.base
+
+
+def _copied_sources() -> list[str]:
+    _header, stages = dockerfile()
+    sources = []
+    for stage in stages:
+        for instruction, arguments in stage.instructions:
+            if instruction == "COPY" and not arguments.startswith("--from"):
+                sources += arguments.split()[:-1]
+    return sources
+
+
+def test_the_builder_copies_what_the_wheel_needs_and_the_ignore_file_keeps_it() -> None:
+    sources = _copied_sources()
+    needed = {"pyproject.toml", PYPROJECT["project"]["readme"]}
+    needed |= {p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]
+               ["include"]}
+    assert needed <= set(sources)
+    ignore = [line.strip() for line in (ROOT / "deploy" / "Dockerfile.dockerignore")
+              .read_text().splitlines() if line.strip() and not line.startswith("#")]
+    for source in sources:
+        assert (ROOT / source).exists(), source
+        # The last pattern that matches decides (BuildKit); "**" matches everything.
+        verdict = None
+        for pattern in ignore:
+            keep = pattern.startswith("!")
+            if pattern.lstrip("!").rstrip("/") in ("**", source):
+                verdict = keep
+        assert verdict is True, f"{source} is excluded from the build context"
+
+
+def test_the_builder_stage_builds_a_wheel_from_exactly_the_copied_files(tmp_path: Path) -> None:
+    # What `RUN pip wheel --no-deps .` does in the builder, on a tree of only the COPY sources.
+    source = tmp_path / "src"
+    source.mkdir()
+    for entry in _copied_sources():
+        path = ROOT / entry
+        if path.is_dir():
+            shutil.copytree(path, source / entry, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (source / entry).write_bytes(path.read_bytes())
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(tmp_path / "wheels"), str(source)],
+        check=True, capture_output=True, timeout=120,
+    )
+    (wheel,) = (tmp_path / "wheels").glob("kvcoord-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        info = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        assert "kvcoord = kvcoord.cli:main" in archive.read(info).decode()
+        assert "Provides-Extra: worker" in archive.read(metadata).decode()
+    assert {"kvcoord/cli.py", "coordinator/v1/coordinator_pb2.py",
+            "worker/v1/worker_pb2.py"} <= names
