@@ -303,6 +303,20 @@ class PageHasher:
             self._rotate()
         return keys
 
+    def extend(self, parent: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
+        """Keys of the full pages of ``tokens`` continuing the chain after ``parent`` (the key of
+        the page before them, or ``root(namespace)`` for a prompt's first page): what
+        ``page_keys`` gives for those pages of the whole prompt. Uncached (the bridge hashes
+        each engine block once, as it is stored)."""
+        data = tokens_to_bytes(tokens)
+        page_bytes = 4 * page_size
+        keys: list[bytes] = []
+        digest = self._digest
+        for end in range(page_bytes, len(data) - len(data) % page_bytes + 1, page_bytes):
+            parent = digest(parent + data[end - page_bytes : end])
+            keys.append(parent)
+        return keys
+
     def cache_len(self) -> int:
         """Entries held by the chain cache (never above ``cache_pages`` + one prompt)."""
         return len(self._young) + len(self._old) + len(self._young_runs) + len(self._old_runs)

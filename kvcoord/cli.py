@@ -70,6 +70,27 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--timeout", type=float, default=10.0,
                        help="seconds to keep retrying while no worker can take it (default 10)")
 
+    bridge = sub.add_parser("bridge", help="feed the coordinator from an unmodified vLLM or "
+                            "SGLang engine's KV-cache events")
+    bridge.add_argument("engine", choices=("vllm", "sglang"))
+    _add_target(bridge)
+    bridge.add_argument("--events", required=True, metavar="tcp://HOST:PORT",
+                        help="the engine's KV-events publisher (ZMQ PUB)")
+    bridge.add_argument("--replay", metavar="tcp://HOST:PORT",
+                        help="the engine's replay socket (ZMQ ROUTER); without it a gap rebuilds")
+    bridge.add_argument("--worker-id", required=True, help="this engine's worker id")
+    bridge.add_argument("--worker-address", required=True, metavar="HOST:PORT",
+                        help="where schedulers send this engine's requests")
+    bridge.add_argument("--model", default="default", help="model name (hash namespace)")
+    bridge.add_argument("--page-size", type=int, help="tokens per page (default "
+                        "KVCOORD_PAGE_SIZE or 16)")
+    bridge.add_argument("--engine-block-size", type=int,
+                        help="the engine's KV block size (default: the page size)")
+    bridge.add_argument("--policy-version", type=int, default=0,
+                        help="the weights version the engine serves (default 0)")
+    bridge.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    bridge.add_argument("--log-level", help="debug, info (default), warning, error")
+
     dereg = sub.add_parser("deregister", help="take a worker out of the index now (a worker "
                            "pod's preStop hook)")
     _add_target(dereg)
@@ -217,6 +238,31 @@ def cmd_route(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bridge(args: argparse.Namespace) -> int:
+    from coordinator.logs import configure_logging
+    from worker.bridge.serve import serve_bridge
+
+    try:
+        from worker.bridge.bridge import BridgeConfig
+    except ImportError as exc:  # the optional group is not installed
+        print(f"kvcoord bridge: {exc}: pip install 'kvcoord[bridge]'", file=sys.stderr)
+        return 2
+    page_size = args.page_size or int(os.environ.get("KVCOORD_PAGE_SIZE", "16"))
+    try:
+        config = BridgeConfig(
+            events=args.events, coordinator=args.coordinator, worker_id=args.worker_id,
+            worker_address=args.worker_address, model=args.model, page_size=page_size,
+            engine_block_size=args.engine_block_size, replay=args.replay,
+            policy_version=args.policy_version, hash_key=os.environ.get("KVCOORD_HASH_KEY"),
+            engine=args.engine,
+        )
+    except ValueError as exc:
+        print(f"kvcoord bridge: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level or os.environ.get("KVCOORD_LOG_LEVEL", "info"))
+    return asyncio.run(serve_bridge(config, metrics_port=args.metrics_port))
+
+
 def cmd_deregister(args: argparse.Namespace) -> int:
     from coordinator.client import CoordinatorClient
 
@@ -343,7 +389,7 @@ COMMANDS = {
     "policy": cmd_policy,
     "coordinator": cmd_coordinator, "worker": cmd_worker, "route": cmd_route, "status": cmd_status,
     "rollouts": cmd_rollouts, "bench": cmd_bench, "demo": cmd_demo, "up": cmd_up,
-    "simulate": cmd_simulate, "deregister": cmd_deregister,
+    "simulate": cmd_simulate, "deregister": cmd_deregister, "bridge": cmd_bridge,
 }
 
 

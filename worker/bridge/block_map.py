@@ -1,0 +1,120 @@
+"""Engine blocks -> our page keys: what the bridge tells the coordinator for each engine event.
+
+An engine block of ``k * page_size`` tokens is ``k`` of our pages. Its keys continue the chain of
+its parent block (the engine names it by hash), so they equal the keys a reference worker
+computes for the same prompt: a scheduler's Lookup of the prompt finds the engine. A block
+whose parent was never seen (the bridge started mid-stream, or lost events) cannot be chained
+and is skipped: a miss, never a wrong hit. A block may sit in several media (GPU and a CPU
+offload copy); the coordinator is told the fastest it is in.
+
+Pure: no zmq, no grpc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.hashing import Namespace, PageHasher
+from coordinator.index import Tier
+from coordinator.sessions import PageEventIn
+from worker.bridge.engine_events import BlockRemoved, BlockStored, EngineHash, MalformedInput
+
+_MEDIA = {"gpu": Tier.GPU, "cpu": Tier.CPU, "disk": Tier.DISK}
+_FASTEST_FIRST = (Tier.GPU, Tier.CPU, Tier.DISK)
+
+
+@dataclass(slots=True)
+class _Block:
+    keys: tuple[bytes, ...]
+    media: set[Tier] = field(default_factory=set)
+
+    def tier(self) -> Tier:
+        return next(t for t in _FASTEST_FIRST if t in self.media)
+
+
+class BlockMap:
+    """The engine's blocks as the bridge knows them, and the page events each change means."""
+
+    def __init__(self, hasher: PageHasher, *, model: str, policy_version: int,
+                 page_size: int) -> None:
+        self._hasher = hasher
+        self._model = model
+        self._version = policy_version
+        self._page_size = page_size
+        self._blocks: dict[EngineHash, _Block] = {}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def stored(self, event: BlockStored) -> list[PageEventIn]:
+        """Stored events for the event's blocks; MalformedInput for a block size that is not a
+        multiple of the page size, a medium we do not know, or a parent never seen."""
+        if event.block_size % self._page_size:
+            raise MalformedInput("block_size", f"engine block size {event.block_size} is not a "
+                                               f"multiple of the page size {self._page_size}")
+        tier = _tier(event.medium)
+        if event.parent_block_hash is None:
+            parent = self._hasher.root(Namespace(
+                model=self._model, adapter=event.lora_name or "",
+                policy_version=self._version, page_size=self._page_size))
+        else:
+            known = self._blocks.get(event.parent_block_hash)
+            if known is None:
+                raise MalformedInput(
+                    "unknown_parent",
+                    f"parent block {event.parent_block_hash!r:.40} was never stored: cannot chain",
+                )
+            parent = known.keys[-1]
+        out: dict[Tier, list[bytes]] = {}
+        size = event.block_size
+        for i, block_hash in enumerate(event.block_hashes):
+            keys = tuple(self._hasher.extend(parent, event.token_ids[i * size:(i + 1) * size],
+                                             self._page_size))
+            block = self._blocks.get(block_hash)
+            if block is None or block.keys != keys:
+                block = self._blocks[block_hash] = _Block(keys)
+            block.media.add(tier)
+            out.setdefault(block.tier(), []).extend(keys)
+            parent = keys[-1]
+        return [PageEventIn("stored", tuple(keys), t) for t, keys in out.items()]
+
+    def removed(self, event: BlockRemoved) -> tuple[list[PageEventIn], int]:
+        """Page events for the removal, and how many of its hashes were unknown."""
+        tier = _tier(event.medium)
+        gone: list[bytes] = []
+        moved: dict[Tier, list[bytes]] = {}
+        unknown = 0
+        for block_hash in event.block_hashes:
+            block = self._blocks.get(block_hash)
+            if block is None:
+                unknown += 1
+                continue
+            block.media.discard(tier)
+            if block.media:  # still in another medium: now held there
+                moved.setdefault(block.tier(), []).extend(block.keys)
+            else:
+                del self._blocks[block_hash]
+                gone.extend(block.keys)
+        events = [PageEventIn("stored", tuple(keys), t) for t, keys in moved.items()]
+        if gone:
+            events.append(PageEventIn("removed", tuple(gone)))
+        return events, unknown
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def inventory(self) -> dict[Tier, list[bytes]]:
+        """Every key held, by the fastest tier it is in (for a resync or a re-registration)."""
+        out: dict[Tier, list[bytes]] = {}
+        for block in self._blocks.values():
+            out.setdefault(block.tier(), []).extend(block.keys)
+        return out
+
+
+def _tier(medium: str | None) -> Tier:
+    if medium is None:
+        return Tier.GPU
+    tier = _MEDIA.get(medium.lower())
+    if tier is None:
+        raise MalformedInput("event", f"unknown medium {medium!r:.20}")
+    return tier

@@ -1,0 +1,172 @@
+"""The KV-cache events vLLM and SGLang publish, decoded from their msgpack payload.
+
+A payload is ``[ts, [event, ...], data_parallel_rank]`` (the rank may be missing). An event is
+either a positional array tagged by its class name (older vLLM, SGLang):
+``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+lora_name, ...]``, ``["BlockRemoved", block_hashes, medium, ...]``, ``["AllBlocksCleared"]``; or
+a map with a ``"type"`` field and named fields (vLLM 0.33). Trailing fields may be missing
+(engines omit defaults), fields this module does not know are ignored, hashes are ints or
+bytes. docs/PROTOCOL.md §8 lists the formats and the releases they come from.
+
+Pure: no zmq, no grpc. Anything that does not fit raises ``MalformedInput`` with a ``kind``
+the bridge counts by.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+EngineHash = int | bytes
+
+
+class MalformedInput(ValueError):
+    """Input the bridge skips; ``kind`` names the counter it goes to."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[EngineHash, ...]
+    parent_block_hash: EngineHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[EngineHash, ...]
+    medium: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+EngineEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EngineBatch:
+    ts: float
+    events: tuple[EngineEvent, ...]
+    dp_rank: int | None
+    # Events skipped inside an otherwise good batch: (kind, message) each.
+    skipped: tuple[tuple[str, str], ...] = ()
+
+
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                  "medium", "lora_name")
+_REMOVED_FIELDS = ("block_hashes", "medium")
+_DECODER = msgspec.msgpack.Decoder()
+
+
+def decode_payload(payload: bytes) -> EngineBatch:
+    """The batch in one published (or replayed) payload."""
+    try:
+        raw = _DECODER.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise MalformedInput("msgpack", f"payload is not msgpack: {exc}") from None
+    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
+        raise MalformedInput("batch", f"payload is not [ts, [events...], dp_rank]: {raw!r:.120}")
+    ts, events = raw[0], raw[1]
+    dp_rank = raw[2] if len(raw) > 2 else None
+    if not _is_number(ts) or not (dp_rank is None or _is_int(dp_rank)):
+        raise MalformedInput("batch", f"bad ts or dp_rank in batch header: {raw[:1]!r}, "
+                                      f"{dp_rank!r}")
+    decoded: list[EngineEvent] = []
+    skipped: list[tuple[str, str]] = []
+    for event in events:
+        try:
+            decoded.append(decode_event(event))
+        except MalformedInput as exc:
+            skipped.append((exc.kind, str(exc)))
+    return EngineBatch(float(ts), tuple(decoded), dp_rank, tuple(skipped))
+
+
+def decode_event(raw: Any) -> EngineEvent:
+    """One event in either encoding."""
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        fields = raw
+    elif isinstance(raw, list) and raw:
+        tag = raw[0]
+        fields = None
+    else:
+        raise MalformedInput("event", f"an event is a tagged array or a map, got {raw!r:.80}")
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    if tag == "BlockStored":
+        values = _named(fields, _STORED_FIELDS) if fields is not None else _positional(
+            raw[1:], _STORED_FIELDS)
+        return _stored(values)
+    if tag == "BlockRemoved":
+        values = _named(fields, _REMOVED_FIELDS) if fields is not None else _positional(
+            raw[1:], _REMOVED_FIELDS)
+        return BlockRemoved(_hashes(values["block_hashes"]), _optional_str(values, "medium"))
+    raise MalformedInput("unknown_event", f"unknown event type {tag!r:.40}")
+
+
+def _named(fields: dict[Any, Any], names: Sequence[str]) -> dict[str, Any]:
+    return {name: fields.get(name) for name in names}
+
+
+def _positional(values: list[Any], names: Sequence[str]) -> dict[str, Any]:
+    # Trailing fields may be omitted (defaults); extra trailing fields are newer releases'.
+    return {name: values[i] if i < len(values) else None for i, name in enumerate(names)}
+
+
+def _stored(values: dict[str, Any]) -> BlockStored:
+    hashes = _hashes(values["block_hashes"])
+    parent = values["parent_block_hash"]
+    if parent is not None and not _is_hash(parent):
+        raise MalformedInput("event", f"parent_block_hash must be an int or bytes: {parent!r}")
+    tokens = values["token_ids"]
+    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < 2**32 for t in tokens):
+        raise MalformedInput("event", "token_ids must be a list of uint32 token ids")
+    block_size = values["block_size"]
+    if not _is_int(block_size) or block_size <= 0:
+        raise MalformedInput("event", f"block_size must be a positive int: {block_size!r}")
+    if len(tokens) != len(hashes) * block_size:
+        raise MalformedInput("event", f"{len(tokens)} token ids for {len(hashes)} blocks of "
+                                      f"{block_size}")
+    lora_id = values["lora_id"]
+    if lora_id is not None and not _is_int(lora_id):
+        raise MalformedInput("event", f"lora_id must be an int: {lora_id!r}")
+    return BlockStored(hashes, parent, tuple(tokens), block_size, lora_id,
+                       _optional_str(values, "medium"), _optional_str(values, "lora_name"))
+
+
+def _hashes(raw: Any) -> tuple[EngineHash, ...]:
+    if not isinstance(raw, list) or not raw or not all(_is_hash(h) for h in raw):
+        raise MalformedInput("event", "block_hashes must be a non-empty list of ints or bytes")
+    return tuple(raw)
+
+
+def _optional_str(values: dict[str, Any], name: str) -> str | None:
+    value = values.get(name)
+    if value is not None and not isinstance(value, str):
+        raise MalformedInput("event", f"{name} must be a string: {value!r:.40}")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+def _is_hash(value: Any) -> bool:
+    return _is_int(value) or isinstance(value, bytes)

@@ -1,0 +1,61 @@
+"""Run a bridge until SIGINT/SIGTERM, with its counters on ``/metrics`` (``kvcoord_bridge_*``)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Iterator
+
+import structlog
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from worker.bridge.bridge import Bridge, BridgeConfig
+
+log = structlog.get_logger(__name__)
+
+
+class BridgeCollector(Collector):
+    """The bridge's counters, read at scrape time."""
+
+    def __init__(self, bridge: Bridge) -> None:
+        self._bridge = bridge
+
+    def collect(self) -> Iterator[Metric]:
+        b = self._bridge
+        skipped = CounterMetricFamily("kvcoord_bridge_malformed",
+                                      "Engine input skipped, by kind", labels=["kind"])
+        for kind, count in sorted(b.malformed.items()):
+            skipped.add_metric([kind], count)
+        yield skipped
+        events = CounterMetricFamily("kvcoord_bridge_engine_events",
+                                     "Engine events applied, by type", labels=["type"])
+        for kind, count in sorted(b.applied.items()):
+            events.add_metric([kind], count)
+        yield events
+        yield CounterMetricFamily("kvcoord_bridge_replays", "Gaps filled by replay",
+                                  value=b.replays)
+        yield CounterMetricFamily("kvcoord_bridge_rebuilds",
+                                  "Gaps that dropped the worker's entries (no replay)",
+                                  value=b.rebuilds)
+        yield GaugeMetricFamily("kvcoord_bridge_blocks", "Engine blocks held", value=len(b.blocks))
+        yield GaugeMetricFamily("kvcoord_bridge_last_seq", "Last engine sequence number applied",
+                                value=b.last_seq)
+
+
+async def serve_bridge(config: BridgeConfig, *, metrics_port: int | None = None) -> int:
+    bridge = Bridge(config)
+    if metrics_port is not None:
+        registry = CollectorRegistry()
+        registry.register(BridgeCollector(bridge))
+        start_http_server(metrics_port, registry=registry)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await bridge.start()
+    await stop.wait()
+    await bridge.stop()
+    log.info("bridge.stopped", worker=config.worker_id)
+    return 0
