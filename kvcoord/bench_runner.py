@@ -174,12 +174,30 @@ def _replication_targets(results: dict[str, Any]) -> list[list[str]]:
             for name, target, value, ok, fmt in rows]
 
 
+def bridge_steps(quick: bool) -> list[Step]:
+    from bench.bench_bridge import bench_decode_and_map, bench_end_to_end
+
+    n = 100 if quick else 300
+    return [("decode_and_map", lambda: bench_decode_and_map(n)),
+            ("end_to_end", lambda: bench_end_to_end(n))]
+
+
+def _bridge_targets(results: dict[str, Any]) -> list[list[str]]:
+    """This project's bar for the bridge: it keeps up with a worker's own Sync path."""
+    ratio = results["end_to_end"]["ratio.bridge_vs_worker"]
+    return [["engine blocks/s through the bridge / the same pages on a worker's Sync stream",
+             ">= 0.5x", f"{ratio:.2f}x", "met" if ratio >= 0.5 else "MISSED"],
+            ["bridge work per block (decode + chain hash)", "-",
+             f"{results['decode_and_map']['us_per_block']:.1f} us", "-"]]
+
+
 SUITES: dict[str, tuple[Callable[[bool], list[Step]], Callable[[dict[str, Any]], list[list[str]]]]]
 SUITES = {
     "coordinator": (coordinator_steps, _coordinator_targets),
     "worker": (worker_steps, _worker_targets),
     "policy": (policy_steps, _policy_targets),
     "replication": (replication_steps, _replication_targets),
+    "bridge": (bridge_steps, _bridge_targets),
 }
 
 

@@ -1,0 +1,115 @@
+"""The vLLM/SGLang bridge's throughput: engine blocks per second from the engine's ZMQ frames to
+the coordinator's index, against the same pages hashed and sent by a worker on its own Sync
+stream (the path a reference worker takes, one acked batch per prompt), measured in the same
+run; publisher, bridge and coordinator share this process; and the bridge's own work per block
+(decode + chain hashing) without any network.
+
+Run alone: ``python -m bench.bench_bridge``; ``kvcoord bench bridge`` prints the table and
+writes bench/results/bridge.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from coordinator.config import CoordinatorConfig
+from coordinator.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
+from coordinator.server import start_coordinator
+from kvcoord.scripted_worker import ScriptedWorker
+from worker.bridge.block_map import BlockMap
+from worker.bridge.bridge import Bridge, BridgeConfig
+from worker.bridge.engine_events import BlockStored, decode_payload
+
+PAGE = 16
+BLOCKS_PER_BATCH = 32
+HASH = HashConfig(key=DEV_HASH_KEY, page_size=PAGE)
+
+
+def _batches(n_batches: int) -> list[bytes]:
+    """Payloads of chained BlockStored events (current vLLM map encoding), one prompt each."""
+    payloads = []
+    for b in range(n_batches):
+        tokens = [(b * 7919 + i) % 50_000 for i in range(BLOCKS_PER_BATCH * PAGE)]
+        events, parent = [], None
+        for i in range(BLOCKS_PER_BATCH):
+            block_hash = b * 1_000 + i
+            block_tokens = tokens[i * PAGE:(i + 1) * PAGE]
+            events.append({"type": "BlockStored", "block_hashes": [block_hash],
+                           "parent_block_hash": parent, "token_ids": block_tokens,
+                           "block_size": PAGE, "medium": "GPU"})
+            parent = block_hash
+        payloads.append(msgspec.msgpack.encode([time.time(), events, 0]))
+    return payloads
+
+
+def bench_decode_and_map(n_batches: int = 300) -> dict[str, float]:
+    payloads = _batches(n_batches)
+    blocks = BlockMap(PageHasher(HASH), model="default", policy_version=0, page_size=PAGE)
+    started = time.perf_counter()
+    for payload in payloads:
+        for event in decode_payload(payload).events:
+            assert isinstance(event, BlockStored)
+            blocks.stored(event)
+    elapsed = time.perf_counter() - started
+    n = n_batches * BLOCKS_PER_BATCH
+    return {"blocks_per_s": n / elapsed, "us_per_block": elapsed / n * 1e6}
+
+
+async def _end_to_end(n_batches: int) -> dict[str, float]:
+    coordinator = await start_coordinator(CoordinatorConfig(
+        listen="127.0.0.1:0", page_size=PAGE, log_level="warning"))
+    target = f"127.0.0.1:{coordinator.port}"
+    payloads = _batches(n_batches)
+    total = n_batches * BLOCKS_PER_BATCH
+    index = coordinator.service.index
+    try:
+        # Baseline: the same pages from a worker's own Sync stream, one batch per prompt.
+        worker = ScriptedWorker(target, "direct", hash_config=HASH)
+        await worker.start()
+        hasher = PageHasher(HASH)
+        prompts = [[(b * 7919 + i) % 50_000 for i in range(BLOCKS_PER_BATCH * PAGE)]
+                   for b in range(n_batches)]
+        started = time.perf_counter()
+        for prompt in prompts:  # a worker hashes its pages too (its prefix cache does)
+            await worker.store(hasher.page_keys(prompt, Namespace(page_size=PAGE)))
+        direct = total / (time.perf_counter() - started)
+        await worker.close()
+        # The bridge: frames on a PUB socket, until the index holds every page.
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        bridge = Bridge(BridgeConfig(events=f"tcp://127.0.0.1:{port}", coordinator=target,
+                                     worker_id="engine", worker_address="10.0.0.1:8000",
+                                     page_size=PAGE))
+        await bridge.start()
+        await asyncio.sleep(0.3)  # the SUB connects (a slow joiner would miss the first frames)
+        started = time.perf_counter()
+        for seq, payload in enumerate(payloads):
+            await pub.send_multipart([b"kv-events", struct.pack(">q", seq), payload])
+        while len(index.worker_keys("engine")) < total:
+            await asyncio.sleep(0.001)
+        bridged = total / (time.perf_counter() - started)
+        await bridge.stop()
+        pub.close(linger=0)
+        ctx.term()
+        return {"blocks_per_s.bridge": bridged, "blocks_per_s.worker_sync": direct,
+                "ratio.bridge_vs_worker": bridged / direct}
+    finally:
+        await coordinator.stop(grace=0.1)
+
+
+def bench_end_to_end(n_batches: int = 300) -> dict[str, Any]:
+    return asyncio.run(_end_to_end(n_batches))
+
+
+if __name__ == "__main__":
+    from kvcoord.bench_runner import run_suite
+
+    raise SystemExit(run_suite("bridge"))
