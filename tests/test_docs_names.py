@@ -10,12 +10,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService
 from coordinator.store_memory import MemoryStore
+from worker.bridge.bridge import Bridge, BridgeConfig
+from worker.bridge.serve import BridgeCollector
 from worker.config import WorkerConfig
 from worker.metrics import WorkerMetrics
 from worker.runtime import RuntimeStats
@@ -43,6 +45,12 @@ def exposed_metric_names() -> set[str]:
     worker.sync_keys.labels("stored").inc()
     worker.sync_policy_commands.labels("drain").inc()
     text += generate_latest(worker.registry).decode()
+    bridge = Bridge(BridgeConfig(events="tcp://127.0.0.1:1", coordinator="127.0.0.1:1",
+                                 worker_id="engine", worker_address="127.0.0.1:2"))
+    bridge.malformed["frame"] = 1
+    registry = CollectorRegistry()
+    registry.register(BridgeCollector(bridge))
+    text += generate_latest(registry).decode()
     names = set()
     for line in text.splitlines():
         if line and not line.startswith("#"):
