@@ -55,7 +55,7 @@ class BlockMap:
         tier = _tier(event.medium)
         if event.parent_block_hash is None:
             parent = self._hasher.root(Namespace(
-                model=self._model, adapter=event.lora_name or "",
+                model=self._model, adapter=_adapter(event),
                 policy_version=self._version, page_size=self._page_size))
         else:
             known = self._blocks.get(event.parent_block_hash)
@@ -109,6 +109,15 @@ class BlockMap:
         for block in self._blocks.values():
             out.setdefault(block.tier(), []).extend(block.keys)
         return out
+
+
+def _adapter(event: BlockStored) -> str:
+    """The hash namespace's adapter: the LoRA's name; releases that name a LoRA only by id get
+    ``lora-id:<id>``, so its KV is never taken for the base model's (a scheduler asking with
+    that adapter name still finds it)."""
+    if event.lora_name:
+        return event.lora_name
+    return f"lora-id:{event.lora_id}" if event.lora_id is not None else ""
 
 
 def _tier(medium: str | None) -> Tier:
