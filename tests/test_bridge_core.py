@@ -80,21 +80,21 @@ def _map() -> BlockMap:
 
 def test_chained_blocks_give_the_keys_a_reference_worker_computes() -> None:
     blocks = _map()
-    first = blocks.stored(BlockStored((10,), None, tuple(TOKENS[:8]), 8))
-    rest = blocks.stored(BlockStored((11, 12), 10, tuple(TOKENS[8:24]), 8))
+    first, _ = blocks.stored(BlockStored((10,), None, tuple(TOKENS[:8]), 8))
+    rest, _ = blocks.stored(BlockStored((11, 12), 10, tuple(TOKENS[8:24]), 8))
     keys = [k for e in (*first, *rest) for k in e.keys]
     assert keys == PageHasher(HASH).page_keys(TOKENS, Namespace(model="m", policy_version=3,
                                                                 page_size=PAGE))
-    lora = blocks.stored(BlockStored((20,), None, tuple(TOKENS[:4]), 4, lora_name="sql"))
+    lora, _ = blocks.stored(BlockStored((20,), None, tuple(TOKENS[:4]), 4, lora_name="sql"))
     assert list(lora[0].keys) == PageHasher(HASH).page_keys(
         TOKENS[:4], Namespace(model="m", adapter="sql", policy_version=3, page_size=PAGE))
 
 
 def test_a_block_held_in_two_media_is_reported_in_the_fastest_still_held() -> None:
     blocks = _map()
-    gpu = blocks.stored(BlockStored((10,), None, tuple(TOKENS[:4]), 4, medium="GPU"))
+    gpu, _ = blocks.stored(BlockStored((10,), None, tuple(TOKENS[:4]), 4, medium="GPU"))
     assert [(e.kind, e.tier) for e in gpu] == [("stored", Tier.GPU)]
-    cpu = blocks.stored(BlockStored((10,), None, tuple(TOKENS[:4]), 4, medium="CPU"))
+    cpu, _ = blocks.stored(BlockStored((10,), None, tuple(TOKENS[:4]), 4, medium="CPU"))
     assert [(e.kind, e.tier) for e in cpu] == [("stored", Tier.GPU)]  # still in GPU too
     events, unknown = blocks.removed(BlockRemoved((10, 99), "GPU"))
     assert ([(e.kind, e.tier) for e in events], unknown) == ([("stored", Tier.CPU)], 1)

@@ -46,9 +46,12 @@ class BlockMap:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def stored(self, event: BlockStored) -> list[PageEventIn]:
-        """Stored events for the event's blocks; MalformedInput for a block size that is not a
-        multiple of the page size, a medium we do not know, or a parent never seen."""
+    def stored(self, event: BlockStored) -> tuple[list[PageEventIn], list[MalformedInput]]:
+        """Stored events for the event's blocks, and the blocks skipped: a hash already held
+        with other tokens (an engine whose hash does not chain, e.g. early SGLang hashing a
+        page's tokens alone) keeps its first keys, which its removal will name. MalformedInput
+        for a block size that is not a multiple of the page size, a medium we do not know, or a
+        parent never seen."""
         if event.block_size % self._page_size:
             raise MalformedInput("block_size", f"engine block size {event.block_size} is not a "
                                                f"multiple of the page size {self._page_size}")
@@ -66,17 +69,23 @@ class BlockMap:
                 )
             parent = known.keys[-1]
         out: dict[Tier, list[bytes]] = {}
+        skipped: list[MalformedInput] = []
         size = event.block_size
         for i, block_hash in enumerate(event.block_hashes):
             keys = tuple(self._hasher.extend(parent, event.token_ids[i * size:(i + 1) * size],
                                              self._page_size))
+            parent = keys[-1]
             block = self._blocks.get(block_hash)
-            if block is None or block.keys != keys:
+            if block is None:
                 block = self._blocks[block_hash] = _Block(keys)
+            elif block.keys != keys:
+                skipped.append(MalformedInput(
+                    "hash_collision", f"engine block {block_hash!r:.40} stored again with other "
+                                      "tokens: the first is kept"))
+                continue
             block.media.add(tier)
             out.setdefault(block.tier(), []).extend(keys)
-            parent = keys[-1]
-        return [PageEventIn("stored", tuple(keys), t) for t, keys in out.items()]
+        return [PageEventIn("stored", tuple(keys), t) for t, keys in out.items()], skipped
 
     def removed(self, event: BlockRemoved) -> tuple[list[PageEventIn], int]:
         """Page events for the removal, and how many of its hashes were unknown."""

@@ -79,6 +79,10 @@ class BridgeConfig:
             raise ValueError(f"--worker-address must be HOST:PORT, got {self.worker_address!r}")
         if not self.worker_id:
             raise ValueError("--worker-id is required")
+        for name, endpoint in (("--events", self.events), ("--replay", self.replay)):
+            if endpoint is not None and "://" not in endpoint:
+                raise ValueError(f"{name} must be a ZMQ endpoint such as tcp://HOST:PORT, got "
+                                 f"{endpoint!r}")
 
     def hash_config(self) -> HashConfig:
         if self.hash_key is None:
@@ -250,12 +254,24 @@ class Bridge:
             except MalformedInput as exc:
                 self._skip(exc.kind, str(exc))
                 continue
-            if seq <= self.last_seq:
+            if seq == 0 and self.last_seq >= 0:
+                await self._engine_restarted()
+            elif seq <= self.last_seq:
                 continue  # already applied (a replay overlapped the live stream)
             if seq > self.last_seq + 1:
                 await self._fill_gap(seq)
             if seq > self.last_seq:
                 await self._apply(seq, payload)
+
+    async def _engine_restarted(self) -> None:
+        """Sequence 0 again: a new engine process with an empty cache. What the old one held
+        is gone; follow the new stream from here."""
+        log.warning("bridge.engine_restarted", worker=self.config.worker_id,
+                    last_seq=self.last_seq)
+        self.blocks.clear()
+        await self._send([PageEventIn("cleared", ())])
+        self.applied["cleared"] += 1
+        self.last_seq = -1
 
     async def _fill_gap(self, seen: int) -> None:
         """Batches ``last_seq + 1 .. seen - 1`` never arrived: replay them, or rebuild."""
@@ -310,8 +326,11 @@ class Bridge:
         for event in batch.events:
             try:
                 if isinstance(event, BlockStored):
-                    out += self.blocks.stored(event)
+                    events, skipped = self.blocks.stored(event)
+                    out += events
                     self.applied["stored"] += 1
+                    for refused in skipped:
+                        self._skip(refused.kind, str(refused))
                 elif isinstance(event, BlockRemoved):
                     events, unknown = self.blocks.removed(event)
                     out += events
