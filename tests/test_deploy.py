@@ -1045,8 +1045,8 @@ def test_the_image_installs_the_worker_extra_with_the_projects_torch() -> None:
             if instruction == "RUN" and "torch==" in arguments:
                 assert '"torch==${TORCH_VERSION}"' in arguments
     final_run = dict(stages[-1].instructions)["RUN"]
-    extras = re.findall(r"\[(\w+)\]", final_run)
-    assert extras == ["worker"]
+    extras = [e for group in re.findall(r"\[([\w,]+)\]", final_run) for e in group.split(",")]
+    assert extras == ["worker", "bridge"]  # `kvcoord bridge` runs from the same image
     assert set(extras) <= set(PYPROJECT["project"]["optional-dependencies"])
     required = tuple(int(x) for x in PYPROJECT["project"]["requires-python"]
                      .removeprefix(">=").split("."))

@@ -105,10 +105,12 @@ class Bridge:
         self.rebuilds = 0
         self.incarnation = 0
         self.synced = asyncio.Event()
-        self._zmq = zmq.asyncio.Context()
-        self._sub = self._zmq.socket(zmq.SUB)
-        self._channels = [grpc.aio.insecure_channel(t, options=client_channel_options(16 << 20))
-                          for t in Targets.parse(config.coordinator)]
+        self._targets = Targets.parse(config.coordinator)
+        # Sockets and channels are opened by start(): a Bridge built and never started (its
+        # metrics collector, a test) holds nothing that needs a loop or a clean-up.
+        self._zmq: zmq.asyncio.Context | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._channels: list[grpc.aio.Channel] = []
         self._target = 0
         self._call: grpc.aio.StreamStreamCall | None = None
         self._seq = 0  # our sequence numbers on the Sync stream
@@ -120,6 +122,10 @@ class Bridge:
 
     async def start(self) -> None:
         """Subscribe, register, open the Sync stream; then follow the engine in the background."""
+        self._zmq = zmq.asyncio.Context()
+        self._sub = self._zmq.socket(zmq.SUB)
+        self._channels = [grpc.aio.insecure_channel(t, options=client_channel_options(16 << 20))
+                          for t in self._targets]
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(self.config.events)
         await self._connect()
@@ -145,8 +151,12 @@ class Bridge:
                     incarnation=self.incarnation), timeout=2.0)
         for channel in self._channels:
             await channel.close()
-        self._sub.close(linger=0)
-        self._zmq.term()
+        self._channels = []
+        if self._sub is not None:
+            self._sub.close(linger=0)
+        if self._zmq is not None:
+            self._zmq.term()
+        self._sub = self._zmq = None
 
     # ------------------------------------------------------------------ the coordinator side
 
@@ -247,6 +257,7 @@ class Bridge:
     # ------------------------------------------------------------------ the engine side
 
     async def _follow_engine(self) -> None:
+        assert self._sub is not None
         while True:
             frames = await self._sub.recv_multipart()
             try:
@@ -289,7 +300,7 @@ class Bridge:
 
     async def _replay(self, start: int, seen: int) -> bool:
         """Ask the engine for ``start`` onwards; True when everything up to ``seen - 1`` came."""
-        assert self.config.replay is not None
+        assert self.config.replay is not None and self._zmq is not None
         dealer = self._zmq.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         try:
