@@ -114,3 +114,20 @@ def test_what_cannot_be_mapped_is_refused_by_kind(event: BlockStored, kind: str)
         blocks.stored(event)
     assert refused.value.kind == kind
     assert len(blocks) == 0
+
+
+def test_blocks_keyed_on_more_than_tokens_are_skipped_never_merged() -> None:
+    plain, images, salted = (decode_payload(payload(event)).events[0] for event in (
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": TOKENS[:4], "block_size": 4, "extra_keys": [None]},
+        ["BlockStored", [2], None, TOKENS[:4], 4, None, "GPU", None, [["img-sha", 0]]],
+        {"type": "BlockStored", "block_hashes": [3], "parent_block_hash": None,
+         "token_ids": TOKENS[:4], "block_size": 4, "cache_salt": "tenant-a"},
+    ))
+    blocks = _map()
+    assert blocks.stored(plain)[0]  # extra_keys of None only: plain text
+    for event in (images, salted):
+        with pytest.raises(MalformedInput) as refused:
+            blocks.stored(event)
+        assert refused.value.kind == "salted"
+    assert len(blocks) == 1

@@ -55,6 +55,9 @@ class BlockMap:
         if event.block_size % self._page_size:
             raise MalformedInput("block_size", f"engine block size {event.block_size} is not a "
                                                f"multiple of the page size {self._page_size}")
+        if event.salted:
+            raise MalformedInput("salted", "the engine keyed these blocks on more than their "
+                                           "tokens (extra_keys / cache_salt): skipped, a miss")
         tier = _tier(event.medium)
         if event.parent_block_hash is None:
             parent = self._hasher.root(Namespace(

@@ -40,6 +40,9 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    # The engine keyed these blocks on more than their tokens (vLLM extra_keys: images, prompt
+    # embeddings, cache salts; SGLang cache_salt): our token-only keys would merge them.
+    salted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +69,7 @@ class EngineBatch:
 
 
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                  "medium", "lora_name")
+                  "medium", "lora_name", "extra_keys", "cache_salt")
 _REMOVED_FIELDS = ("block_hashes", "medium")
 _DECODER = msgspec.msgpack.Decoder()
 
@@ -143,8 +146,12 @@ def _stored(values: dict[str, Any]) -> BlockStored:
     lora_id = values["lora_id"]
     if lora_id is not None and not _is_int(lora_id):
         raise MalformedInput("event", f"lora_id must be an int: {lora_id!r}")
+    extra = values["extra_keys"]
+    salted = bool(values["cache_salt"]) or (
+        isinstance(extra, list) and any(key is not None for key in extra))
     return BlockStored(hashes, parent, tuple(tokens), block_size, lora_id,
-                       _optional_str(values, "medium"), _optional_str(values, "lora_name"))
+                       _optional_str(values, "medium"), _optional_str(values, "lora_name"),
+                       salted)
 
 
 def _hashes(raw: Any) -> tuple[EngineHash, ...]:
