@@ -130,6 +130,11 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"store_namespace must be non-empty without braces, got {self.store_namespace!r}"
             )
+        if self.replica_id is not None and not (
+                self.replica_id.isprintable() and 0 < len(self.replica_id) <= 128):
+            raise ConfigError(
+                f"replica_id must be 1..128 printable characters, got {self.replica_id!r}"
+            )
 
     def _check_choices(self) -> None:
         # Imported here: config is read by every entry point; keep its import light.

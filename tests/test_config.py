@@ -34,6 +34,8 @@ def test_routing_weights_come_from_config() -> None:
         ({"log_level": "loud"}, "log_level must be one of"),
         ({"kv_running_request": -1.0}, "KvAwareWeights.running_request must be >= 0"),
         ({"store_namespace": "a{b}"}, "store_namespace"),
+        ({"replica_id": ""}, "replica_id must be 1..128 printable characters"),
+        ({"replica_id": "c\n1"}, "replica_id must be 1..128 printable characters"),
     ],
 )
 def test_bad_settings_are_refused_at_start_naming_the_setting(
