@@ -279,10 +279,14 @@ class Bridge:
         is gone; follow the new stream from here."""
         log.warning("bridge.engine_restarted", worker=self.config.worker_id,
                     last_seq=self.last_seq)
+        await self._drop_everything()
+        self.last_seq = -1
+
+    async def _drop_everything(self) -> None:
+        """Forget every block and have the coordinator drop the worker's entries."""
         self.blocks.clear()
         await self._send([PageEventIn("cleared", ())])
         self.applied["cleared"] += 1
-        self.last_seq = -1
 
     async def _fill_gap(self, seen: int) -> None:
         """Batches ``last_seq + 1 .. seen - 1`` never arrived: replay them, or rebuild."""
@@ -292,9 +296,7 @@ class Bridge:
             self.replays += 1
             return
         self.rebuilds += 1
-        self.blocks.clear()
-        await self._send([PageEventIn("cleared", ())])
-        self.applied["cleared"] += 1
+        await self._drop_everything()
         self.last_seq = seen - 1
         log.warning("bridge.rebuild", worker=self.config.worker_id, from_seq=seen)
 
