@@ -127,7 +127,11 @@ async def test_a_worker_moving_to_another_replica_resumes_from_its_acked_sequenc
         worker = await scripted(a)
         await worker.store(worker.keys(PROMPTS[0]))
         await worker.store(worker.keys(PROMPTS[1]))
-        # No waiting for B to have these: at the hello, B catches up with the stream first.
+        # A has published them (it does so within 5 ms of acking; batches acked and never
+        # published are the resync case). No waiting for B to have applied them: at the
+        # hello, B catches up with the stream first.
+        assert a.service.replicator is not None
+        await a.service.replicator.flush()
         await worker.move_to(target(b))
         welcome = await worker.connect()
         assert welcome.welcome.next_seq == 3
