@@ -81,6 +81,23 @@ class CoordinatorConfig:
     """A new replica waits this long for the others' snapshots before reporting SERVING."""
     max_replication_events: int = 1_000_000
     """Replication events kept in the store's stream (a replica further behind re-snapshots)."""
+    # Security (docs/SECURITY.md): identities, TLS, per-identity limits.
+    auth_file: str | None = None
+    """TOML identities file (coordinator.auth): set = every call must authenticate."""
+    tls_cert: str | None = None
+    """PEM certificate chain of this server: set (with tls_key) = TLS only."""
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    """PEM CA bundle: set = mutual TLS, clients must present a certificate it signed."""
+    trust_scheduler_page_keys: bool = False
+    """Accept page keys (not token ids) from schedulers too: only where they hold the hash key."""
+    rate_limit_per_s: float = 2000.0
+    """Calls (and client-stream messages) per second per identity with auth on; 0 = off."""
+    rate_limit_burst: int = 4000
+    max_streams_per_identity: int = 64
+    """Open Sync / WatchPolicy / ReadRollouts streams per identity with auth on."""
+    max_pages_per_worker: int = 4_194_304
+    """Index entries one worker may hold (an event batch past it is refused)."""
     # kv_aware routing weights (coordinator.routing.KvAwareWeights documents each).
     kv_prefill_token: float = 1.0
     kv_lower_tier_token: float = 0.25
@@ -94,7 +111,8 @@ class CoordinatorConfig:
             "max_prompt_tokens", "max_batch_prompts", "max_events_per_batch",
             "max_message_bytes", "reaper_interval_ms", "barrier_timeout_ms", "route_retry_ms",
             "update_timeout_ms", "policy_poll_ms", "max_rollouts", "bootstrap_timeout_ms",
-            "max_replication_events",
+            "max_replication_events", "rate_limit_burst", "max_streams_per_identity",
+            "max_pages_per_worker",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -113,6 +131,7 @@ class CoordinatorConfig:
         if ":" not in self.listen:
             raise ConfigError(f"listen must be HOST:PORT, got {self.listen!r}")
         self._check_choices()
+        check_security_settings(self)
         if self.hash_key is not None:
             try:
                 key = bytes.fromhex(self.hash_key)
@@ -172,6 +191,33 @@ class CoordinatorConfig:
     ) -> CoordinatorConfig:
         """Build from environment then flags (``None`` flag values mean "not given")."""
         return build_config(cls, flags or {}, env or {})
+
+
+def check_security_settings(config: Any) -> None:
+    """The TLS and identity settings every server config shares (``auth_file``, ``tls_cert``,
+    ``tls_key``, ``tls_client_ca``, ``rate_limit_per_s``): files readable and well-formed,
+    certificate and key together. ConfigError names the setting."""
+    from coordinator.auth import IdentityFileError, IdentityTable
+    from coordinator.auth_grpc import read_pem
+
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise ConfigError("tls_cert and tls_key must be given together")
+    if config.tls_client_ca is not None and config.tls_cert is None:
+        raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+    for setting in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(config, setting)
+        if path is not None:
+            try:
+                read_pem(path, setting)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+    if config.auth_file is not None:
+        try:
+            IdentityTable.load(config.auth_file)
+        except IdentityFileError as exc:
+            raise ConfigError(f"auth_file: {exc}") from None
+    if config.rate_limit_per_s < 0:
+        raise ConfigError(f"rate_limit_per_s must be >= 0 (0 = off), got {config.rate_limit_per_s}")
 
 
 T = typing.TypeVar("T")

@@ -114,11 +114,14 @@ def prompt_from(prompt: pb.Prompt, config: CoordinatorConfig, what: str = "promp
     return PromptInput(token_count=token_count, page_keys=tuple(keys))
 
 
-def scope_from(scope: pb.Scope) -> Scope:
+def scope_from(scope: pb.Scope, tenant: str = "") -> Scope:
+    """The request's scope under ``tenant`` (the caller's, from its identity: the proto has
+    no tenant field, and an unknown field smuggled in is dropped by the parser)."""
     return Scope(
         model=scope.model or None,
         adapter=scope.adapter,
         policy_version=scope.policy_version if scope.HasField("policy_version") else None,
+        tenant=tenant,
     )
 
 

@@ -219,6 +219,11 @@ class PrefixIndex:
             out[worker] = MatchDetail(depth, lower[worker], pend[worker], confirmed)
         return out
 
+    def held_count(self, worker_id: str) -> int:
+        """How many keys ``worker_id`` holds (confirmed; pending entries not counted)."""
+        w = self._workers.get(worker_id)
+        return len(w.held) if w else 0
+
     def worker_keys(self, worker_id: str) -> frozenset[bytes]:
         """The keys ``worker_id`` holds (confirmed), any tier."""
         w = self._workers.get(worker_id)

@@ -1,9 +1,11 @@
-"""The one place where errors become gRPC status codes (and where RPCs are counted).
+"""The one place where errors become gRPC status codes (and where RPCs are counted and guarded).
 
 Servicers raise ``coordinator.errors.DomainError`` subclasses, which name their status; a server
 may add a table for other exception types it expects (the coordinator: a store outage; the
 worker: its runtime's errors). The call is aborted with that status and the exception's message.
 Anything else is a bug: it is logged with its traceback and answered INTERNAL without details.
+Before the handler runs, ``coordinator.auth_grpc.Guard`` admits the call (identity, role, rate);
+its refusals are domain errors like any other, so they are counted and answered the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import grpc
 import structlog
 from google.protobuf.descriptor import ServiceDescriptor
 
-from coordinator.errors import DomainError, Unavailable
+from coordinator.auth import Role
+from coordinator.auth_grpc import Guard, ServerSecurity
+from coordinator.errors import DomainError
 
 log = structlog.get_logger(__name__)
 
@@ -50,21 +54,31 @@ class ErrorMappingInterceptor:
     """
 
     def __init__(
-        self, metrics: RpcMetrics, expected: Mapping[type[Exception], Mapped] | None = None
+        self, metrics: RpcMetrics, expected: Mapping[type[Exception], Mapped] | None = None,
+        guard: Guard | None = None,
     ) -> None:
         self._metrics = metrics
         self._expected = dict(expected or {})
+        self._guard = guard or Guard(ServerSecurity())
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
 
-    def wrap(self, servicer: Any, service: ServiceDescriptor) -> Any:
-        """A servicer whose every RPC of ``service`` goes through the error mapping."""
+    def wrap(
+        self, servicer: Any, service: ServiceDescriptor,
+        permissions: Mapping[str, frozenset[Role]] | None = None,
+    ) -> Any:
+        """A servicer whose every RPC of ``service`` is admitted by the guard under
+        ``permissions`` (method -> roles; a method not named there is admin-only) and goes
+        through the error mapping. A client stream is paced by the caller's rate; a server
+        stream holds one of the caller's open-stream slots while it runs."""
         wrapped = types.SimpleNamespace()
+        table = dict(permissions or {})
         for method in service.methods:
             behavior = getattr(servicer, method.name)
             if method.server_streaming:
-                setattr(wrapped, method.name, self._wrap_stream(method.name, behavior))
+                wrapper = self._wrap_stream(method.name, behavior, table, method.client_streaming)
             else:
-                setattr(wrapped, method.name, self._wrap_unary(method.name, behavior))
+                wrapper = self._wrap_unary(method.name, behavior, table)
+            setattr(wrapped, method.name, wrapper)
         return wrapped
 
     def _record(self, method: str, code: str, started: float) -> None:
@@ -78,11 +92,16 @@ class ErrorMappingInterceptor:
         children[0].inc()
         children[1].observe(time.perf_counter() - started)
 
-    def _wrap_unary(self, method: str, behavior: Behavior) -> Behavior:
+    def _wrap_unary(
+        self, method: str, behavior: Behavior, permissions: Mapping[str, frozenset[Role]]
+    ) -> Behavior:
+        guard = self._guard
+
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
             code = "OK"
             try:
+                guard.admit(method, context, permissions)
                 return await behavior(request, context)
             except Exception as exc:
                 code, answer = self._classify(exc, method)
@@ -92,17 +111,30 @@ class ErrorMappingInterceptor:
 
         return unary
 
-    def _wrap_stream(self, method: str, behavior: Behavior) -> Behavior:
+    def _wrap_stream(
+        self, method: str, behavior: Behavior, permissions: Mapping[str, frozenset[Role]],
+        client_streaming: bool,
+    ) -> Behavior:
+        guard = self._guard
+
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             started = time.perf_counter()
             code = "OK"
+            identity = None
             try:
+                caller = guard.admit(method, context, permissions)
+                guard.open_stream(caller, method)
+                identity = caller
+                if client_streaming:
+                    request = guard.paced(caller, request)
                 async for response in behavior(request, context):
                     yield response
             except Exception as exc:
                 code, answer = self._classify(exc, method)
                 await _abort(context, exc, answer)
             finally:
+                if identity is not None:
+                    guard.close_stream(identity)
                 self._record(method, code, started)
 
         return stream
@@ -112,7 +144,7 @@ class ErrorMappingInterceptor:
         if isinstance(exc, grpc.aio.AbortError):
             return "ABORTED_IN_HANDLER", None  # a handler called context.abort itself
         if isinstance(exc, DomainError):
-            retry = exc.retry_after_ms if isinstance(exc, Unavailable) else None
+            retry = getattr(exc, "retry_after_ms", None)
             return exc.status_name, Mapped(exc.status_name, retry)
         for cls, mapped in self._expected.items():
             if isinstance(exc, cls):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 
 from coordinator.errors import InvalidArgument, Unavailable
@@ -43,11 +43,13 @@ class PromptInput:
 
 @dataclass(frozen=True, slots=True)
 class Scope:
-    """The cache namespace of a request, minus the tenant (taken from the caller's identity)."""
+    """The cache namespace of a request. ``tenant`` is set by the server from the caller's
+    identity, never from a request field."""
 
     model: str | None = None
     adapter: str = ""
     policy_version: int | None = None
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +155,7 @@ class Scheduler:
         return Namespace(
             model=scope.model or self._default_model,
             adapter=scope.adapter,
+            tenant=scope.tenant,
             policy_version=version,
             page_size=self._page_size,
         )
@@ -188,7 +191,7 @@ class Scheduler:
 
     def _view(self, scope: Scope, version: int, keys: list[bytes], now: float,
               min_policy_version: int | None) -> _VersionView:
-        ns = self.namespace(Scope(scope.model, scope.adapter, version))
+        ns = self.namespace(replace(scope, policy_version=version))
         eligible = self._fleet.routable(
             now, version=version, min_version=min_policy_version, model=ns.model
         )
@@ -211,7 +214,7 @@ class Scheduler:
         now = self._clock()
         views = []
         for version in self._versions(scope):
-            ns = self.namespace(Scope(scope.model, scope.adapter, version))
+            ns = self.namespace(replace(scope, policy_version=version))
             views.append(self._view(scope, version, self.keys(prompt, ns), now,
                                     min_policy_version))
         return self._route_views(views, prompt.token_count, 1, min_policy_version, policy, now)
@@ -236,7 +239,7 @@ class Scheduler:
             assert body is not None  # PromptInput always carries one body
             found = memo.get((version, body))
             if found is None:
-                ns = self.namespace(Scope(scope.model, scope.adapter, version))
+                ns = self.namespace(replace(scope, policy_version=version))
                 found = memo[(version, body)] = self.keys(p, ns)
             return found
 

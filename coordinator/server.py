@@ -9,10 +9,12 @@ from dataclasses import dataclass
 import grpc
 import structlog
 from grpc_health.v1 import _async as health_aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
+from coordinator.auth import COORDINATOR_PERMISSIONS
+from coordinator.auth_grpc import Guard, ServerSecurity
 from coordinator.config import CoordinatorConfig
+from coordinator.grpc_server import add_health_and_reflection, warn_if_open
 from coordinator.interceptor import ErrorMappingInterceptor, Mapped
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.sdk_types import channel_options
@@ -52,20 +54,16 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     service = await CoordinatorService.open(config)
     metrics = CoordinatorMetrics(service)
     server = grpc.aio.server(options=channel_options(config.max_message_bytes))
+    security = ServerSecurity.from_config(config)
     errors = ErrorMappingInterceptor(
-        metrics, {StoreUnavailable: Mapped("UNAVAILABLE", retry_after_ms=STORE_RETRY_MS)}
+        metrics, {StoreUnavailable: Mapped("UNAVAILABLE", retry_after_ms=STORE_RETRY_MS)},
+        Guard(security),
     )
     descriptor = pb.DESCRIPTOR.services_by_name["Coordinator"]
-    servicer = errors.wrap(CoordinatorServicer(service), descriptor)
+    servicer = errors.wrap(CoordinatorServicer(service), descriptor, COORDINATOR_PERMISSIONS)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME),
-        server,
-    )
-    port = server.add_insecure_port(config.listen)
+    health = add_health_and_reflection(server, errors, SERVICE_NAME)
+    port = security.bind(server, config.listen)
     if port == 0:
         raise OSError(f"could not bind {config.listen}")
     # Probes see NOT_SERVING until this replica's index holds the other replicas' workers (set
@@ -85,8 +83,9 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     log.info(
         "coordinator.serving", listen=config.listen, port=port, metrics_port=metrics_port,
         store=type(service.store).__name__, page_size=config.page_size,
-        policy_version=service.policy.version,
+        policy_version=service.policy.version, **security.describe(),
     )
+    warn_if_open(config.listen, security)
     return RunningCoordinator(server, service, health, port, metrics_port)
 
 

@@ -12,9 +12,12 @@ from typing import Any, TypeAlias
 import grpc
 
 from coordinator import convert, policy
+from coordinator.auth import PermissionDenied, check_worker, may_send_page_keys
+from coordinator.auth_grpc import caller
 from coordinator.convert import PROTOCOL_VERSION, check_protocol, prompt_from, scope_from
 from coordinator.errors import FailedPrecondition, InvalidArgument, Unavailable
 from coordinator.fleet import WorkerSession
+from coordinator.scheduling import PromptInput, Scope
 from coordinator.service import CoordinatorService
 from coordinator.sessions import Outbound
 from coordinator.v1 import coordinator_pb2 as pb
@@ -30,10 +33,24 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ scheduler
 
+    def _prompt(self, prompt: pb.Prompt, what: str = "prompt") -> PromptInput:
+        """A validated prompt; page keys only from callers trusted with the hash key."""
+        if prompt.page_keys and not may_send_page_keys(
+                caller(), self._config.trust_scheduler_page_keys):
+            raise PermissionDenied(
+                f"{what}: page keys are accepted from workers and admins only; send token ids"
+            )
+        return prompt_from(prompt, self._config, what)
+
+    @staticmethod
+    def _scope(scope: pb.Scope) -> Scope:
+        """The request's scope under the caller's tenant (DESIGN: Who holds the key)."""
+        return scope_from(scope, caller().tenant)
+
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
         check_protocol(request.protocol_version)
-        prompt = prompt_from(request.prompt, self._config)
-        result = self._service.scheduler.lookup(prompt, scope_from(request.scope))
+        prompt = self._prompt(request.prompt)
+        result = self._service.scheduler.lookup(prompt, self._scope(request.scope))
         return convert.lookup_to_pb(result)
 
     async def _await_routable(self, scope: pb.Scope, context: Context) -> None:
@@ -56,11 +73,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     async def Route(self, request: pb.RouteRequest, context: Context) -> pb.RouteResponse:
         check_protocol(request.protocol_version)
-        prompt = prompt_from(request.prompt, self._config)
+        prompt = self._prompt(request.prompt)
         await self._await_routable(request.scope, context)
         route = self._service.scheduler.route(
             prompt,
-            scope_from(request.scope),
+            self._scope(request.scope),
             min_policy_version=_optional(request, "min_policy_version"),
             policy=request.routing_policy,
         )
@@ -77,14 +94,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             raise InvalidArgument(
                 f"batch of {n} prompts is over the limit of {self._config.max_batch_prompts}"
             )
-        prompts = [
-            prompt_from(p, self._config, what=f"prompts[{i}]")
-            for i, p in enumerate(request.prompts)
-        ]
+        prompts = [self._prompt(p, f"prompts[{i}]") for i, p in enumerate(request.prompts)]
         await self._await_routable(request.scope, context)
         batch = self._service.scheduler.route_batch(
             prompts,
-            scope_from(request.scope),
+            self._scope(request.scope),
             min_policy_version=_optional(request, "min_policy_version"),
             policy=request.routing_policy,
         )
@@ -97,6 +111,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     # ------------------------------------------------------------------ worker
 
     async def Register(self, request: pb.RegisterRequest, context: Context) -> pb.RegisterResponse:
+        check_worker(caller(), request.worker_id)
         registration = await self._service.sessions.register(convert.registration_from(request))
         return pb.RegisterResponse(
             protocol_version=PROTOCOL_VERSION,
@@ -124,6 +139,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         self, request: pb.DeregisterRequest, context: Context
     ) -> pb.DeregisterResponse:
         check_protocol(request.protocol_version)
+        check_worker(caller(), request.worker_id)
         await self._service.sessions.deregister(request.worker_id, request.incarnation)
         return pb.DeregisterResponse(protocol_version=PROTOCOL_VERSION)
 
@@ -167,6 +183,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             if first.WhichOneof("body") != "hello":
                 raise FailedPrecondition("the first Sync message must be a hello")
             hello = first.hello
+            check_worker(caller(), hello.worker_id)
             await self._service.before_hello(hello.worker_id, hello.incarnation,
                                              hello.last_acked_seq)
             session, stream_id, replies = sessions.hello(
@@ -217,6 +234,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         if not request.records:
             return pb.ReportRolloutsResponse(protocol_version=PROTOCOL_VERSION, accepted=0)
         worker_id = request.records[0].worker_id
+        check_worker(caller(), worker_id)  # and rollouts.append checks every record is its own
         served = self._service.sessions.served_versions_of(worker_id)
         if served is None:
             raise FailedPrecondition(f"unknown worker {worker_id!r}: register first")

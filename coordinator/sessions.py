@@ -16,7 +16,7 @@ from typing import Protocol
 import structlog
 
 from coordinator.config import CoordinatorConfig
-from coordinator.errors import DomainError, FailedPrecondition, InvalidArgument
+from coordinator.errors import DomainError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from coordinator.fleet import BatchVerdict, Fleet, WorkerSession
 from coordinator.hashing import HashConfig
 from coordinator.index import PrefixIndex, Tier
@@ -417,10 +417,22 @@ class WorkerSessions:
         if verdict is BatchVerdict.GAP:
             return [self._start_resync(session, f"sequence gap: got {seq}, "
                                                 f"expected {session.next_seq}")]
+        self._check_page_limit(session, sum(len(e.keys) for e in events if e.kind == "stored"))
         apply_page_events(self._index, session.worker_id, events)
         self.counters.events_applied += len(events)
         self.replication.pages(session, seq, events)
         return [Ack(seq)]
+
+    def _check_page_limit(self, session: WorkerSession, stored: int) -> None:
+        """ResourceExhausted when ``stored`` more keys could take the worker past
+        ``max_pages_per_worker`` (counted before de-duplication: a bound, never a guess)."""
+        limit = self._config.max_pages_per_worker
+        held = self._index.held_count(session.worker_id)
+        if held + stored > limit:
+            raise ResourceExhausted(
+                f"worker {session.worker_id!r} holds {held} pages; {stored} more would pass "
+                f"the limit of {limit} per worker (max_pages_per_worker)"
+            )
 
     async def heartbeat(self, session: WorkerSession, beat: HeartbeatIn) -> list[Outbound]:
         """Renew the lease (in the store, so every replica sees it) and take the load report."""
@@ -474,6 +486,11 @@ class WorkerSessions:
         if staging.count > limit:
             raise InvalidArgument(
                 f"inventory of {staging.count} pages exceeds 4x the worker's {session.total_pages}"
+            )
+        if staging.count > self._config.max_pages_per_worker:
+            raise ResourceExhausted(
+                f"inventory of {staging.count} pages is over the limit of "
+                f"{self._config.max_pages_per_worker} per worker (max_pages_per_worker)"
             )
         staging.keys_by_tier.setdefault(chunk.tier.value, []).extend(chunk.keys)
         if not chunk.last:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import grpc
 
 from coordinator.hashing import HashConfig, Namespace, PageHasher
+from coordinator.sdk_types import call_metadata
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -23,7 +24,7 @@ class ScriptedWorker:
     def __init__(
         self, target: str, worker_id: str, *, hash_config: HashConfig,
         address: str | None = None, total_pages: int = 4096, model: str = "",
-        policy_version: int = 0, auto_resync: bool = True,
+        policy_version: int = 0, auto_resync: bool = True, token: str | None = None,
     ) -> None:
         self.target = target
         self.worker_id = worker_id
@@ -34,6 +35,7 @@ class ScriptedWorker:
         self.model = model
         self.policy_version = policy_version
         self.auto_resync = auto_resync
+        self.metadata = call_metadata(token)
         self.incarnation = 0
         self.seq = 0
         self.held: set[bytes] = set()
@@ -43,9 +45,12 @@ class ScriptedWorker:
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
 
-    def keys(self, tokens: Sequence[int], *, version: int | None = None) -> list[bytes]:
+    def keys(
+        self, tokens: Sequence[int], *, version: int | None = None, tenant: str = ""
+    ) -> list[bytes]:
+        """Page keys as a real worker computes them for a request of ``tenant``."""
         ns = Namespace(
-            model=self.model or "default",
+            model=self.model or "default", tenant=tenant,
             policy_version=self.policy_version if version is None else version,
             page_size=self.hash_config.page_size,
         )
@@ -62,7 +67,7 @@ class ScriptedWorker:
                 algorithm=cfg.algorithm.value, page_size=cfg.page_size,
                 fingerprint=cfg.fingerprint(),
             ),
-        ))
+        ), metadata=self.metadata)
         self.incarnation = response.incarnation
         self.seq = 0
         self.held.clear()
@@ -72,7 +77,7 @@ class ScriptedWorker:
         """Open the Sync stream with a hello; returns the coordinator's welcome."""
         assert self._channel is not None, "register() first"
         stub = pb_grpc.CoordinatorStub(self._channel)
-        self._call = stub.Sync()
+        self._call = stub.Sync(metadata=self.metadata)
         self.received = asyncio.Queue()  # nothing from an earlier stream leaks into this one
         self.stream_error = None
         hello = pb.SyncHello(
