@@ -1,4 +1,5 @@
-"""Route / RouteBatch over real gRPC: the coordinator against a bare echo servicer, same run.
+"""Route / RouteBatch over real gRPC: the coordinator against a bare echo servicer, same run,
+and the coordinator with auth on (bearer token, role check, rate limiter) against it off.
 
 Each server runs in its own process; the client sends pre-serialized requests (raw bytes, no
 client-side protobuf work) from ``CONCURRENCY`` in-flight calls. Server and client share the
@@ -21,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from bench.rpc_server import BENCH_TOKEN
 from bench.workload import conversation_pool, fresh_prompts
 from coordinator.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher, tokens_to_bytes
 from coordinator.v1 import coordinator_pb2 as pb
@@ -46,6 +48,7 @@ def _cpu_seconds(pid: int) -> float:
 
 class ServerProcess:
     def __init__(self, mode: str, workers: int) -> None:
+        self.mode = mode
         self.port = _free_port()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "bench.rpc_server", mode, str(self.port), str(workers)],
@@ -67,7 +70,8 @@ class ServerProcess:
         self.process.wait(timeout=10)
 
 
-async def _drive(target: str, method: str, payloads: Sequence[bytes], total: int) -> float:
+async def _drive(target: str, method: str, payloads: Sequence[bytes], total: int,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> float:
     """Send ``total`` calls cycling over ``payloads`` with CONCURRENCY in flight; seconds taken."""
     options = [("grpc.max_send_message_length", 64 << 20),
                ("grpc.max_receive_message_length", 64 << 20)]
@@ -79,7 +83,7 @@ async def _drive(target: str, method: str, payloads: Sequence[bytes], total: int
 
             async def lane() -> None:
                 for i in counter:
-                    await call(payloads[i % len(payloads)])
+                    await call(payloads[i % len(payloads)], metadata=metadata)
 
             await asyncio.gather(*(lane() for _ in range(CONCURRENCY)))
 
@@ -96,7 +100,9 @@ def _warmup(total: int) -> int:
 def _measure(server: ServerProcess, method: str, payloads: Sequence[bytes], total: int,
              items_per_call: int = 1) -> dict[str, float]:
     cpu_before = server.cpu()
-    seconds = asyncio.run(_drive(server.target, method, payloads, total))
+    auth = server.mode == "coordinator_auth"
+    metadata = (("authorization", f"Bearer {BENCH_TOKEN}"),) if auth else ()
+    seconds = asyncio.run(_drive(server.target, method, payloads, total, metadata))
     cpu = server.cpu() - cpu_before
     calls = total + _warmup(total)  # warm-up calls also burn server CPU
     return {
@@ -154,10 +160,12 @@ def bench_rpc(workers: int = 64, quick: bool = False) -> dict[str, Any]:
     batch_calls = 30 if quick else 200
     out: dict[str, Any] = {"workers": workers, "concurrency": CONCURRENCY, "prompt_tokens": 4096,
                            "batch_prompts": 64}
-    for mode in ("echo", "coordinator"):
+    for mode in ("echo", "coordinator", "coordinator_auth"):
         server = ServerProcess(mode, workers)
         try:
             for name, requests in payloads.items():
+                if mode == "coordinator_auth" and name != "token_bytes":
+                    continue  # the auth cost is per call: one prompt shape shows it
                 n = min(total, len(requests)) if name == "token_ids_fresh" else total
                 out[f"{mode}.route.{name}"] = _measure(server, ROUTE, requests, n)
             for name, requests in batches.items():
@@ -169,6 +177,10 @@ def bench_rpc(workers: int = 64, quick: bool = False) -> dict[str, Any]:
     for name in payloads:
         out[f"ratio.route.{name}"] = (
             out[f"coordinator.route.{name}"]["per_s"] / out[f"echo.route.{name}"]["per_s"]
+        )
+    for case in ["route.token_bytes", *(f"route_batch.{name}" for name in batches)]:
+        out[f"ratio.auth_on_vs_off.{case}"] = (
+            out[f"coordinator_auth.{case}"]["per_s"] / out[f"coordinator.{case}"]["per_s"]
         )
     for name in batches:
         out[f"ratio.batch_vs_unary.{name}"] = (

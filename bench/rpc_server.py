@@ -8,7 +8,9 @@ routing, pending entries, interceptor). Run: ``python -m bench.rpc_server MODE P
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+import tempfile
 
 import grpc
 
@@ -50,9 +52,29 @@ async def serve_echo(port: int) -> None:
     await server.wait_for_termination()
 
 
-async def serve_coordinator(port: int, workers: int) -> None:
+BENCH_TOKEN = "bench-scheduler-token-0123456789"
+"""The bearer token of the scheduler identity of mode ``coordinator_auth``."""
+
+
+def _identities_file() -> str:
+    """A one-identity file (a scheduler holding ``BENCH_TOKEN``) in a temporary directory."""
+    directory = tempfile.mkdtemp(prefix="kvcoord-bench-")
+    path = os.path.join(directory, "identities.toml")
+    with open(path, "w") as out:
+        # The default tenant: the pre-populated index is hashed under it, so both modes hit alike.
+        out.write(f'[[identity]]\nname = "bench"\nrole = "scheduler"\n'
+                  f'token = "{BENCH_TOKEN}"\n')
+    return path
+
+
+async def serve_coordinator(port: int, workers: int, *, auth: bool = False) -> None:
+    """``auth``: every call authenticates and is authorized, and the rate limiter runs (at a
+    limit the bench never reaches, so its cost is measured, not its refusals)."""
+    security: dict[str, object] = (
+        {"auth_file": _identities_file(), "rate_limit_per_s": 1e9} if auth else {}
+    )
     running = await start_coordinator(
-        CoordinatorConfig(listen=f"127.0.0.1:{port}", log_level="error")
+        CoordinatorConfig(listen=f"127.0.0.1:{port}", log_level="error", **security)  # type: ignore[arg-type]
     )
     populate(running.service, workers)
     print("ready", flush=True)
@@ -65,7 +87,7 @@ def main() -> None:
     if mode == "echo":
         asyncio.run(serve_echo(port))
     else:
-        asyncio.run(serve_coordinator(port, workers))
+        asyncio.run(serve_coordinator(port, workers, auth=mode == "coordinator_auth"))
 
 
 if __name__ == "__main__":

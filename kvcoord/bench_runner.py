@@ -46,6 +46,10 @@ def _coordinator_targets(results: dict[str, Any]) -> list[list[str]]:
          rpc["ratio.batch_vs_unary.grpo_16x4"]],
         ["RouteBatch (4 prompts x 16) / unary prompts/s", ">= 10x",
          rpc["ratio.batch_vs_unary.grpo_4x16"]],
+        ["Route with auth on / off (token, roles, rate limiter)", "(reported)",
+         rpc["ratio.auth_on_vs_off.route.token_bytes"]],
+        ["RouteBatch 4x16 with auth on / off", "(reported)",
+         rpc["ratio.auth_on_vs_off.route_batch.grpo_4x16"]],
     ]
     thresholds = {">= 0.85x": 0.85, ">= 0.70x": 0.70, ">= 10x": 10.0}
     out = []
