@@ -4,6 +4,8 @@ Both take TARGETS: ``host:port``, a comma-separated list of them, or a gRPC name
 ``dns:///name:port``. With a list, a call that cannot reach its target (UNAVAILABLE from the
 transport, not from the coordinator) moves on to the next one. Client-side validation raises
 ``ValueError``; a refused call raises ``KvcoordError`` whose ``.code`` is the gRPC status.
+``token`` goes out as ``authorization: Bearer`` metadata on every call; ``tls`` (a ``ClientTls``)
+makes every channel TLS, mutual when it carries a client certificate.
 Request building and response parsing live in ``coordinator.sdk_types``, shared by both clients.
 """
 
@@ -18,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 
 from coordinator.sdk_types import (
+    ClientTls,
     KvcoordError,
     LookupResult,
     PageKeys,
@@ -37,6 +40,8 @@ from coordinator.sdk_types import (
     is_transport_failure,
     lookup_from,
     lookup_request,
+    open_aio_channel,
+    open_channel,
     policy_from,
     retry_pause,
     rollout_from,
@@ -50,6 +55,7 @@ from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = [
     "AsyncCoordinatorClient",
+    "ClientTls",
     "CoordinatorClient",
     "KvcoordError",
     "LookupResult",
@@ -73,13 +79,13 @@ class CoordinatorClient:
 
     def __init__(
         self, targets: str, token: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
-        max_message_bytes: int = 16 * 1024 * 1024,
+        max_message_bytes: int = 16 * 1024 * 1024, tls: ClientTls | None = None,
     ) -> None:
         self._targets = Targets.parse(targets)
         self._metadata = call_metadata(token)
         self._timeout = timeout
         options = client_channel_options(max_message_bytes)
-        self._channels = [grpc.insecure_channel(t, options=options) for t in self._targets]
+        self._channels = [open_channel(t, options, tls) for t in self._targets]
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
 
     def __enter__(self) -> CoordinatorClient:
@@ -256,13 +262,13 @@ class AsyncCoordinatorClient:
 
     def __init__(
         self, targets: str, token: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
-        max_message_bytes: int = 16 * 1024 * 1024,
+        max_message_bytes: int = 16 * 1024 * 1024, tls: ClientTls | None = None,
     ) -> None:
         self._targets = Targets.parse(targets)
         self._metadata = call_metadata(token)
         self._timeout = timeout
         options = client_channel_options(max_message_bytes)
-        self._channels = [grpc.aio.insecure_channel(t, options=options) for t in self._targets]
+        self._channels = [open_aio_channel(t, options, tls) for t in self._targets]
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
 
     async def __aenter__(self) -> AsyncCoordinatorClient:

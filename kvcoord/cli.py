@@ -14,6 +14,12 @@ from dataclasses import asdict
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.sdk_types import KvcoordError
 from coordinator.store import StoreUnavailable
+from kvcoord.cli_security import (
+    add_client_flags,
+    add_server_flags,
+    client_credentials,
+    server_flags,
+)
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -24,6 +30,7 @@ def _add_target(parser: argparse.ArgumentParser) -> None:
         metavar="TARGETS", help="host:port, a comma-separated list, or dns:///name:port "
         "(env KVCOORD_COORDINATOR; default %(default)s)",
     )
+    add_client_flags(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--replica-id", help="this replica's name among the replicas sharing "
                        "--redis (default <hostname>-<pid>-<random>)")
     coord.add_argument("--log-level", help="debug, info (default), warning, error")
+    add_server_flags(coord)
 
     work = sub.add_parser("worker", help="run a worker (reference engine, gRPC service, "
                           "coordinator agent)")
@@ -57,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--model", help="model name (hash namespace; default 'default')")
     work.add_argument("--weights", metavar="FILE", help="safetensors weights (default: seeded)")
     work.add_argument("--log-level", help="debug, info (default), warning, error")
+    add_server_flags(work)
+    work.add_argument("--token-file", metavar="FILE",
+                      help="file holding this worker's bearer token for the coordinator")
+    work.add_argument("--tls-ca", metavar="FILE",
+                      help="CA (PEM) that verifies the coordinator: TLS to it (with --tls-cert/"
+                      "--tls-key also presented as this worker's client certificate)")
 
     route = sub.add_parser("route", help="ask where a prompt should go")
     _add_target(route)
@@ -183,7 +197,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         "listen": args.listen, "redis": args.redis, "metrics_port": args.metrics_port,
         "page_size": args.page_size, "routing_policy": args.routing_policy,
         "replica_id": args.replica_id,
-        "log_level": args.log_level,
+        "log_level": args.log_level, **server_flags(args),
     }
     try:
         config = CoordinatorConfig.from_sources(flags, os.environ)
@@ -209,6 +223,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "pages": args.pages, "device": args.device, "worker_id": args.worker_id,
         "metrics_port": args.metrics_port, "page_size": args.page_size,
         "model_name": args.model, "weights": args.weights, "log_level": args.log_level,
+        "token_file": args.token_file, "tls_ca": args.tls_ca, **server_flags(args),
     }
     try:
         config = WorkerConfig.from_sources(flags, os.environ)
@@ -223,7 +238,8 @@ def cmd_route(args: argparse.Namespace) -> int:
     from coordinator.client import CoordinatorClient
 
     tokens = _tokens(args)
-    with CoordinatorClient(args.coordinator, timeout=args.timeout) as client:
+    credentials = client_credentials(args)
+    with CoordinatorClient(args.coordinator, timeout=args.timeout, **credentials) as client:
         if args.lookup:
             result = client.lookup(tokens, model=args.model)
             out = {"matches": result.matches, "policy_version": result.policy_version,
@@ -266,7 +282,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
 def cmd_deregister(args: argparse.Namespace) -> int:
     from coordinator.client import CoordinatorClient
 
-    with CoordinatorClient(args.coordinator) as client:
+    with CoordinatorClient(args.coordinator, **client_credentials(args)) as client:
         removed = client.deregister(args.worker_id)
     print(f"worker {args.worker_id}: " + ("deregistered" if removed else "not registered"))
     return 0
@@ -276,7 +292,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from coordinator.client import CoordinatorClient
     from kvcoord.tables import render_table
 
-    with CoordinatorClient(args.coordinator) as client:
+    with CoordinatorClient(args.coordinator, **client_credentials(args)) as client:
         workers = client.workers()
         stats = client.stats()
     if args.json:
@@ -315,7 +331,7 @@ def cmd_rollouts(args: argparse.Namespace) -> int:
     """``rollouts tail``: one line per record, oldest first, flushed as it arrives."""
     from coordinator.client import CoordinatorClient
 
-    with CoordinatorClient(args.coordinator) as client:
+    with CoordinatorClient(args.coordinator, **client_credentials(args)) as client:
         for record in client.rollouts(since=args.since, follow=args.follow):
             values = {name: getattr(record, name) for name in _ROLLOUT_FIELDS}
             if args.json:
@@ -331,7 +347,8 @@ def cmd_rollouts(args: argparse.Namespace) -> int:
 def cmd_policy(args: argparse.Namespace) -> int:
     from coordinator.client import CoordinatorClient
 
-    with CoordinatorClient(args.coordinator, timeout=getattr(args, "timeout", 10.0) + 5) as c:
+    with CoordinatorClient(args.coordinator, timeout=getattr(args, "timeout", 10.0) + 5,
+                           **client_credentials(args)) as c:
         action = args.policy_command
         if action == "show":
             state = c.policy()

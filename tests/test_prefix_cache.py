@@ -221,3 +221,59 @@ def test_check_integrity_detects_a_mapped_free_page() -> None:
     alloc.free(pages)  # bypassing release: the mapped page went back to the free stack
     with pytest.raises(AllocatorIntegrityError, match="free page 0"):
         cache.check_integrity()
+
+
+def test_keys_for_a_tenant_match_the_coordinators_hasher_under_that_tenant() -> None:
+    _, cache, _ = make(version=3)
+    hasher = PageHasher(HashConfig(KEY, page_size=PAGE))
+    for tenant in ("", "acme", "other"):
+        expected = hasher.page_keys(
+            PROMPT, Namespace(tenant=tenant, policy_version=3, page_size=PAGE)
+        )
+        assert cache.keys_for(PROMPT, tenant) == expected
+    assert cache.keys_for(PROMPT) == cache.keys_for(PROMPT, "")
+    assert set(cache.keys_for(PROMPT, "acme")).isdisjoint(cache.keys_for(PROMPT, "other"))
+
+
+def test_one_tenants_pages_never_hit_for_another_tenant() -> None:
+    alloc, cache, rec = make()
+    cache.release(serve(cache, alloc, PROMPT))  # recorded as the default tenant's
+    a_keys = cache.keys_for(PROMPT, "a")
+    assert cache.lookup(a_keys) == PrefixHit([], [])
+    pages = alloc.alloc(2)
+    assert cache.record(a_keys, pages) == a_keys  # same tokens, new keys, own pages
+    cache.release(pages)
+    assert cache.lookup(cache.keys_for(PROMPT, "b")) == PrefixHit([], [])
+    hit = cache.lookup(a_keys)
+    assert hit.pages == pages
+    cache.release(hit.pages)
+    assert rec.stored == [cache.keys_for(PROMPT), a_keys]
+    check(alloc, cache)
+
+
+def test_invalidate_drops_every_tenants_pages_and_moves_tenants_to_the_new_version() -> None:
+    alloc, cache, rec = make()
+    for tenant in ("a", "b"):
+        keys = cache.keys_for(PROMPT, tenant)
+        pages = alloc.alloc(2)
+        cache.record(keys, pages)
+        cache.release(pages)
+    held = cache.inventory()
+    assert len(held) == 4
+    assert cache.invalidate(Namespace(policy_version=1, page_size=PAGE)) == 4
+    assert rec.removed == [held] and cache.inventory() == []
+    expected = PageHasher(HashConfig(KEY, page_size=PAGE)).page_keys(
+        PROMPT, Namespace(tenant="a", policy_version=1, page_size=PAGE)
+    )
+    assert cache.keys_for(PROMPT, "a") == expected  # not a stale per-tenant namespace
+    check(alloc, cache)
+
+
+def test_a_namespace_with_a_tenant_is_refused_tenants_come_per_request() -> None:
+    alloc, cache, _ = make()
+    with pytest.raises(ValueError, match="tenant"):
+        cache.invalidate(Namespace(tenant="a", page_size=PAGE))
+    assert cache.namespace == Namespace(page_size=PAGE)
+    with pytest.raises(ValueError, match="tenant"):
+        PrefixCache(alloc, PageHasher(HashConfig(KEY, page_size=PAGE)),
+                    Namespace(tenant="a", page_size=PAGE))

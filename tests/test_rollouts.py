@@ -13,6 +13,8 @@ from collections.abc import Callable
 import grpc
 import pytest
 
+from coordinator.auth import ANONYMOUS
+from coordinator.auth_grpc import acting_as
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.errors import FailedPrecondition, InvalidArgument
 from coordinator.rollouts import MAX_RECORDS_PER_CALL, Rollout, RolloutLog
@@ -334,6 +336,7 @@ async def test_each_answered_generate_is_reported_under_its_rollout_id(
     servicer_and_reports: tuple[WorkerServicer, list[Rollout]],
 ) -> None:
     servicer, reports = servicer_and_reports
+    acting_as(ANONYMOUS)  # called directly, not through a server's guard
     prompt = list(range(1, 21))  # one full page of 16 and a partial one
     first = await servicer.Generate(wpb.GenerateRequest(token_ids=prompt, max_new_tokens=3), None)
     second = await servicer.Generate(

@@ -4,12 +4,14 @@ commands against a real runtime, and WorkerConfig validation."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from coordinator.config import ConfigError
 from coordinator.v1 import coordinator_pb2 as pb
 from tests.coordinator_fixtures import DEV_HASH
+from tests.tls_certs import make_pki
 from worker.config import WorkerConfig
 from worker.engine import ModelConfig
 from worker.event_log import EventLog
@@ -136,3 +138,57 @@ def test_worker_config_reads_kvcoord_env_and_flags_win() -> None:
     worker_id, address = config.identity(1)
     assert worker_id.endswith("-1") and address == "w.local:1"
     assert config.hash_config().page_size == 8
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"rate_limit_per_s": -1.0}, "rate_limit_per_s must be >= 0"),
+    ({"rate_limit_burst": 0}, "rate_limit_burst must be >= 1"),
+    ({"max_streams_per_identity": 0}, "max_streams_per_identity must be >= 1"),
+    ({"token_file": "/nonexistent/token"}, "token_file"),
+    ({"tls_ca": "/nonexistent/ca.pem"}, "tls_ca"),
+    ({"tls_client_ca": "/nonexistent/ca.pem"}, "tls_client_ca"),
+    ({"auth_file": "/nonexistent/auth.toml"}, "auth_file"),
+])
+def test_bad_security_settings_are_refused_naming_the_setting(
+    settings: dict[str, object], message: str,
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        WorkerConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_tls_files_are_read_and_checked_when_the_config_is_built(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path, ("worker-0",))
+    cert, key = pki.clients["worker-0"].cert, pki.clients["worker-0"].key
+    with pytest.raises(ConfigError, match="tls_cert and tls_key"):
+        WorkerConfig(tls_cert=cert)
+    with pytest.raises(ConfigError, match="tls_cert and tls_key"):
+        WorkerConfig(tls_key=key)
+    with pytest.raises(ConfigError, match="tls_client_ca"):
+        WorkerConfig(tls_client_ca=pki.ca)  # mutual TLS on a plaintext server
+    not_pem = tmp_path / "ca.txt"
+    not_pem.write_text("hello")
+    with pytest.raises(ConfigError, match=f"tls_ca.*{not_pem}.*not PEM"):
+        WorkerConfig(tls_ca=str(not_pem))
+    assert WorkerConfig(tls_cert=cert, tls_key=key).client_tls() is None  # serves TLS only
+    tls = WorkerConfig(tls_ca=pki.ca, tls_cert=cert, tls_key=key).client_tls()
+    assert tls is not None
+    assert (tls.ca_pem, tls.cert_pem, tls.key_pem) == (
+        Path(pki.ca).read_bytes(), Path(cert).read_bytes(), Path(key).read_bytes())
+    only_ca = WorkerConfig(tls_ca=pki.ca).client_tls()
+    assert only_ca is not None and only_ca.cert_pem is None
+
+
+def test_the_coordinator_token_comes_from_token_file(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    env = {"KVCOORD_TOKEN_FILE": str(token_file), "KVCOORD_RATE_LIMIT_PER_S": "0"}
+    config = WorkerConfig.from_sources({}, env)
+    assert config.coordinator_token() == "s3cret-token"
+    assert config.rate_limit_per_s == 0.0  # 0 = off
+    assert WorkerConfig().coordinator_token() is None
+    token_file.write_text("two\ntokens\n")
+    with pytest.raises(ConfigError, match=r"token_file.*more than one token"):
+        WorkerConfig(token_file=str(token_file))
+    token_file.write_text("")
+    with pytest.raises(ConfigError, match=r"token_file.*empty"):
+        WorkerConfig(token_file=str(token_file))

@@ -8,8 +8,9 @@ the TARGETS list, resending unacknowledged batches from ``welcome.next_seq``. Wh
 no longer knows the incarnation (unknown worker, stale incarnation, lease gone: a coordinator
 restart does this) it registers again and announces its whole inventory as STORED batches from
 seq 1. It owns the worker's ``RolloutReporter`` (``rollouts``), which reports over the same
-channel while a stream is up. ``stop`` flushes the reporter, then deregisters. Protocol:
-docs/PROTOCOL.md §4.
+channel while a stream is up. ``stop`` flushes the reporter, then deregisters. Every call on
+its channels (the reporter's too) carries the worker's bearer token when ``token_file`` is set,
+and the channels are TLS when ``tls_ca`` is (see ``WorkerConfig``). Protocol: docs/PROTOCOL.md §4.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import grpc
 import structlog
 
-from coordinator.sdk_types import Targets, channel_options
+from coordinator.sdk_types import Targets, channel_options, open_aio_channel
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
@@ -101,7 +102,10 @@ class CoordinatorAgent:
             ("grpc.min_reconnect_backoff_ms", cfg.backoff_initial_ms),
             ("grpc.max_reconnect_backoff_ms", cfg.backoff_max_ms),
         ]
-        self._channels = [grpc.aio.insecure_channel(t, options=options) for t in self._targets]
+        # The token goes on through an interceptor: the rollout reporter calls through these
+        # channels too, with stubs it builds itself.
+        tls, token = cfg.client_tls(), cfg.coordinator_token()
+        self._channels = [open_aio_channel(t, options, tls, token=token) for t in self._targets]
         self._task = asyncio.create_task(self._run(), name=f"agent-{self.worker_id}")
         self.rollouts.start()
 

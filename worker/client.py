@@ -4,7 +4,9 @@
 validation raises ``ValueError`` before a round trip; a refused call raises
 ``coordinator.client.KvcoordError`` whose ``.code`` is the gRPC status (INVALID_ARGUMENT for bad
 input, RESOURCE_EXHAUSTED when the prompt cannot fit the worker's KV pool, UNAVAILABLE with
-``retry_after_ms`` while the worker drains for a policy update). Imports no torch.
+``retry_after_ms`` while the worker drains for a policy update). ``token`` goes out as
+``authorization: Bearer`` metadata on every call; ``tls`` (a ``ClientTls``) makes the channel TLS,
+mutual when it carries a client certificate. Imports no torch.
 """
 
 from __future__ import annotations
@@ -18,11 +20,19 @@ from typing import Any
 import grpc
 
 from coordinator.hashing import tokens_to_bytes
-from coordinator.sdk_types import KvcoordError, channel_options, retry_pause
+from coordinator.sdk_types import (
+    ClientTls,
+    KvcoordError,
+    call_metadata,
+    channel_options,
+    open_aio_channel,
+    open_channel,
+    retry_pause,
+)
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 
-__all__ = ["AsyncWorkerClient", "Generation", "KvcoordError", "LoadedWeights",
+__all__ = ["AsyncWorkerClient", "ClientTls", "Generation", "KvcoordError", "LoadedWeights",
            "WorkerClient", "WorkerStats"]
 
 PROTOCOL_VERSION = 1
@@ -125,12 +135,14 @@ class WorkerClient:
 
     def __init__(
         self, target: str, *, timeout: float = DEFAULT_TIMEOUT,
-        max_message_bytes: int = 16 * 1024 * 1024,
+        max_message_bytes: int = 16 * 1024 * 1024, token: str | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         if ":" not in target:
             raise ValueError(f"worker target must be HOST:PORT, got {target!r}")
         self._timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+        self._metadata = call_metadata(token)
+        self._channel = open_channel(target, channel_options(max_message_bytes), tls)
         self._stub = wpb_grpc.WorkerStub(self._channel)
 
     def __enter__(self) -> WorkerClient:
@@ -149,7 +161,8 @@ class WorkerClient:
         while True:
             try:
                 return getattr(self._stub, method)(
-                    request, timeout=max(0.001, deadline - time.monotonic())
+                    request, timeout=max(0.001, deadline - time.monotonic()),
+                    metadata=self._metadata,
                 )
             except grpc.RpcError as exc:
                 error = KvcoordError.from_rpc(exc)
@@ -176,13 +189,14 @@ class AsyncWorkerClient:
 
     def __init__(
         self, target: str, *, timeout: float = DEFAULT_TIMEOUT,
-        max_message_bytes: int = 16 * 1024 * 1024,
+        max_message_bytes: int = 16 * 1024 * 1024, token: str | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         if ":" not in target:
             raise ValueError(f"worker target must be HOST:PORT, got {target!r}")
         self._timeout = timeout
-        options = channel_options(max_message_bytes)
-        self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._metadata = call_metadata(token)
+        self._channel = open_aio_channel(target, channel_options(max_message_bytes), tls)
         self._stub = wpb_grpc.WorkerStub(self._channel)
 
     async def __aenter__(self) -> AsyncWorkerClient:
@@ -199,7 +213,8 @@ class AsyncWorkerClient:
         while True:
             try:
                 return await getattr(self._stub, method)(
-                    request, timeout=max(0.001, deadline - time.monotonic())
+                    request, timeout=max(0.001, deadline - time.monotonic()),
+                    metadata=self._metadata,
                 )
             except grpc.RpcError as exc:
                 error = KvcoordError.from_rpc(exc)

@@ -9,14 +9,15 @@ variables the coordinator reads, so one ConfigMap/Secret serves both.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.config import ConfigError, build_config
+from coordinator.config import ConfigError, build_config, check_security_settings
 from coordinator.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig
-from coordinator.sdk_types import Targets
+from coordinator.sdk_types import ClientTls, Targets, read_token_file
 
 __all__ = ["ConfigError", "WorkerConfig"]
 
@@ -66,6 +67,26 @@ class WorkerConfig:
     rpc_timeout_ms: int = 5_000
     """Deadline of Register/Deregister calls (the Sync stream has none)."""
     log_level: str = "info"
+    token_file: str | None = None
+    """File holding this worker's bearer token for the coordinator."""
+    tls_ca: str | None = None
+    """CA bundle (PEM) that verifies the coordinator; set = TLS to the coordinator."""
+    tls_cert: str | None = None
+    """This worker's certificate (PEM): served by its own gRPC server when set, and presented
+    as a client certificate to the coordinator when ``tls_ca`` is set. Needs ``tls_key``."""
+    tls_key: str | None = None
+    """The private key (PEM) of ``tls_cert``."""
+    tls_client_ca: str | None = None
+    """CA that client certificates must chain to: set = mutual TLS required on the worker's
+    server (needs ``tls_cert``)."""
+    auth_file: str | None = None
+    """TOML identities file: set = callers of the worker's server must authenticate."""
+    rate_limit_per_s: float = 2000.0
+    """Calls per second each identity may make to the worker's server (0 = no limit)."""
+    rate_limit_burst: int = 4000
+    """Calls an identity may make at once above its rate (token bucket size)."""
+    max_streams_per_identity: int = 64
+    """Streams one identity may hold open on the worker's server at once."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -100,6 +121,7 @@ class WorkerConfig:
         if self.worker_id is not None and not self.worker_id.strip():
             raise ConfigError("worker_id must not be blank")
         self._check_choices()
+        self._check_security()
         self.hash_config()  # validates the key, algorithm and page size together
 
     def _check_choices(self) -> None:
@@ -115,6 +137,41 @@ class WorkerConfig:
         levels = ("debug", "info", "warning", "error")
         if self.log_level.lower() not in levels:
             raise ConfigError(f"log_level must be one of {levels}, got {self.log_level!r}")
+
+    def _check_security(self) -> None:
+        check_security_settings(self)  # the server side: same rules as the coordinator's
+        for name in ("token_file", "tls_ca"):
+            path = getattr(self, name)
+            if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+                raise ConfigError(f"{name}: {path!r} is not a readable file")
+        if self.rate_limit_burst < 1:
+            raise ConfigError(f"rate_limit_burst must be >= 1, got {self.rate_limit_burst}")
+        if self.max_streams_per_identity < 1:
+            raise ConfigError(f"max_streams_per_identity must be >= 1, got "
+                              f"{self.max_streams_per_identity}")
+        # Read them now: a bad file stops the worker at start, not at its first reconnect.
+        self.client_tls()
+        self.coordinator_token()
+
+    def client_tls(self) -> ClientTls | None:
+        """TLS to the coordinator: None (plaintext) unless ``tls_ca`` is set; then the worker's
+        own certificate and key, when set, are its client certificate. Reads the files now."""
+        if self.tls_ca is None:
+            return None
+        try:
+            return ClientTls.from_files(self.tls_ca, self.tls_cert, self.tls_key)
+        except ValueError as exc:
+            raise ConfigError(f"tls_ca/tls_cert/tls_key: {exc}") from None
+
+    def coordinator_token(self) -> str | None:
+        """The bearer token the worker presents to the coordinator (read from ``token_file``
+        now, so a rotated file is used on the next start), or None without one."""
+        if self.token_file is None:
+            return None
+        try:
+            return read_token_file(self.token_file)
+        except ValueError as exc:
+            raise ConfigError(f"token_file: {exc}") from None
 
     def hash_config(self) -> HashConfig:
         """The deployment hashing parameters (they must equal the coordinator's)."""

@@ -4,6 +4,8 @@ Keys are the coordinator's (``coordinator.hashing.PageHasher`` under a :class:`N
 what this cache reports in Stored/Removed events is exactly what the global index holds. The
 namespace carries the policy version: after a weight update the worker switches namespace and
 keys computed under the old version can never hit again, even for a page not yet dropped.
+Each request hashes under its tenant too (the namespace's tenant salt), so one tenant's prompt
+never reuses, and cannot time, another tenant's cached pages; one cache holds every tenant's.
 
 A key names a whole prefix (it chains every earlier page), so the cache is two flat dicts, not a
 radix tree: a lookup walks the prompt's keys until the first miss. Which pages to keep is the
@@ -16,12 +18,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coordinator.hashing import Namespace, PageHasher
 from worker.allocator import AllocatorIntegrityError, PageAllocator
 
 KeysCallback = Callable[[list[bytes]], None]
+# Per-tenant namespaces kept (dataclasses.replace costs about as much as hashing a short
+# prompt); tenants are unbounded, so the dict is dropped whole when full.
+MAX_TENANT_NAMESPACES = 1024
 
 
 class CacheInUse(Exception):
@@ -42,7 +47,8 @@ class PrefixHit:
 class PrefixCache:
     """Local prefix cache: chained page keys (coordinator.hashing.PageHasher, same keys as the
     coordinator) -> page. Version-namespaced: keys are hashed under ``namespace`` (which carries
-    policy_version).
+    policy_version) with the request's tenant in its ``tenant`` field, so ``namespace`` itself
+    must have no tenant (ValueError).
 
     ``on_stored(keys)`` fires once per ``record`` that added keys; ``on_removed(keys)`` once
     per evicted page (``[key]``) and once per ``invalidate`` (every key). Both are called after
@@ -66,14 +72,27 @@ class PrefixCache:
         self.on_removed = on_removed
         self._page_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
+        self._tenant_namespaces: dict[str, Namespace] = {}
         allocator.on_evict = self._page_evicted
 
     def __len__(self) -> int:
         return len(self._page_of)
 
-    def keys_for(self, tokens: Sequence[int]) -> list[bytes]:
-        """Page keys of the full pages of ``tokens`` under the current namespace."""
-        return self._hasher.page_keys(tokens, self.namespace)
+    def keys_for(self, tokens: Sequence[int], tenant: str = "") -> list[bytes]:
+        """Page keys of the full pages of ``tokens`` under the current namespace and ``tenant``:
+        what the coordinator computes for that tenant. Keys of different tenants never match."""
+        return self._hasher.page_keys(tokens, self.namespace_for(tenant))
+
+    def namespace_for(self, tenant: str) -> Namespace:
+        """The current namespace with ``tenant`` as its tenant salt."""
+        if not tenant:
+            return self.namespace
+        namespace = self._tenant_namespaces.get(tenant)
+        if namespace is None:
+            if len(self._tenant_namespaces) >= MAX_TENANT_NAMESPACES:
+                self._tenant_namespaces.clear()
+            namespace = self._tenant_namespaces[tenant] = replace(self.namespace, tenant=tenant)
+        return namespace
 
     def lookup(self, keys: Sequence[bytes]) -> PrefixHit:
         """The longest leading run of ``keys`` that is cached, with a reference on each page.
@@ -152,12 +171,13 @@ class PrefixCache:
         return list(self._page_of)
 
     def invalidate(self, namespace: Namespace | None = None) -> int:
-        """Free every cached page and forget every key; optionally switch ``namespace``.
+        """Free every cached page and forget every key, every tenant's; optionally switch
+        ``namespace``.
 
         CacheInUse (nothing changed, namespace included) while any cached page is referenced.
         Otherwise ``on_removed`` is called once with every dropped key, and the number of
         pages moved to the free stack is returned. ValueError (nothing changed) for a
-        namespace whose page size differs from the hasher's.
+        namespace whose page size differs from the hasher's, or that has a tenant.
         """
         if namespace is not None:
             self._checked(namespace)
@@ -173,6 +193,7 @@ class PrefixCache:
         self._alloc.evict_cached(cached)
         if namespace is not None:
             self.namespace = namespace
+            self._tenant_namespaces.clear()  # derived from the old namespace
         if dropped and self.on_removed is not None:
             self.on_removed(dropped)
         return len(cached)
@@ -205,4 +226,9 @@ class PrefixCache:
                 f"namespace page_size {namespace.page_size} != hash config page_size"
                 f" {self._hasher.config.page_size}"
             )
+        if namespace.tenant:
+            # The tenant comes with each request (keys_for); a fixed one here would be
+            # silently replaced, so refuse it.
+            raise ValueError(f"namespace tenant {namespace.tenant!r} given: tenants are per "
+                             "request (keys_for(tokens, tenant))")
         return namespace

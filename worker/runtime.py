@@ -1,8 +1,8 @@
 """One worker's generation runtime: engine + KV buffers + paged strategy + prefix cache.
 
-A request: validate -> look up the cached prefix -> allocate the rest (all or nothing) ->
-prefill only the uncached tokens -> greedy decode -> record the full pages whose KV was
-computed -> release every page (recorded ones stay cached for reuse). Requests run one at a
+A request: validate -> look up the cached prefix (its tenant's only) -> allocate the rest (all
+or nothing) -> prefill only the uncached tokens -> greedy decode -> record the full pages whose
+KV was computed -> release every page (recorded ones stay cached for reuse). Requests run one at a
 time under a lock; callers beyond the first wait their turn, so more concurrent requests than
 the pool can hold at once queue instead of corrupting anything.
 """
@@ -143,18 +143,23 @@ class WorkerRuntime:
 
     # ---- requests ----
 
-    def generate(self, tokens: Sequence[int], max_new_tokens: int) -> Generation:
+    def generate(
+        self, tokens: Sequence[int], max_new_tokens: int, *, tenant: str = ""
+    ) -> Generation:
         """Greedy-decode ``max_new_tokens`` tokens after ``tokens``.
 
-        Reuses cached prefix pages; records the full pages of prompt + completion whose KV was
-        computed; events.stored/removed fire for the changes. InvalidRequest for bad input
+        Reuses cached prefix pages of ``tenant`` (the caller's authenticated tenant; never
+        another tenant's: cached_tokens and the time to first token would reveal its prompts);
+        records the full pages of prompt + completion whose KV was computed, under ``tenant``'s
+        keys; events.stored/removed fire for the changes. InvalidRequest for bad input
         (checked before queueing), PoolExhausted when the request cannot fit the pool.
         """
         prompt = self._validate(tokens, max_new_tokens)
         n = len(prompt)
         # The last completion token is never fed back, so it needs no KV slot.
         with self._turn(n + max_new_tokens), self._request(self._strategy, prompt,
-                                                           n + max_new_tokens - 1) as req:
+                                                           n + max_new_tokens - 1,
+                                                           tenant=tenant) as req:
             if self._aborting.is_set():
                 raise GenerationAborted("generation aborted by a policy drain: retry")
             token = req.logits[-1].argmax()
@@ -171,15 +176,18 @@ class WorkerRuntime:
             self._strategy.record(req.task, prompt + completion[:-1])
             return Generation(completion, self.policy_version, req.task.cached, req.computed)
 
-    def logits_for(self, tokens: Sequence[int], *, use_cache: bool) -> torch.Tensor:
+    def logits_for(
+        self, tokens: Sequence[int], *, use_cache: bool, tenant: str = ""
+    ) -> torch.Tensor:
         """Prefill logits of the positions actually computed: ``[computed_tokens, vocab]``,
         i.e. the last rows of a full recompute (all ``len(tokens)`` rows when nothing was
-        reused). ``use_cache=True`` reuses and then records the prompt's full pages;
-        ``use_cache=False`` recomputes everything and leaves the prefix cache untouched."""
+        reused). ``use_cache=True`` reuses and then records the prompt's full pages (``tenant``'s,
+        as ``generate``); ``use_cache=False`` recomputes everything and leaves the prefix cache
+        untouched."""
         prompt = self._validate(tokens, 1)
         strategy = self._strategy if use_cache else self._uncached
         with self._turn(len(prompt)), self._request(strategy, prompt, len(prompt),
-                                                    all_logits=True) as req:
+                                                    all_logits=True, tenant=tenant) as req:
             strategy.record(req.task, prompt)
             return req.logits
 
@@ -263,11 +271,12 @@ class WorkerRuntime:
     @contextlib.contextmanager
     def _request(
         self, strategy: PagedStrategy, prompt: list[int], capacity: int, *,
-        all_logits: bool = False,
+        all_logits: bool = False, tenant: str = "",
     ) -> Iterator[_Prefilled]:
-        """Slots for ``capacity`` positions, the uncached prompt tokens prefilled; on exit
-        (normal or not) the pages and the request row are released. Hold the lock."""
-        task = TaskCacheState(self._req_pool.alloc())
+        """Slots for ``capacity`` positions, the uncached prompt tokens prefilled (reusing
+        ``tenant``'s cached pages); on exit (normal or not) the pages and the request row are
+        released. Hold the lock."""
+        task = TaskCacheState(self._req_pool.alloc(), tenant=tenant)
         try:
             try:
                 strategy.alloc(task, prompt, capacity)

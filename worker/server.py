@@ -13,9 +13,11 @@ import grpc
 import structlog
 import torch
 from grpc_health.v1 import _async as health_aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
+from coordinator.auth import WORKER_PERMISSIONS
+from coordinator.auth_grpc import Guard, ServerSecurity
+from coordinator.grpc_server import add_health_and_reflection, warn_if_open
 from coordinator.interceptor import ErrorMappingInterceptor, Mapped
 from coordinator.sdk_types import channel_options
 from worker.agent import CoordinatorAgent
@@ -95,7 +97,8 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     metrics = WorkerMetrics(runtime.stats)
     gate = GenerationGate()
     server = grpc.aio.server(options=channel_options(config.max_message_bytes))
-    port = server.add_insecure_port(config.listen)
+    security = ServerSecurity.from_config(config)
+    port = security.bind(server, config.listen)
     if port == 0:
         raise OSError(f"could not bind {config.listen}")
     worker_id, address = config.identity(port)
@@ -107,17 +110,12 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
 
     servicer = WorkerServicer(runtime, gate, metrics, sync_state, model=config.model_name,
                               device=device, report=agent.rollouts.add)
-    errors = ErrorMappingInterceptor(metrics, EXPECTED_ERRORS)
+    errors = ErrorMappingInterceptor(metrics, EXPECTED_ERRORS, Guard(security))
     wpb_grpc.add_WorkerServicer_to_server(
-        errors.wrap(servicer, wpb.DESCRIPTOR.services_by_name["Worker"]), server
-    )
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME),
+        errors.wrap(servicer, wpb.DESCRIPTOR.services_by_name["Worker"], WORKER_PERMISSIONS),
         server,
     )
+    health = add_health_and_reflection(server, errors, SERVICE_NAME)
     await server.start()
     metrics_port = metrics.serve(config.metrics_port) if config.metrics_port is not None else None
     serving = health_pb2.HealthCheckResponse.SERVING
@@ -128,7 +126,8 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     log.info("worker.serving", worker=worker_id, listen=config.listen, port=port,
              address=address, metrics_port=metrics_port, device=device, pages=config.pages,
              page_size=config.page_size, policy_version=runtime.policy_version,
-             coordinator=config.coordinator)
+             coordinator=config.coordinator, **security.describe())
+    warn_if_open(config.listen, security)
     return RunningWorker(config, server, runtime, agent, health, gate, port, metrics_port)
 
 

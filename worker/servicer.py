@@ -10,6 +10,7 @@ Each answered Generate is handed to ``report`` as a rollout record (DESIGN.md in
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import uuid
 from array import array
@@ -19,6 +20,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
+from coordinator.auth_grpc import caller
 from coordinator.errors import FailedPrecondition, InvalidArgument
 from coordinator.rollouts import MAX_ROLLOUT_ID_CHARS, Rollout
 from worker.gate import GenerationGate
@@ -92,7 +94,10 @@ class WorkerServicer:
             raise InvalidArgument(f"rollout_id is {len(request.rollout_id)} characters; "
                                   f"at most {MAX_ROLLOUT_ID_CHARS}")
         rollout_id = request.rollout_id or uuid.uuid4().hex
-        generation: Generation = await self._admitted(tokens, request.max_new_tokens)
+        # Hashed under the caller's tenant: another tenant's cached pages never hit (their
+        # cached_tokens and speed would tell this caller what the other tenant sent).
+        generation: Generation = await self._admitted(tokens, request.max_new_tokens,
+                                                      caller().tenant)
         if self._report is not None:
             self._report(Rollout(
                 rollout_id, generation.policy_version, self._sync_state().worker_id,
@@ -105,13 +110,15 @@ class WorkerServicer:
             computed_tokens=generation.computed_tokens, rollout_id=rollout_id,
         )
 
-    def _admitted(self, tokens: list[int], max_new_tokens: int) -> asyncio.Future[Generation]:
+    def _admitted(
+        self, tokens: list[int], max_new_tokens: int, tenant: str
+    ) -> asyncio.Future[Generation]:
         """Run one generation in a thread through the gate. The gate is left when the thread
         finishes, not when the caller stops waiting (a cancelled call's generation still runs
         to the end, and a drain must wait for it): the caller awaits a shield."""
         self._gate.enter()
         future = asyncio.get_running_loop().run_in_executor(
-            None, self._runtime.generate, tokens, max_new_tokens
+            None, functools.partial(self._runtime.generate, tokens, max_new_tokens, tenant=tenant)
         )
         future.add_done_callback(self._finished)
         return asyncio.shield(future)

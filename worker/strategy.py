@@ -37,12 +37,15 @@ class TaskCacheState:
     ``length``: positions ``[0, length)`` have a slot in the table. ``cached``: the leading
     tokens whose KV came from the prefix cache (a multiple of the page size). ``pages``: the
     request's pages in position order (prefix hits first); empty for the contiguous strategy.
+    ``tenant``: whose prompt it is (set by the caller, never by the strategy): the prefix cache
+    hashes under it, so the request reuses and records only its own tenant's pages.
     """
 
     req_idx: int
     length: int = 0
     cached: int = 0
     pages: list[int] = field(default_factory=list)
+    tenant: str = ""
 
 
 class ReqToTokenPool:
@@ -89,8 +92,8 @@ class AllocationStrategy(ABC):
         """Give ``state`` slots for positions ``[0, capacity)``, ``capacity >= len(prompt)``.
 
         Reuses cached leading full pages of ``prompt`` where the strategy has a prefix cache
-        (``state.cached`` says how many tokens). All or nothing: on OutOfPages nothing is held.
-        Does not write the table; call :meth:`write_indices`.
+        (``state.cached`` says how many tokens), ``state.tenant``'s only. All or nothing: on
+        OutOfPages nothing is held. Does not write the table; call :meth:`write_indices`.
         """
 
     @abstractmethod
@@ -108,7 +111,8 @@ class AllocationStrategy(ABC):
     def record(self, state: TaskCacheState, tokens: Sequence[int]) -> list[bytes]:
         """Offer the full pages of ``tokens`` (their KV computed) to the prefix cache.
 
-        ``tokens[i]`` is the token at position i. Returns the newly recorded keys.
+        ``tokens[i]`` is the token at position i; keys are ``state.tenant``'s. Returns the
+        newly recorded keys.
         """
 
     @abstractmethod
@@ -185,7 +189,7 @@ class PagedStrategy(AllocationStrategy):
         _check_capacity(len(prompt), capacity, self._req_pool.max_context)
         hits: list[int] = []
         if self._prefix is not None:
-            hits = self._prefix.lookup(self._prefix.keys_for(prompt)).pages
+            hits = self._prefix.lookup(self._prefix.keys_for(prompt, state.tenant)).pages
         need = -(-capacity // self.page_size) - len(hits)
         try:
             fresh = self._alloc.alloc(need) if need > 0 else []
@@ -221,7 +225,7 @@ class PagedStrategy(AllocationStrategy):
         if self._prefix is None:
             return []
         full = min(len(tokens) // self.page_size, len(state.pages))
-        keys = self._prefix.keys_for(tokens[: full * self.page_size])
+        keys = self._prefix.keys_for(tokens[: full * self.page_size], state.tenant)
         # Keys already cached (the hits, or the same prefix cached on another page) are
         # skipped by the cache: first writer wins, and such a page is freed normally.
         return self._prefix.record(keys, state.pages[:full])

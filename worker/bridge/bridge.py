@@ -8,7 +8,8 @@ engine's replay socket (``[b"", start_seq]`` to a DEALER; replies in either the 
 the older vLLM/SGLang form, up to the end marker seq -1). Without replay, or when it fails, the
 bridge asks the coordinator to drop everything the worker holds and rebuilds from the events
 that follow. Bad input is counted by kind (``malformed``), logged once per kind and skipped: the
-bridge never stops on it.
+bridge never stops on it. Its calls to the coordinator carry a bearer ``token`` and use ``tls``
+when given.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ import zmq.asyncio
 from coordinator.convert import PROTOCOL_VERSION
 from coordinator.hashing import DEV_HASH_KEY, HashConfig, PageHasher
 from coordinator.index import Tier
-from coordinator.sdk_types import Targets, client_channel_options
+from coordinator.sdk_types import (
+    ClientTls,
+    Targets,
+    client_channel_options,
+    open_aio_channel,
+)
 from coordinator.sessions import PageEventIn
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
@@ -91,10 +97,15 @@ class BridgeConfig:
 
 
 class Bridge:
-    """One engine's events -> one external worker of the coordinator."""
+    """One engine's events -> one external worker of the coordinator. ``token``: bearer token
+    sent on every call to the coordinator; ``tls``: TLS to it (plaintext when None)."""
 
-    def __init__(self, config: BridgeConfig) -> None:
+    def __init__(
+        self, config: BridgeConfig, *, token: str | None = None, tls: ClientTls | None = None
+    ) -> None:
         self.config = config
+        self._token = token
+        self._tls = tls
         self._hash = config.hash_config()
         self.blocks = BlockMap(PageHasher(self._hash), model=config.model,
                                policy_version=config.policy_version, page_size=config.page_size)
@@ -124,7 +135,8 @@ class Bridge:
         """Subscribe, register, open the Sync stream; then follow the engine in the background."""
         self._zmq = zmq.asyncio.Context()
         self._sub = self._zmq.socket(zmq.SUB)
-        self._channels = [grpc.aio.insecure_channel(t, options=client_channel_options(16 << 20))
+        options = client_channel_options(16 << 20)
+        self._channels = [open_aio_channel(t, options, self._tls, token=self._token)
                           for t in self._targets]
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(self.config.events)
