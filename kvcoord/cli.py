@@ -275,8 +275,9 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvcoord bridge: {exc}", file=sys.stderr)
         return 2
+    credentials = client_credentials(args)
     configure_logging(args.log_level or os.environ.get("KVCOORD_LOG_LEVEL", "info"))
-    return asyncio.run(serve_bridge(config, metrics_port=args.metrics_port))
+    return asyncio.run(serve_bridge(config, metrics_port=args.metrics_port, **credentials))
 
 
 def cmd_deregister(args: argparse.Namespace) -> int:

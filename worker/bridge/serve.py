@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from coordinator.sdk_types import ClientTls
 from worker.bridge.bridge import Bridge, BridgeConfig
 
 log = structlog.get_logger(__name__)
@@ -44,8 +45,13 @@ class BridgeCollector(Collector):
                                 value=b.last_seq)
 
 
-async def serve_bridge(config: BridgeConfig, *, metrics_port: int | None = None) -> int:
-    bridge = Bridge(config)
+async def serve_bridge(
+    config: BridgeConfig, *, metrics_port: int | None = None, token: str | None = None,
+    tls: ClientTls | None = None,
+) -> int:
+    """``token``/``tls``: how the bridge authenticates to the coordinator (a worker identity
+    whose worker_id is ``config.worker_id``)."""
+    bridge = Bridge(config, token=token, tls=tls)
     if metrics_port is not None:
         registry = CollectorRegistry()
         registry.register(BridgeCollector(bridge))
