@@ -16,8 +16,10 @@ from coordinator.sdk_types import KvcoordError
 from coordinator.store import StoreUnavailable
 from kvcoord.cli_security import (
     add_client_flags,
+    add_identity_parser,
     add_server_flags,
     client_credentials,
+    cmd_identity,
     server_flags,
 )
 
@@ -174,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvcoord.simulate.cli import add_simulate_parser  # argparse only: cheap
 
     add_simulate_parser(sub)
+    add_identity_parser(sub)
     return parser
 
 
@@ -408,6 +411,7 @@ COMMANDS = {
     "coordinator": cmd_coordinator, "worker": cmd_worker, "route": cmd_route, "status": cmd_status,
     "rollouts": cmd_rollouts, "bench": cmd_bench, "demo": cmd_demo, "up": cmd_up,
     "simulate": cmd_simulate, "deregister": cmd_deregister, "bridge": cmd_bridge,
+    "identity": cmd_identity,
 }
 
 

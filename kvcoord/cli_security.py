@@ -4,15 +4,18 @@ Servers (``coordinator``, ``worker``) take the identities file, their TLS files 
 limit; the worker also takes what it presents to the coordinator. Client commands (``route``,
 ``status``, ``policy``, ...) take a bearer token and TLS files. Every flag has a ``KVCOORD_*``
 variable; a token is read from a file (or ``KVCOORD_TOKEN``), never from a flag, so it does not
-show in ``ps``.
+show in ``ps``. ``kvcoord identity new`` mints a token and prints its identities-file entry.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import secrets
 from typing import Any
 
+from coordinator.auth import IdentityFileError, IdentityTable, Role, token_digest
 from coordinator.sdk_types import ClientTls, read_token_file
 
 
@@ -59,3 +62,43 @@ def client_credentials(args: argparse.Namespace) -> dict[str, Any]:
     elif args.tls_cert or args.tls_key:
         raise ValueError("--tls-cert/--tls-key need --tls-ca (the CA that verifies the server)")
     return {"token": token, "tls": tls}
+
+
+def add_identity_parser(sub: Any) -> None:
+    """``kvcoord identity new``: mint a token and print its identities-file entry."""
+    identity = sub.add_parser("identity", help="make credentials for the identities file")
+    actions = identity.add_subparsers(dest="identity_command", required=True, metavar="ACTION")
+    new = actions.add_parser(
+        "new", help="write a fresh random token to --token-file and print the [[identity]] "
+        "entry (with the token's SHA-256, not the token) to add to the identities file")
+    new.add_argument("--name", required=True, help="unique name (logs, metrics)")
+    new.add_argument("--role", required=True, choices=[r.value for r in Role])
+    new.add_argument("--tenant", default="", help="tenant salt of this caller (default none)")
+    new.add_argument("--worker-id", help="the worker id a worker identity acts as (required "
+                     "for --role worker)")
+    new.add_argument("--token-file", required=True, metavar="FILE",
+                     help="where to write the token (created with mode 0600; must not exist)")
+
+
+def cmd_identity(args: argparse.Namespace) -> int:
+    """Validate the entry as the servers will, then create the token file, then print."""
+    token = secrets.token_urlsafe(32)
+    entry = {"name": args.name, "role": args.role, "token_sha256": token_digest(token).hex()}
+    if args.tenant:
+        entry["tenant"] = args.tenant
+    if args.worker_id is not None:
+        entry["worker_id"] = args.worker_id
+    try:
+        IdentityTable.from_entries([entry], source="kvcoord identity new")
+    except IdentityFileError as exc:
+        raise ValueError(str(exc)) from None
+    try:
+        fd = os.open(args.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise ValueError(f"cannot create token file {args.token_file}: {exc.strerror}") from None
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    print("[[identity]]")
+    for key, value in entry.items():
+        print(f"{key} = {json.dumps(value)}")  # a JSON string is a valid TOML basic string
+    return 0

@@ -73,3 +73,27 @@ def test_credential_files_that_cannot_be_used_exit_2_naming_the_file(tmp_path: P
         assert "auth_file" in refused.stderr and "role must be one of" in refused.stderr
     half = run_cli("coordinator", "--tls-cert", str(bad))
     assert half.returncode == 2 and "tls_cert and tls_key must be given together" in half.stderr
+
+
+def test_identity_new_mints_a_token_whose_printed_entry_authenticates_it(tmp_path: Path) -> None:
+    from coordinator.auth import Identity, IdentityTable, Role
+
+    token_file = tmp_path / "w0.token"
+    made = run_cli("identity", "new", "--name", "w0", "--role", "worker", "--worker-id",
+                   "kvcoord-worker-0", "--token-file", str(token_file))
+    assert made.returncode == 0, made.stderr
+    token = token_file.read_text().strip()
+    assert token not in made.stdout  # the entry carries the digest only
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    identities = tmp_path / "identities.toml"
+    identities.write_text(made.stdout)
+    table = IdentityTable.load(identities)
+    assert table.by_token(token) == Identity("w0", Role.WORKER, "", "kvcoord-worker-0")
+    again = run_cli("identity", "new", "--name", "w1", "--role", "admin", "--token-file",
+                    str(token_file))
+    assert again.returncode == 2 and "File exists" in again.stderr
+    assert token_file.read_text().strip() == token  # never overwritten
+    no_worker_id = run_cli("identity", "new", "--name", "w1", "--role", "worker",
+                           "--token-file", str(tmp_path / "x"))
+    assert no_worker_id.returncode == 2 and "needs a worker_id" in no_worker_id.stderr
+    assert not (tmp_path / "x").exists()  # refused before anything was written
