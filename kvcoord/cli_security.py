@@ -36,17 +36,23 @@ def server_flags(args: argparse.Namespace) -> dict[str, Any]:
             ("auth_file", "tls_cert", "tls_key", "tls_client_ca", "rate_limit_per_s")}
 
 
+TOKEN_VARIABLE = "KVCOORD_TOKEN"
+CLIENT_FILE_VARIABLES = {"token_file": "KVCOORD_TOKEN_FILE", "tls_ca": "KVCOORD_TLS_CA",
+                         "tls_cert": "KVCOORD_TLS_CERT", "tls_key": "KVCOORD_TLS_KEY"}
+"""The environment variables client commands read (flag destination -> variable)."""
+
+
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
     """How a client command authenticates to the coordinator."""
-    env = os.environ.get
-    parser.add_argument("--token-file", metavar="FILE", default=env("KVCOORD_TOKEN_FILE"),
+    env = {dest: os.environ.get(name) for dest, name in CLIENT_FILE_VARIABLES.items()}
+    parser.add_argument("--token-file", metavar="FILE", default=env["token_file"],
                         help="file holding a bearer token (env KVCOORD_TOKEN_FILE, or the "
                         "token itself in KVCOORD_TOKEN)")
-    parser.add_argument("--tls-ca", metavar="FILE", default=env("KVCOORD_TLS_CA"),
+    parser.add_argument("--tls-ca", metavar="FILE", default=env["tls_ca"],
                         help="CA (PEM) that verifies the coordinator: TLS on (env KVCOORD_TLS_CA)")
-    parser.add_argument("--tls-cert", metavar="FILE", default=env("KVCOORD_TLS_CERT"),
+    parser.add_argument("--tls-cert", metavar="FILE", default=env["tls_cert"],
                         help="client certificate (PEM) for mutual TLS (env KVCOORD_TLS_CERT)")
-    parser.add_argument("--tls-key", metavar="FILE", default=env("KVCOORD_TLS_KEY"),
+    parser.add_argument("--tls-key", metavar="FILE", default=env["tls_key"],
                         help="its private key (PEM) (env KVCOORD_TLS_KEY)")
 
 
@@ -55,7 +61,7 @@ def client_credentials(args: argparse.Namespace) -> dict[str, Any]:
     file) when a file is unusable."""
     token = read_token_file(args.token_file) if args.token_file else None
     if token is None:
-        token = os.environ.get("KVCOORD_TOKEN", "").strip() or None
+        token = os.environ.get(TOKEN_VARIABLE, "").strip() or None
     tls = None
     if args.tls_ca:
         tls = ClientTls.from_files(args.tls_ca, args.tls_cert, args.tls_key)

@@ -16,6 +16,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService
 from coordinator.store_memory import MemoryStore
+from kvcoord.cli_security import CLIENT_FILE_VARIABLES, TOKEN_VARIABLE
 from worker.bridge.bridge import Bridge, BridgeConfig
 from worker.bridge.serve import BridgeCollector
 from worker.config import WorkerConfig
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Read outside the two config dataclasses (see ARCHITECTURE.md §6).
 OTHER_VARIABLES = {"KVCOORD_COORDINATOR", "KVCOORD_HASH_KEY", "KVCOORD_HASH_ALGORITHM",
-                   "KVCOORD_PAGE_SIZE"}
+                   "KVCOORD_PAGE_SIZE", TOKEN_VARIABLE, *CLIENT_FILE_VARIABLES.values()}
 
 
 def exposed_metric_names() -> set[str]:
