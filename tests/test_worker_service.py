@@ -63,6 +63,8 @@ BAD_GENERATES = [
      grpc.StatusCode.INVALID_ARGUMENT, "not both"),
     (wpb.GenerateRequest(token_bytes=b"\x01\x00\x00", max_new_tokens=1),
      grpc.StatusCode.INVALID_ARGUMENT, "3 bytes of token_bytes is not a multiple of 4"),
+    (wpb.GenerateRequest(token_bytes=bytes(4 * 5000), max_new_tokens=1),
+     grpc.StatusCode.INVALID_ARGUMENT, "prompt of 5000 tokens exceeds the model context of 4096"),
     (wpb.GenerateRequest(protocol_version=9, token_ids=[1], max_new_tokens=1),
      grpc.StatusCode.FAILED_PRECONDITION, "protocol version 9"),
     # 16 pages of 4 tokens hold 64 positions; this request needs 61 + 10 - 1 = 70.

@@ -49,10 +49,16 @@ def check_protocol(version: int) -> None:
         )
 
 
-def tokens_from(request: wpb.GenerateRequest) -> list[int]:
-    """The prompt from ``token_ids`` or ``token_bytes`` (packed little-endian u32)."""
+def tokens_from(request: wpb.GenerateRequest, max_tokens: int) -> list[int]:
+    """The prompt from ``token_ids`` or ``token_bytes`` (packed little-endian u32). A prompt
+    over ``max_tokens`` is refused before it is converted (a message near the size limit holds
+    millions of ids: converting them first would cost the server a second or two each)."""
     if request.token_ids and request.token_bytes:
         raise InvalidArgument("set one of token_ids and token_bytes, not both")
+    count = len(request.token_ids) or len(request.token_bytes) // 4
+    if count > max_tokens:
+        raise InvalidArgument(f"prompt of {count} tokens exceeds the model context of "
+                              f"{max_tokens} tokens")
     if not request.token_bytes:
         return list(request.token_ids)
     if len(request.token_bytes) % 4:
@@ -89,7 +95,7 @@ class WorkerServicer:
         self, request: wpb.GenerateRequest, context: Context
     ) -> wpb.GenerateResponse:
         check_protocol(request.protocol_version)
-        tokens = tokens_from(request)
+        tokens = tokens_from(request, self._runtime.model.max_context)
         if len(request.rollout_id) > MAX_ROLLOUT_ID_CHARS:
             raise InvalidArgument(f"rollout_id is {len(request.rollout_id)} characters; "
                                   f"at most {MAX_ROLLOUT_ID_CHARS}")
