@@ -93,7 +93,8 @@ COORDINATOR_PERMISSIONS: Mapping[str, frozenset[Role]] = {
     "ListWorkers": frozenset({Role.SCHEDULER, Role.TRAINER, Role.ADMIN}),
     # Index-wide counts move with every tenant's traffic: not for tenants' schedulers.
     "GetStats": frozenset({Role.TRAINER, Role.ADMIN}),
-    "Cordon": frozenset({Role.ADMIN}),
+    # A worker cordons itself at the start of a graceful stop (check_cordon).
+    "Cordon": frozenset({Role.WORKER, Role.ADMIN}),
 }
 """Which roles may call each ``coordinator.v1.Coordinator`` method (admin: all)."""
 
@@ -119,6 +120,16 @@ def check_worker(identity: Identity, worker_id: str) -> None:
         raise PermissionDenied(
             f"worker identity {identity.name!r} is worker {identity.worker_id!r}, "
             f"not {worker_id!r}"
+        )
+
+
+def check_cordon(identity: Identity, worker_id: str, cordoned: bool) -> None:
+    """A worker may take itself out of routing, never another worker, and never put itself
+    back (an operator's cordon must not be undone by the worker it was meant for)."""
+    check_worker(identity, worker_id)
+    if identity.role is Role.WORKER and not cordoned:
+        raise PermissionDenied(
+            f"worker identity {identity.name!r} may cordon itself but not uncordon"
         )
 
 

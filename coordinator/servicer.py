@@ -12,7 +12,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from coordinator import convert, policy
-from coordinator.auth import PermissionDenied, check_worker, may_send_page_keys
+from coordinator.auth import PermissionDenied, check_cordon, check_worker, may_send_page_keys
 from coordinator.auth_grpc import caller
 from coordinator.convert import PROTOCOL_VERSION, check_protocol, prompt_from, scope_from
 from coordinator.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -310,6 +310,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     async def Cordon(self, request: pb.CordonRequest, context: Context) -> pb.CordonResponse:
         check_protocol(request.protocol_version)
+        check_cordon(caller(), request.worker_id, request.cordoned)
         view = self._service.cordon(request.worker_id, request.cordoned)
         return pb.CordonResponse(
             protocol_version=PROTOCOL_VERSION, worker=convert.worker_to_pb(view)

@@ -55,7 +55,7 @@ def _requests(worker_id: str) -> dict[str, object]:
         "ReadRollouts": pb.ReadRolloutsRequest(),
         "ListWorkers": pb.ListWorkersRequest(),
         "GetStats": pb.GetStatsRequest(),
-        "Cordon": pb.CordonRequest(worker_id="nobody", cordoned=True),
+        "Cordon": pb.CordonRequest(worker_id=worker_id, cordoned=True),
     }
 
 
@@ -113,7 +113,7 @@ async def test_a_worker_cannot_act_as_another_worker(
 ) -> None:
     w1 = identities.metadata("w1")
     async with grpc.aio.insecure_channel(target(coordinator)) as channel:
-        for method in ("Register", "Sync", "Deregister", "ReportRollouts"):
+        for method in ("Register", "Sync", "Deregister", "ReportRollouts", "Cordon"):
             code = await _status(channel, method, _requests("w2")[method], w1)
             assert code == DENIED, method
     # As itself it registers and syncs; an admin may act for any worker.

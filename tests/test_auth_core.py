@@ -19,6 +19,7 @@ from coordinator.auth import (
     StreamSlots,
     Unauthenticated,
     authorize,
+    check_cordon,
     check_worker,
     may_send_page_keys,
 )
@@ -126,6 +127,12 @@ def test_roles_and_worker_ids() -> None:
     check_worker(ANONYMOUS, "anything")
     with pytest.raises(PermissionDenied, match="is worker 'w-1', not 'w-2'"):
         check_worker(worker, "w-2")
+    check_cordon(worker, "w-1", True)
+    check_cordon(ANONYMOUS, "w-2", False)
+    with pytest.raises(PermissionDenied, match="may cordon itself but not uncordon"):
+        check_cordon(worker, "w-1", False)
+    with pytest.raises(PermissionDenied, match="not 'w-2'"):
+        check_cordon(worker, "w-2", True)
     assert may_send_page_keys(worker, False) and may_send_page_keys(ANONYMOUS, False)
     scheduler = Identity("s", Role.SCHEDULER)
     assert not may_send_page_keys(scheduler, False) and may_send_page_keys(scheduler, True)

@@ -85,6 +85,19 @@ async def test_the_worker_registers_with_its_own_token_and_obeys_the_role_table(
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+async def test_a_worker_cordons_itself_but_cannot_uncordon(fleet: Fleet) -> None:
+    await fleet.worker.agent.cordon_self()  # what a graceful stop does first
+    async with AsyncCoordinatorClient(target(fleet.coordinator),
+                                      token=fleet.identities.tokens["admin"]) as admin:
+        assert [(w.worker_id, w.state) for w in await admin.workers()] == [("w1", "cordoned")]
+    async with AsyncCoordinatorClient(target(fleet.coordinator),
+                                      token=fleet.identities.tokens["w1"]) as as_worker:
+        with pytest.raises(KvcoordError) as refused:
+            await as_worker.cordon("w1", cordoned=False)
+        assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "may cordon itself but not uncordon" in str(refused.value)
+
+
 async def test_tenants_do_not_share_the_workers_cache_or_the_coordinators_index(
     fleet: Fleet,
 ) -> None:
