@@ -90,7 +90,9 @@ COORDINATOR_PERMISSIONS: Mapping[str, frozenset[Role]] = {
     "CommitPolicyUpdate": frozenset({Role.TRAINER, Role.ADMIN}),
     "AbortPolicyUpdate": frozenset({Role.TRAINER, Role.ADMIN}),
     "ReadRollouts": frozenset({Role.TRAINER, Role.ADMIN}),
-    "ListWorkers": frozenset({Role.SCHEDULER, Role.TRAINER, Role.ADMIN}),
+    # A worker sees only its own entry (visible_workers): its preStop hook reads its
+    # incarnation there before deregistering.
+    "ListWorkers": ALL_ROLES,
     # Index-wide counts move with every tenant's traffic: not for tenants' schedulers.
     "GetStats": frozenset({Role.TRAINER, Role.ADMIN}),
     # A worker cordons itself at the start of a graceful stop (check_cordon).
@@ -131,6 +133,13 @@ def check_cordon(identity: Identity, worker_id: str, cordoned: bool) -> None:
         raise PermissionDenied(
             f"worker identity {identity.name!r} may cordon itself but not uncordon"
         )
+
+
+def visible_workers(identity: Identity, worker_ids: Iterable[str]) -> set[str]:
+    """Which of ``worker_ids`` ``identity`` may see in ListWorkers: a worker only itself."""
+    if identity.role is Role.WORKER:
+        return {w for w in worker_ids if w == identity.worker_id}
+    return set(worker_ids)
 
 
 def may_send_page_keys(identity: Identity, trust_schedulers: bool) -> bool:

@@ -12,7 +12,13 @@ from typing import Any, TypeAlias
 import grpc
 
 from coordinator import convert, policy
-from coordinator.auth import PermissionDenied, check_cordon, check_worker, may_send_page_keys
+from coordinator.auth import (
+    PermissionDenied,
+    check_cordon,
+    check_worker,
+    may_send_page_keys,
+    visible_workers,
+)
 from coordinator.auth_grpc import caller
 from coordinator.convert import PROTOCOL_VERSION, check_protocol, prompt_from, scope_from
 from coordinator.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -301,7 +307,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         self, request: pb.ListWorkersRequest, context: Context
     ) -> pb.ListWorkersResponse:
         check_protocol(request.protocol_version)
-        workers = [convert.worker_to_pb(view) for view in self._service.workers()]
+        views = self._service.workers()
+        visible = visible_workers(caller(), [v.session.worker_id for v in views])
+        workers = [convert.worker_to_pb(v) for v in views if v.session.worker_id in visible]
         return pb.ListWorkersResponse(protocol_version=PROTOCOL_VERSION, workers=workers)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.Stats:

@@ -135,6 +135,12 @@ async def test_a_worker_cannot_act_as_another_worker(
         reply = await stub.ReportRollouts(pb.ReportRolloutsRequest(records=[
             pb.RolloutRecord(rollout_id="x", worker_id="w1", prompt_tokens=1)]), metadata=w1)
         assert reply.accepted == 1
+        # A worker lists only itself (its preStop hook reads its incarnation there).
+        listed = await stub.ListWorkers(pb.ListWorkersRequest(), metadata=w1)
+        assert [w.worker_id for w in listed.workers] == ["w1"]
+        listed = await stub.ListWorkers(pb.ListWorkersRequest(),
+                                        metadata=identities.metadata("sched-a"))
+        assert sorted(w.worker_id for w in listed.workers) == ["w1", "w2"]
     await own.close()
     await other.close()
 
