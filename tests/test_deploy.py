@@ -7,11 +7,15 @@ pods run: Services select pods and name their ports, the ports are the ones in t
 args, every ``KVCOORD_*`` variable is one the config loaders read, the container command lines
 go through the real ``kvcoord`` CLI into a valid configuration, the NetworkPolicies admit exactly
 the intended peers, the dashboard plots metrics the code exports, and the Dockerfile builds what
-the manifests run.
+the manifests run. The credentials: the auth Secret is a template that keeps pods from starting,
+every worker ordinal has its identity and token, each container sees only the files it needs, and
+a coordinator and a worker started from their pods with the guide's credentials authenticate
+each other (and refuse a sibling's identity).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import functools
@@ -26,23 +30,28 @@ import sys
 import tomllib
 import types
 import zipfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 
 import kvcoord.cli
+from coordinator.auth import IdentityTable, Role
+from coordinator.client import AsyncCoordinatorClient
 from coordinator.config import ENV_PREFIX, ConfigError, CoordinatorConfig
 from coordinator.hashing import load_hash_config
+from coordinator.sdk_types import read_token_file
 from coordinator.store import REDIS_SCHEMES
-from coordinator.v1 import coordinator_pb2
+from coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests import kustomize_lite
 from tests.kustomize_lite import Resource, pod_spec, split_image
 from worker.config import WorkerConfig
-from worker.v1 import worker_pb2
+from worker.v1 import worker_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -128,15 +137,16 @@ def container_port(container: dict[str, Any], name: str) -> int:
     return int(port)
 
 
-def pod_name(workload: Resource) -> str:
-    """A name a pod of ``workload`` gets (what fieldRef metadata.name yields)."""
+def pod_name(workload: Resource, ordinal: int = 0) -> str:
+    """A name a pod of ``workload`` gets (what fieldRef metadata.name yields); ``ordinal``
+    picks the StatefulSet pod."""
     if workload["kind"] == "StatefulSet":
-        return f"{workload['metadata']['name']}-0"
+        return f"{workload['metadata']['name']}-{ordinal}"
     return f"{workload['metadata']['name']}-5d8f7b9c4-x2x7q"
 
 
 def container_env(resources: list[Resource], workload: Resource,
-                  container: dict[str, Any]) -> dict[str, str]:
+                  container: dict[str, Any], ordinal: int = 0) -> dict[str, str]:
     """The environment Kubernetes gives ``container``: envFrom sources in order, then env."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
@@ -150,7 +160,7 @@ def container_env(resources: list[Resource], workload: Resource,
         else:
             field = variable["valueFrom"]["fieldRef"]["fieldPath"]
             assert field == "metadata.name", f"no test value for fieldRef {field}"
-            env[variable["name"]] = pod_name(workload)
+            env[variable["name"]] = pod_name(workload, ordinal)
     return env
 
 
@@ -545,11 +555,96 @@ def test_every_kvcoord_variable_is_one_the_pods_code_reads(rendered: list[Resour
 
 
 def _pod_environment(rendered: list[Resource], workload: Resource,
-                     container: dict[str, Any]) -> dict[str, str]:
-    env = container_env(rendered, workload, container)
+                     container: dict[str, Any], ordinal: int = 0) -> dict[str, str]:
+    env = container_env(rendered, workload, container, ordinal)
     if env.get("KVCOORD_HASH_KEY") == PLACEHOLDER_KEY:  # what an operator replaces
         env["KVCOORD_HASH_KEY"] = "ab" * 32
     return env
+
+
+@dataclasses.dataclass
+class Pod:
+    """A kvcoord container as kubelet starts it: its environment and args, and the files of its
+    Secret volumes written to a local folder, with every path into them pointing there."""
+
+    name: str
+    env: dict[str, str]
+    args: list[str]
+    mounts: dict[str, Path]  # mountPath in the container -> that file or folder here
+
+    def local(self, path: str) -> str:
+        """The file here that ``path`` names in the container (unchanged outside the mounts)."""
+        for mount_path, here in sorted(self.mounts.items(), key=lambda m: -len(m[0])):
+            if path == mount_path or path.startswith(mount_path + "/"):
+                return str(here) + path[len(mount_path):]
+        return path
+
+    def token_file(self) -> str:
+        """The worker's ``--token-file``, here."""
+        path: str = kvcoord.cli.build_parser().parse_args(self.args).token_file
+        return path
+
+    def visible_files(self) -> dict[str, str]:
+        """Every file the container can read through its Secret mounts: path -> content."""
+        files = {}
+        for mount_path, here in self.mounts.items():
+            for found in [here] if here.is_file() else sorted(here.rglob("*")):
+                if found.is_file():
+                    files[mount_path + str(found)[len(str(here)):]] = found.read_text()
+        return files
+
+
+def _write_secret_mounts(resources: list[Resource], workload: Resource, container: dict[str, Any],
+                         env: dict[str, str], root: Path) -> dict[str, Path]:
+    """Write what kubelet mounts into ``container`` from Secret volumes, under ``root``: a
+    volume is a folder holding the Secret's keys (or its ``items``) as files; a mount with
+    ``subPath`` (or ``subPathExpr``, expanded from the container's env) shows one entry of it, and
+    an empty folder when there is no such entry (kubelet's behaviour). mountPath -> local path."""
+    spec = pod_spec(workload)
+    assert spec is not None
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    mounts: dict[str, Path] = {}
+    for mount in container.get("volumeMounts", []):
+        source = volumes[mount["name"]].get("secret")
+        if source is None:
+            continue
+        folder = root / mount["name"]
+        if not folder.exists():
+            data = named(resources, "Secret", source["secretName"])["stringData"]
+            items = source.get("items", [{"key": key, "path": key} for key in data])
+            folder.mkdir(parents=True)
+            for item in items:
+                # A missing item key: kubelet does not start the pod at all.
+                assert item["key"] in data, f"{source['secretName']} has no {item['key']}"
+                (folder / item["path"]).write_text(data[item["key"]])
+        sub_path = mount.get("subPath") or expand(mount.get("subPathExpr", ""), env)
+        if sub_path:
+            if not (folder / sub_path).exists():
+                (folder / sub_path).mkdir()  # what kubelet mounts for a missing subPath
+            mounts[mount["mountPath"]] = folder / sub_path
+        else:
+            mounts[mount["mountPath"]] = folder
+    return mounts
+
+
+def pod_of(resources: list[Resource], workload: Resource, container: dict[str, Any], root: Path,
+           ordinal: int = 0) -> Pod:
+    """``container`` of ``workload``'s pod (StatefulSet pod ``ordinal``), its files under
+    ``root``; the hash-key placeholder replaced as an operator would."""
+    env = _pod_environment(resources, workload, container, ordinal)
+    mounts = _write_secret_mounts(resources, workload, container, env, root)
+    pod = Pod(pod_name(workload, ordinal), {}, [], mounts)
+    pod.env = {name: pod.local(value) for name, value in env.items()}
+    pod.args = [pod.local(expand(arg, env)) for arg in container["args"]]
+    return pod
+
+
+def set_environment(scope: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    """Make ``env`` the process's whole KVCOORD_* environment (until ``scope`` is undone)."""
+    for name in [n for n in os.environ if n.startswith(ENV_PREFIX)]:
+        scope.delenv(name)
+    for name, value in env.items():
+        scope.setenv(name, value)
 
 
 @dataclasses.dataclass
@@ -560,12 +655,7 @@ class Started:
     cuda_checks: int = 0
 
 
-@pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> Started:
-    """Run the real CLI entry point up to the server: flags and environment through argparse and
-    the config loaders, with serve_forever captured (no ports, no torch, no GPU)."""
-    record = Started()
-
+def _capture_servers(scope: pytest.MonkeyPatch, record: Started) -> None:
     async def serve_forever(config: Any) -> int:
         record.configs.append(config)
         return 0
@@ -575,31 +665,134 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Started:
         return True  # the pod's node has the GPU it asked for
 
     fake_server = types.SimpleNamespace(serve_forever=serve_forever)
-    monkeypatch.setitem(sys.modules, "coordinator.server", fake_server)
-    monkeypatch.setitem(sys.modules, "worker.server", fake_server)
-    monkeypatch.setattr("worker.config._cuda_available", cuda_available)
-    monkeypatch.setattr("coordinator.logs.configure_logging", lambda level: None)
+    scope.setitem(sys.modules, "coordinator.server", fake_server)
+    scope.setitem(sys.modules, "worker.server", fake_server)
+    scope.setattr("worker.config._cuda_available", cuda_available)
+    scope.setattr("coordinator.logs.configure_logging", lambda level: None)
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> Started:
+    """Run the real CLI entry point up to the server: flags and environment through argparse and
+    the config loaders, with serve_forever captured (no ports, no torch, no GPU)."""
+    record = Started()
+    _capture_servers(monkeypatch, record)
     return record
 
 
+def pod_config(pod: Pod, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The configuration `kvcoord` builds in ``pod`` (the `started` capture, for one run)."""
+    record = Started()
+    with monkeypatch.context() as scope:
+        _capture_servers(scope, record)
+        set_environment(scope, pod.env)
+        assert kvcoord.cli.main(pod.args) == 0, f"{pod.name}: {pod.args}"
+    (config,) = record.configs
+    return config
+
+
+# --------------------------------------------------------------------------- credentials
+
+AUTH_SECRET = "kvcoord-auth"
+IDENTITIES = "identities.toml"
+PLACEHOLDER_DIGEST = "REPLACE-ME-with-kvcoord-identity-new"
+PLACEHOLDER_TOKEN = "REPLACE ME with the token file kvcoord identity new wrote"
+GUIDE = ROOT / "docs" / "OPERATIONS.md"
+# Where the pods read their credentials; what each kvcoord container may see, and from which
+# key of the auth Secret ({pod}: the pod's name).
+AUTH_FILE = "/etc/kvcoord/auth/identities.toml"
+WORKER_TOKEN_FILE = "/etc/kvcoord/auth/worker.token"
+CREDENTIALS_SEEN = {
+    "coordinator": {AUTH_FILE: IDENTITIES},
+    "worker": {AUTH_FILE: IDENTITIES, WORKER_TOKEN_FILE: "{pod}.token"},
+}
+
+
+def auth_files(resources: list[Resource]) -> dict[str, str]:
+    files: dict[str, str] = named(resources, "Secret", AUTH_SECRET)["stringData"]
+    return files
+
+
+def identities_in(resources: list[Resource]) -> list[dict[str, str]]:
+    entries: list[dict[str, str]] = tomllib.loads(auth_files(resources)[IDENTITIES])["identity"]
+    return entries
+
+
+def worker_pods(resources: list[Resource]) -> list[str]:
+    workload = named(resources, "StatefulSet", "kvcoord-worker")
+    return [pod_name(workload, i) for i in range(workload["spec"]["replicas"])]
+
+
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    """What the guide's own recipe made (docs/OPERATIONS.md "Make the tokens"): the patch of the
+    auth Secret, and every token by identity name."""
+
+    patch: Resource
+    tokens: dict[str, str]
+
+
+@pytest.fixture(scope="session")
+def credentials(tmp_path_factory: pytest.TempPathFactory) -> Credentials:
+    """Run the guide's `# my-cluster:` shell blocks, in order, in an empty my-cluster/, with
+    `kvcoord` on PATH running this checkout."""
+    blocks = re.findall(r"```bash\n(# my-cluster: .*?)```", GUIDE.read_text(), re.S)
+    assert len(blocks) == 2, "the guide's credential recipe: make the tokens, write the patch"
+    folder = tmp_path_factory.mktemp("my-cluster")
+    bin_dir = tmp_path_factory.mktemp("bin")
+    (bin_dir / "kvcoord").write_text(
+        f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m kvcoord.cli "$@"\n')
+    (bin_dir / "kvcoord").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONPATH=str(ROOT))
+    for block in blocks:
+        done = subprocess.run(["sh", "-c", block], cwd=folder, env=env, capture_output=True,
+                              text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, f"{block}\n{done.stderr}"
+    patch = yaml.safe_load((folder / "auth-secret-patch.yaml").read_text())
+    tokens = {p.name.removesuffix(".token"): read_token_file(str(p))
+              for p in (folder / "tokens").glob("*.token")}
+    return Credentials(patch, tokens)
+
+
+def with_credentials(resources: list[Resource], credentials: Credentials) -> list[Resource]:
+    """``resources`` with the guide's patch merged into the auth Secret (what `kubectl apply -k
+    my-cluster` does), where the Secret is still the template (cpu-dev ships its own)."""
+    secret = named(resources, "Secret", AUTH_SECRET)
+    if PLACEHOLDER_DIGEST in secret["stringData"][IDENTITIES]:
+        filled = kustomize_lite.merge(secret, credentials.patch)
+        resources[resources.index(secret)] = filled
+        # The recipe fills the whole template: the same identities, and every token file.
+        assert identities_in(resources) != identities_in([secret])
+        assert ([(e["name"], e["role"], e.get("worker_id")) for e in identities_in(resources)]
+                == [(e["name"], e["role"], e.get("worker_id")) for e in identities_in([secret])])
+        assert PLACEHOLDER_TOKEN not in filled["stringData"].values()
+    return resources
+
+
+# --------------------------------------------------------------------------- pods start
+
+
 def test_pods_start_with_a_valid_configuration_from_their_args_and_environment(
-    overlay: list[Resource], started: Started, monkeypatch: pytest.MonkeyPatch
+    overlay: list[Resource], started: Started, monkeypatch: pytest.MonkeyPatch,
+    credentials: Credentials, tmp_path: Path,
 ) -> None:
-    configmap = named(overlay, "ConfigMap", "kvcoord-config")["data"]
+    resources = with_credentials(overlay, credentials)
+    configmap = named(resources, "ConfigMap", "kvcoord-config")["data"]
     cuda_workers = 0
-    for workload, container in kvcoord_containers(overlay):
-        env = _pod_environment(overlay, workload, container)
+    built = {}
+    for workload, container in kvcoord_containers(resources):
+        pod = pod_of(resources, workload, container, tmp_path / component(workload))
         with monkeypatch.context() as scope:
-            for name in [n for n in os.environ if n.startswith(ENV_PREFIX)]:
-                scope.delenv(name)
-            for name, value in env.items():
-                scope.setenv(name, value)
-            args = [expand(a, env) for a in container["args"]]
-            assert kvcoord.cli.main(args) == 0, f"{workload['metadata']['name']}: {args}"
-        config = started.configs.pop()
+            set_environment(scope, pod.env)
+            assert kvcoord.cli.main(pod.args) == 0, f"{pod.name}: {pod.args}"
+        config = built[component(workload)] = started.configs.pop()
+        env = pod.env
         assert config.listen.startswith("0.0.0.0:")
         assert config.hash_key == (env["KVCOORD_HASH_KEY"] or None)
         assert config.page_size == int(configmap["KVCOORD_PAGE_SIZE"])
+        assert config.auth_file is not None, f"{pod.name}: auth is off"
+        assert Path(config.auth_file).read_text() == auth_files(resources)[IDENTITIES]
         if component(workload) == "coordinator":
             assert isinstance(config, CoordinatorConfig)
             assert (config.redis, config.replica_id) == (env["KVCOORD_REDIS"], pod_name(workload))
@@ -615,6 +808,12 @@ def test_pods_start_with_a_valid_configuration_from_their_args_and_environment(
             cuda_workers += config.device == "cuda"
     assert started.configs == []
     assert started.cuda_checks == cuda_workers  # `--device cuda` is refused without a GPU
+    # The token the worker presents is, to the coordinator, the worker it runs as.
+    worker = built["worker"]
+    identity = IdentityTable.load(built["coordinator"].auth_file).by_token(
+        worker.coordinator_token())
+    assert identity is not None
+    assert (identity.role, identity.worker_id) == (Role.WORKER, worker.worker_id)
 
 
 def test_the_secret_template_keeps_pods_from_starting_until_a_key_is_set() -> None:
@@ -627,6 +826,91 @@ def test_the_secret_template_keeps_pods_from_starting_until_a_key_is_set() -> No
         with pytest.raises(ConfigError, match="hex"):
             config.from_sources({"listen": "127.0.0.1:1"}, {"KVCOORD_HASH_KEY": PLACEHOLDER_KEY})
         assert config.from_sources({}, {"KVCOORD_HASH_KEY": ""}).hash_key is None
+
+
+def test_the_auth_template_keeps_pods_from_starting_until_it_is_filled(
+    started: Started, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name in RENDERS:
+        if name == "overlays/cpu-dev":
+            continue  # public development credentials (the next test)
+        files = auth_files(render(name))
+        assert {e["token_sha256"] for e in identities_in(render(name))} == {PLACEHOLDER_DIGEST}
+        assert {v for k, v in files.items() if k != IDENTITIES} == {PLACEHOLDER_TOKEN}, name
+    resources = render("overlays/gpu")
+    for workload, container in kvcoord_containers(resources):
+        pod = pod_of(resources, workload, container, tmp_path / component(workload))
+        with monkeypatch.context() as scope:
+            set_environment(scope, pod.env)
+            assert kvcoord.cli.main(pod.args) == 2, pod.name
+        error = capsys.readouterr().err
+        assert error.startswith(f"kvcoord {component(workload)}: auth_file: "), error
+        assert "token_sha256 must be 64 hex digits" in error
+    assert started.configs == []
+    # Nor would a worker send the token placeholder: it is no token at all.
+    (tmp_path / "placeholder.token").write_text(PLACEHOLDER_TOKEN)
+    with pytest.raises(ValueError, match="more than one token"):
+        read_token_file(str(tmp_path / "placeholder.token"))
+
+
+def test_the_development_credentials_authenticate_each_pod_and_client_as_itself(
+    tmp_path: Path,
+) -> None:
+    resources = render("overlays/cpu-dev")
+    table = IdentityTable.from_entries(identities_in(resources))
+    patch = (K8S / "overlays" / "cpu-dev" / "auth-secret-patch.yaml").read_text()
+    documented = dict(re.findall(r"^#\s+(\w+)\s+KVCOORD_TOKEN=(\S+)$", patch, re.M))
+    roles = {}
+    for role, token in documented.items():
+        identity = table.by_token(token)
+        assert identity is not None, role
+        roles[role] = identity.role
+    assert roles == {"scheduler": Role.SCHEDULER, "trainer": Role.TRAINER, "admin": Role.ADMIN}
+    workload = named(resources, "StatefulSet", "kvcoord-worker")
+    (container,) = containers_of(workload)
+    for ordinal, name in enumerate(worker_pods(resources)):
+        pod = pod_of(resources, workload, container, tmp_path / name, ordinal)
+        identity = table.by_token(read_token_file(pod.token_file()))
+        assert identity is not None and identity.worker_id == name
+
+
+def test_every_worker_ordinal_has_an_identity_and_its_own_token_file(
+    rendered: list[Resource], tmp_path: Path
+) -> None:
+    workload = named(rendered, "StatefulSet", "kvcoord-worker")
+    (container,) = containers_of(workload)
+    pods = worker_pods(rendered)
+    files = auth_files(rendered)
+    workers = sorted(e["worker_id"] for e in identities_in(rendered) if e["role"] == "worker")
+    assert workers == sorted(pods)
+    assert sorted(k.removesuffix(".token") for k in files if k != IDENTITIES) == sorted(pods)
+    for ordinal, name in enumerate(pods):
+        pod = pod_of(rendered, workload, container, tmp_path / name, ordinal)
+        assert Path(pod.token_file()).is_file(), f"{name}: no token file at {container['args']}"
+        assert Path(pod.token_file()).read_text() == files[f"{name}.token"]
+
+
+def test_each_kvcoord_container_sees_only_the_credentials_it_needs(
+    rendered: list[Resource], tmp_path: Path
+) -> None:
+    files = auth_files(rendered)
+    for workload, container in kvcoord_containers(rendered):
+        pod = pod_of(rendered, workload, container, tmp_path / component(workload))
+        expected = {path: files[key.format(pod=pod.name)]
+                    for path, key in CREDENTIALS_SEEN[component(workload)].items()}
+        assert pod.visible_files() == expected, pod.name
+        assert pod.env["KVCOORD_AUTH_FILE"] == pod.local(AUTH_FILE)
+        spec = pod_spec(workload)
+        assert spec is not None
+        secrets = {v["name"] for v in spec["volumes"] if "secret" in v}
+        for mount in container["volumeMounts"]:
+            assert mount["name"] not in secrets or mount["readOnly"] is True, mount
+        for volume in spec["volumes"]:
+            if "secret" in volume:
+                # Read through the group (fsGroup, the kvcoord user's group), by no one else.
+                assert volume["secret"]["defaultMode"] & 0o047 == 0o040, volume["name"]
+        assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
 
 
 def test_container_args_parse_with_the_kvcoord_cli(rendered: list[Resource]) -> None:
@@ -645,24 +929,147 @@ def test_a_renamed_flag_breaks_the_parse() -> None:
         parsed_args(resources, workload, container)
 
 
-def test_the_worker_prestop_hook_deregisters_this_pod(rendered: list[Resource]) -> None:
-    workload = named(rendered, "StatefulSet", "kvcoord-worker")
-    (container,) = containers_of(workload)
+def prestop_argv(container: dict[str, Any], env: dict[str, str]) -> list[str]:
+    """The command line the worker's preStop hook runs: `sh -c SCRIPT`, its $VARs from ``env``."""
     shell, flag, script = container["lifecycle"]["preStop"]["exec"]["command"]
     assert (shell, flag) == ("sh", "-c")
     assert "$(" not in script  # Kubernetes does not expand $(VAR) in exec commands
-    env = container_env(rendered, workload, container)
 
     def variable(match: re.Match[str]) -> str:
         assert match.group(1) in env, f"the preStop hook uses ${match.group(1)}, which is unset"
         return env[match.group(1)]
 
-    argv = [re.sub(r"\$([A-Za-z_][A-Za-z0-9_]*)", variable, word)
+    return [re.sub(r"\$([A-Za-z_][A-Za-z0-9_]*)", variable, word)
             for word in shlex.split(script)]
+
+
+def test_the_worker_prestop_hook_deregisters_this_pod(rendered: list[Resource]) -> None:
+    workload = named(rendered, "StatefulSet", "kvcoord-worker")
+    (container,) = containers_of(workload)
+    env = container_env(rendered, workload, container)
+    argv = prestop_argv(container, env)
     assert argv[0] == "kvcoord"
     args = kvcoord.cli.build_parser().parse_args(argv[1:])
     assert (args.command, args.worker_id) == ("deregister", pod_name(workload))
     assert args.coordinator == env["KVCOORD_COORDINATOR"]
+    # With the token the worker itself presents.
+    assert args.token_file == parsed_args(rendered, workload, container).token_file
+
+
+# --------------------------------------------------------------------------- pods talk
+
+
+@dataclasses.dataclass
+class PodFleet:
+    """The coordinator and worker kvcoord-worker-0 of the guide's production overlay (gpu, with
+    the guide's credentials), each started from what its pod runs, on loopback."""
+
+    coordinator: Any  # coordinator.server.RunningCoordinator
+    worker: Any  # worker.server.RunningWorker
+    worker_pod: Pod
+    worker_container: dict[str, Any]
+    tokens: dict[str, str]
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.coordinator.port}"
+
+
+@pytest.fixture
+def pod_configs(credentials: Credentials, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                ) -> tuple[Any, Any, Pod, dict[str, Any]]:
+    """(coordinator config, worker config, worker pod, worker container), built by `kvcoord`
+    from the pods (outside the event loop: the CLI runs its own)."""
+    resources = with_credentials(render("overlays/gpu"), credentials)
+    coordinator = named(resources, "Deployment", "kvcoord-coordinator")
+    worker = named(resources, "StatefulSet", "kvcoord-worker")
+    (coordinator_container,) = containers_of(coordinator)
+    (worker_container,) = containers_of(worker)
+    worker_pod = pod_of(resources, worker, worker_container, tmp_path / "worker")
+    coordinator_config = pod_config(
+        pod_of(resources, coordinator, coordinator_container, tmp_path / "coordinator"),
+        monkeypatch)
+    return coordinator_config, pod_config(worker_pod, monkeypatch), worker_pod, worker_container
+
+
+@pytest.fixture
+async def pod_fleet(pod_configs: tuple[Any, Any, Pod, dict[str, Any]],
+                    credentials: Credentials) -> AsyncIterator[PodFleet]:
+    from coordinator.server import start_coordinator
+    from worker.server import start_worker
+
+    coordinator_config, worker_config, worker_pod, worker_container = pod_configs
+    # What only the cluster has, swapped for loopback: the embedded store for Redis, free ports,
+    # the coordinator's address for its Service name, the CPU for the GPU.
+    coordinator = await start_coordinator(dataclasses.replace(
+        coordinator_config, listen="127.0.0.1:0", redis=None, metrics_port=None))
+    try:
+        worker = await start_worker(dataclasses.replace(
+            worker_config, coordinator=f"127.0.0.1:{coordinator.port}", listen="127.0.0.1:0",
+            metrics_port=None, device="cpu"))
+        try:
+            await asyncio.wait_for(worker.agent.synced.wait(), 60)
+            yield PodFleet(coordinator, worker, worker_pod, worker_container, credentials.tokens)
+        finally:
+            await worker.stop(grace=0.5)
+    finally:
+        await coordinator.stop(grace=0.2)
+
+
+def _bearer(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+async def _registered(fleet: PodFleet) -> list[str]:
+    async with AsyncCoordinatorClient(fleet.target, token=fleet.tokens["admin"]) as admin:
+        return [w.worker_id for w in await admin.workers()]
+
+
+async def test_a_worker_pod_registers_as_itself_and_may_not_act_as_a_sibling(
+    pod_fleet: PodFleet,
+) -> None:
+    fleet = pod_fleet
+    assert await _registered(fleet) == ["kvcoord-worker-0"]
+    own = read_token_file(fleet.worker_pod.token_file())
+    assert own == fleet.tokens["kvcoord-worker-0"]
+    denied, unauthenticated = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED
+    async with grpc.aio.insecure_channel(fleet.target) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        for token, worker_id, code in [
+            (own, "kvcoord-worker-1", denied),  # a sibling's id with this pod's token
+            (fleet.tokens["kvcoord-worker-1"], "kvcoord-worker-0", denied),
+            (None, "kvcoord-worker-0", unauthenticated),
+            ("not-a-token-anyone-has", "kvcoord-worker-0", unauthenticated),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Register(coordinator_pb2.RegisterRequest(worker_id=worker_id),
+                                    metadata=_bearer(token))
+            assert refused.value.code() == code, (worker_id, code)
+    # The worker's own server reads the same identities: schedulers in, workers and strangers out.
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{fleet.worker.port}") as channel:
+        worker = worker_pb2_grpc.WorkerStub(channel)
+        await worker.GetStats(worker_pb2.GetStatsRequest(),
+                              metadata=_bearer(fleet.tokens["scheduler"]))
+        for token, code in [(own, denied), (None, unauthenticated)]:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await worker.GetStats(worker_pb2.GetStatsRequest(), metadata=_bearer(token))
+            assert refused.value.code() == code
+    assert await _registered(fleet) == ["kvcoord-worker-0"]
+
+
+async def test_the_worker_prestop_hook_deregisters_with_the_pods_own_token(
+    pod_fleet: PodFleet, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    fleet = pod_fleet
+    # The Service name resolves to this coordinator.
+    env = {**fleet.worker_pod.env, "KVCOORD_COORDINATOR": fleet.target}
+    argv = [fleet.worker_pod.local(word) for word in prestop_argv(fleet.worker_container, env)]
+    set_environment(monkeypatch, env)
+    # The CLI's client blocks: run it off the loop that serves both.
+    assert await asyncio.to_thread(kvcoord.cli.main, argv[1:]) == 0, capsys.readouterr().err
+    # (the servers' logs share stdout here)
+    assert "worker kvcoord-worker-0: deregistered" in capsys.readouterr().out.splitlines()
+    assert await _registered(fleet) == []
 
 
 def _default(config: type, name: str) -> Any:
