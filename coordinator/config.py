@@ -50,6 +50,9 @@ class CoordinatorConfig:
     max_pending_entries: int = 1_000_000
     max_prompt_tokens: int = 262_144
     max_batch_prompts: int = 4_096
+    max_batch_tokens: int = 2_097_152
+    """Tokens in all the prompts of one RouteBatch (each prompt is also under
+    max_prompt_tokens): bounds the work and memory one call may take."""
     max_events_per_batch: int = 8_192
     max_message_bytes: int = 16 * 1024 * 1024
     hash_cache_pages: int = 262_144
@@ -112,7 +115,7 @@ class CoordinatorConfig:
             "max_message_bytes", "reaper_interval_ms", "barrier_timeout_ms", "route_retry_ms",
             "update_timeout_ms", "policy_poll_ms", "max_rollouts", "bootstrap_timeout_ms",
             "max_replication_events", "rate_limit_burst", "max_streams_per_identity",
-            "max_pages_per_worker",
+            "max_pages_per_worker", "max_batch_tokens",
         )
         for name in positive:
             if getattr(self, name) <= 0:

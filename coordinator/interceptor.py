@@ -105,7 +105,8 @@ class ErrorMappingInterceptor:
                 return await behavior(request, context)
             except Exception as exc:
                 code, answer = self._classify(exc, method)
-                await _abort(context, exc, answer)
+                del request  # see _release
+                await _abort(context, _release(exc), answer)
             finally:
                 self._record(method, code, started)
 
@@ -131,7 +132,8 @@ class ErrorMappingInterceptor:
                     yield response
             except Exception as exc:
                 code, answer = self._classify(exc, method)
-                await _abort(context, exc, answer)
+                del request  # see _release
+                await _abort(context, _release(exc), answer)
             finally:
                 if identity is not None:
                     guard.close_stream(identity)
@@ -153,11 +155,37 @@ class ErrorMappingInterceptor:
         return "INTERNAL", Mapped("INTERNAL")
 
 
+MAX_DETAILS_CHARS = 1024
+"""Status details longer than this are cut: messages quote the offending input, and a client
+refuses trailers over its metadata limit (16 KiB by default), losing the real status."""
+
+
+def _release(exc: Exception) -> Exception:
+    """``exc`` without its traceback. The abort that follows raises an exception that grpc keeps
+    until a garbage collection runs, and through it every frame the traceback holds, with the
+    request in them: a refused 16 MiB request would stay in memory for that long (a flood of
+    them grew a coordinator by a gigabyte). The caller drops its own ``request`` first."""
+    exc.__traceback__ = None
+    return exc
+
+
+def details(exc: Exception) -> str:
+    """The message of ``exc`` as status details: control characters escaped, at most
+    ``MAX_DETAILS_CHARS`` characters."""
+    message = str(exc)
+    if not message.isprintable():
+        message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    if len(message) > MAX_DETAILS_CHARS:
+        cut = len(message) - MAX_DETAILS_CHARS
+        message = f"{message[:MAX_DETAILS_CHARS]}... ({cut} more characters)"
+    return message
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, answer: Mapped | None) -> None:
     """End the call with ``answer`` (its message is the exception's, except for INTERNAL)."""
     if answer is None:
         raise exc
     if answer.retry_after_ms is not None:
         context.set_trailing_metadata((("retry-after-ms", str(answer.retry_after_ms)),))
-    message = "internal error" if answer.status == "INTERNAL" else str(exc)
+    message = "internal error" if answer.status == "INTERNAL" else details(exc)
     await context.abort(grpc.StatusCode[answer.status], message)

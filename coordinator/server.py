@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2
 
@@ -56,7 +57,13 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     server = grpc.aio.server(options=channel_options(config.max_message_bytes))
     security = ServerSecurity.from_config(config)
     errors = ErrorMappingInterceptor(
-        metrics, {StoreUnavailable: Mapped("UNAVAILABLE", retry_after_ms=STORE_RETRY_MS)},
+        metrics,
+        {
+            StoreUnavailable: Mapped("UNAVAILABLE", retry_after_ms=STORE_RETRY_MS),
+            # A Sync message that does not parse surfaces in our reader (a unary request that
+            # does not parse is answered by grpc before any handler runs).
+            DecodeError: Mapped("INVALID_ARGUMENT"),
+        },
         Guard(security),
     )
     descriptor = pb.DESCRIPTOR.services_by_name["Coordinator"]

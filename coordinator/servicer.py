@@ -100,6 +100,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             raise InvalidArgument(
                 f"batch of {n} prompts is over the limit of {self._config.max_batch_prompts}"
             )
+        # Counted from field lengths, before any prompt is converted.
+        total = sum(len(p.token_ids) + len(p.token_bytes) // 4 + p.token_count
+                    for p in request.prompts)
+        if total > self._config.max_batch_tokens:
+            raise InvalidArgument(f"batch of {total} tokens is over the limit of "
+                                  f"{self._config.max_batch_tokens} (max_batch_tokens)")
         prompts = [self._prompt(p, f"prompts[{i}]") for i, p in enumerate(request.prompts)]
         await self._await_routable(request.scope, context)
         batch = self._service.scheduler.route_batch(

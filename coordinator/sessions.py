@@ -425,13 +425,18 @@ class WorkerSessions:
 
     def _check_page_limit(self, session: WorkerSession, stored: int) -> None:
         """ResourceExhausted when ``stored`` more keys could take the worker past
-        ``max_pages_per_worker`` (counted before de-duplication: a bound, never a guess)."""
-        limit = self._config.max_pages_per_worker
+        ``max_pages_per_worker`` or 4x its ``total_pages`` (the inventory bound: lower tiers
+        may hold more than the GPU pool, not without end). Counted before de-duplication: a
+        bound, never a guess."""
+        cap = self._config.max_pages_per_worker
+        limit = min(cap, max(session.total_pages, 1) * 4)
         held = self._index.held_count(session.worker_id)
         if held + stored > limit:
+            which = "max_pages_per_worker" if limit == cap else (
+                f"4x its total_pages of {session.total_pages}")
             raise ResourceExhausted(
                 f"worker {session.worker_id!r} holds {held} pages; {stored} more would pass "
-                f"the limit of {limit} per worker (max_pages_per_worker)"
+                f"the limit of {limit} ({which})"
             )
 
     async def heartbeat(self, session: WorkerSession, beat: HeartbeatIn) -> list[Outbound]:

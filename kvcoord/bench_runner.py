@@ -195,6 +195,44 @@ def _bridge_targets(results: dict[str, Any]) -> list[list[str]]:
              f"{results['decode_and_map']['us_per_block']:.1f} us", "-"]]
 
 
+def security_steps(quick: bool) -> list[Step]:
+    from bench.bench_security import bench_auth, bench_campaign
+
+    return [("campaign", lambda: bench_campaign(quick)), ("auth", lambda: bench_auth(quick))]
+
+
+SECURITY_RSS_BOUND_MIB = 64.0
+"""tests/test_fuzz_rpc.py's bound on a server's RSS growth over the measured pass."""
+
+
+def _security_targets(results: dict[str, Any]) -> list[list[str]]:
+    """The issue's bars (no crash, no INTERNAL/UNKNOWN of ours, memory within a bound) and the
+    guard's (every call it must refuse, refused)."""
+    c = results["campaign"]
+    growth, base = c["rss_growth_mib"], c["rss_growth_mib.well_formed_baseline"]
+    rows: list[tuple[str, str, str, bool | None]] = [
+        (f"crashes over {c['cases']:,} hostile cases", "0", str(c["crashes"]),
+         c["crashes"] == 0 and c["servers_alive_after"]),
+        ("INTERNAL for a parseable request", "0", str(c["internal"]), c["internal"] == 0),
+        ("UNKNOWN not from a parse failure", "0", str(c["unknown"]), c["unknown"] == 0),
+        ("grpcio's own answer to unparseable unary bytes (UNKNOWN)", "-",
+         str(c["grpcio_parse_failures"]), None),
+        ("refusal details over the client's 16 KiB metadata limit", "0",
+         str(c["oversized_details"]), c["oversized_details"] == 0),
+    ]
+    for server in ("coordinator", "worker"):
+        rows.append((f"RSS growth over the measured pass, {server} (well-formed baseline "
+                     f"{base[server]:.1f} MiB)", f"< {SECURITY_RSS_BOUND_MIB:.0f} MiB",
+                     f"{growth[server]:.1f} MiB", growth[server] < SECURITY_RSS_BOUND_MIB))
+        rows.append((f"peak RSS above a class's start, {server}", "-",
+                     f"{c['peak_mib.max'][server]:.1f} MiB", None))
+    for who, auth in results["auth"].items():
+        rows.append((f"{who}: calls not refused as they must be ({auth['cases']} cases)", "0",
+                     str(auth["leaks"] + auth["bugs"]), auth["leaks"] + auth["bugs"] == 0))
+    return [[name, target, value, "-" if ok is None else "met" if ok else "MISSED"]
+            for name, target, value, ok in rows]
+
+
 SUITES: dict[str, tuple[Callable[[bool], list[Step]], Callable[[dict[str, Any]], list[list[str]]]]]
 SUITES = {
     "coordinator": (coordinator_steps, _coordinator_targets),
@@ -202,6 +240,7 @@ SUITES = {
     "policy": (policy_steps, _policy_targets),
     "replication": (replication_steps, _replication_targets),
     "bridge": (bridge_steps, _bridge_targets),
+    "security": (security_steps, _security_targets),
 }
 
 

@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run benchmarks (what `make bench` runs)")
     bench.add_argument("suite", nargs="?", default="all",
-                       help="coordinator, worker, policy, replication, bridge or all (default)")
+                       help="coordinator, worker, policy, replication, bridge, security or all "
+                       "(default)")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
 
     up = sub.add_parser("up", help="a local fleet (coordinator + workers), a demo workload "
