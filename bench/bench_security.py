@@ -1,5 +1,5 @@
 """Hostile input against a running coordinator and worker (issue 9): the fuzz campaign of
-``tests.proto_fuzz`` at a larger size than the test's, on one fleet with auth on.
+``tests.fuzz_campaign`` at a larger size than the test's, on one fleet with auth on.
 
 - ``campaign``: every hostile class against every method of both services, as admin (the role
   that reaches deepest), twice (warm-up, then measured). Per class: cases tried, the statuses
@@ -28,7 +28,8 @@ from coordinator.auth import COORDINATOR_PERMISSIONS, WORKER_PERMISSIONS, Role
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from kvcoord.tables import render_table
-from tests.proto_fuzz import Campaign, FuzzFleet, Report, rss_mib
+from tests.fuzz_campaign import Campaign, Report, rss_mib
+from tests.fuzz_fleet import FuzzFleet
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 

@@ -1,7 +1,7 @@
 """Hostile requests against every RPC of a running coordinator and worker (issue 9).
 
 One fleet (``kvcoord coordinator`` and ``kvcoord worker`` subprocesses, auth on) takes a
-derandomized campaign of every hostile class in ``tests.proto_fuzz`` against every method of
+derandomized campaign of every hostile class in ``tests.fuzz_wire`` against every method of
 both services, twice (warm-up, then measured), as admin (the role that reaches deepest): no
 server exits, none answers a parseable request INTERNAL or anything UNKNOWN, both still answer,
 and resident memory grows less than ``RSS_BOUND_MIB`` over the measured pass. Then the same
@@ -22,15 +22,9 @@ from coordinator.auth import COORDINATOR_PERMISSIONS, WORKER_PERMISSIONS, Role
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from kvcoord.bench_runner import SECURITY_RSS_BOUND_MIB
-from tests.proto_fuzz import (
-    HOSTILE_CLASSES,
-    REAL_WORKER,
-    Campaign,
-    Endpoint,
-    FuzzFleet,
-    Report,
-    rss_mib,
-)
+from tests.fuzz_campaign import Campaign, Endpoint, Report, rss_mib
+from tests.fuzz_fleet import REAL_WORKER, FuzzFleet
+from tests.fuzz_wire import HOSTILE_CLASSES
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 
