@@ -15,6 +15,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,11 +48,23 @@ def _cpu_seconds(pid: int) -> float:
 
 
 class ServerProcess:
+    """``mode``: echo, coordinator, coordinator_auth, or coordinator_auth_tls (auth over TLS:
+    a throwaway CA and server certificate written to a temporary directory)."""
+
     def __init__(self, mode: str, workers: int) -> None:
         self.mode = mode
         self.port = _free_port()
+        self.ca: bytes | None = None
+        extra: list[str] = []
+        if mode == "coordinator_auth_tls":
+            from tests.tls_certs import make_pki  # `cryptography`: the dev extra
+
+            pki = make_pki(Path(tempfile.mkdtemp(prefix="kvcoord-bench-pki-")))
+            self.ca = Path(pki.ca).read_bytes()
+            extra = [str(Path(pki.server.cert).parent)]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "bench.rpc_server", mode, str(self.port), str(workers)],
+            [sys.executable, "-m", "bench.rpc_server", mode, str(self.port), str(workers),
+             *extra],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
         assert self.process.stdout is not None
@@ -60,7 +73,7 @@ class ServerProcess:
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"localhost:{self.port}" if self.ca else f"127.0.0.1:{self.port}"
 
     def cpu(self) -> float:
         return _cpu_seconds(self.process.pid)
@@ -71,11 +84,14 @@ class ServerProcess:
 
 
 async def _drive(target: str, method: str, payloads: Sequence[bytes], total: int,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> float:
-    """Send ``total`` calls cycling over ``payloads`` with CONCURRENCY in flight; seconds taken."""
+                 metadata: tuple[tuple[str, str], ...] = (), ca: bytes | None = None) -> float:
+    """Send ``total`` calls cycling over ``payloads`` with CONCURRENCY in flight; seconds taken.
+    ``ca``: over TLS, verifying the server with that CA."""
     options = [("grpc.max_send_message_length", 64 << 20),
                ("grpc.max_receive_message_length", 64 << 20)]
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
+    channel = (grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(ca), options=options)
+               if ca else grpc.aio.insecure_channel(target, options=options))
+    async with channel:
         call = channel.unary_unary(method)
 
         async def run(calls: int) -> None:
@@ -100,9 +116,9 @@ def _warmup(total: int) -> int:
 def _measure(server: ServerProcess, method: str, payloads: Sequence[bytes], total: int,
              items_per_call: int = 1) -> dict[str, float]:
     cpu_before = server.cpu()
-    auth = server.mode == "coordinator_auth"
+    auth = server.mode.startswith("coordinator_auth")
     metadata = (("authorization", f"Bearer {BENCH_TOKEN}"),) if auth else ()
-    seconds = asyncio.run(_drive(server.target, method, payloads, total, metadata))
+    seconds = asyncio.run(_drive(server.target, method, payloads, total, metadata, server.ca))
     cpu = server.cpu() - cpu_before
     calls = total + _warmup(total)  # warm-up calls also burn server CPU
     return {
@@ -160,11 +176,11 @@ def bench_rpc(workers: int = 64, quick: bool = False) -> dict[str, Any]:
     batch_calls = 30 if quick else 200
     out: dict[str, Any] = {"workers": workers, "concurrency": CONCURRENCY, "prompt_tokens": 4096,
                            "batch_prompts": 64}
-    for mode in ("echo", "coordinator", "coordinator_auth"):
+    for mode in ("echo", "coordinator", "coordinator_auth", "coordinator_auth_tls"):
         server = ServerProcess(mode, workers)
         try:
             for name, requests in payloads.items():
-                if mode == "coordinator_auth" and name != "token_bytes":
+                if mode.startswith("coordinator_auth") and name != "token_bytes":
                     continue  # the auth cost is per call: one prompt shape shows it
                 n = min(total, len(requests)) if name == "token_ids_fresh" else total
                 out[f"{mode}.route.{name}"] = _measure(server, ROUTE, requests, n)
@@ -179,9 +195,10 @@ def bench_rpc(workers: int = 64, quick: bool = False) -> dict[str, Any]:
             out[f"coordinator.route.{name}"]["per_s"] / out[f"echo.route.{name}"]["per_s"]
         )
     for case in ["route.token_bytes", *(f"route_batch.{name}" for name in batches)]:
-        out[f"ratio.auth_on_vs_off.{case}"] = (
-            out[f"coordinator_auth.{case}"]["per_s"] / out[f"coordinator.{case}"]["per_s"]
-        )
+        for mode in ("auth", "auth_tls"):
+            out[f"ratio.{mode}_on_vs_off.{case}"] = (
+                out[f"coordinator_{mode}.{case}"]["per_s"] / out[f"coordinator.{case}"]["per_s"]
+            )
     for name in batches:
         out[f"ratio.batch_vs_unary.{name}"] = (
             out[f"coordinator.route_batch.{name}"]["per_s"]

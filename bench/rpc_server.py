@@ -67,12 +67,17 @@ def _identities_file() -> str:
     return path
 
 
-async def serve_coordinator(port: int, workers: int, *, auth: bool = False) -> None:
+async def serve_coordinator(port: int, workers: int, *, auth: bool = False,
+                            tls_dir: str | None = None) -> None:
     """``auth``: every call authenticates and is authorized, and the rate limiter runs (at a
-    limit the bench never reaches, so its cost is measured, not its refusals)."""
+    limit the bench never reaches, so its cost is measured, not its refusals). ``tls_dir``:
+    serve TLS with ``server.pem``/``server-key.pem`` from there (``tests.tls_certs``)."""
     security: dict[str, object] = (
         {"auth_file": _identities_file(), "rate_limit_per_s": 1e9} if auth else {}
     )
+    if tls_dir is not None:
+        security |= {"tls_cert": os.path.join(tls_dir, "server.pem"),
+                     "tls_key": os.path.join(tls_dir, "server-key.pem")}
     running = await start_coordinator(
         CoordinatorConfig(listen=f"127.0.0.1:{port}", log_level="error", **security)  # type: ignore[arg-type]
     )
@@ -83,11 +88,13 @@ async def serve_coordinator(port: int, workers: int, *, auth: bool = False) -> N
 
 def main() -> None:
     mode, port, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    tls_dir = sys.argv[4] if len(sys.argv) > 4 else None
     configure_logging("error")
     if mode == "echo":
         asyncio.run(serve_echo(port))
     else:
-        asyncio.run(serve_coordinator(port, workers, auth=mode == "coordinator_auth"))
+        asyncio.run(serve_coordinator(port, workers, auth=mode != "coordinator",
+                                      tls_dir=tls_dir))
 
 
 if __name__ == "__main__":

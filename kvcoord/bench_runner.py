@@ -50,6 +50,10 @@ def _coordinator_targets(results: dict[str, Any]) -> list[list[str]]:
          rpc["ratio.auth_on_vs_off.route.token_bytes"]],
         ["RouteBatch 4x16 with auth on / off", "(reported)",
          rpc["ratio.auth_on_vs_off.route_batch.grpo_4x16"]],
+        ["Route with auth over TLS / plaintext without auth", "(reported)",
+         rpc["ratio.auth_tls_on_vs_off.route.token_bytes"]],
+        ["RouteBatch 4x16 with auth over TLS / plaintext without auth", "(reported)",
+         rpc["ratio.auth_tls_on_vs_off.route_batch.grpo_4x16"]],
     ]
     thresholds = {">= 0.85x": 0.85, ">= 0.70x": 0.70, ">= 10x": 10.0}
     out = []
@@ -196,9 +200,11 @@ def _bridge_targets(results: dict[str, Any]) -> list[list[str]]:
 
 
 def security_steps(quick: bool) -> list[Step]:
+    from bench.bench_guard import bench_guard
     from bench.bench_security import bench_auth, bench_campaign
 
-    return [("campaign", lambda: bench_campaign(quick)), ("auth", lambda: bench_auth(quick))]
+    return [("guard", lambda: bench_guard(quick)), ("campaign", lambda: bench_campaign(quick)),
+            ("auth", lambda: bench_auth(quick))]
 
 
 SECURITY_RSS_BOUND_MIB = 64.0
@@ -226,6 +232,9 @@ def _security_targets(results: dict[str, Any]) -> list[list[str]]:
                      f"{growth[server]:.1f} MiB", growth[server] < SECURITY_RSS_BOUND_MIB))
         rows.append((f"peak RSS above a class's start, {server}", "-",
                      f"{c['peak_mib.max'][server]:.1f} MiB", None))
+    guard = results["guard"]
+    rows.append((f"guard per call, auth on ({guard['identities']} identities) vs off "
+                 f"({guard['auth_off_us']:.2f} us)", "-", f"+{guard['added_us']:.2f} us", None))
     for who, auth in results["auth"].items():
         rows.append((f"{who}: calls not refused as they must be ({auth['cases']} cases)", "0",
                      str(auth["leaks"] + auth["bugs"]), auth["leaks"] + auth["bugs"] == 0))
