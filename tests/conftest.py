@@ -4,13 +4,17 @@ parametrized over the in-memory and the Redis implementation of ``MetadataStore`
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
+from coordinator.server import RunningCoordinator
 from coordinator.store import MetadataStore
 from coordinator.store_memory import MemoryStore
 from coordinator.store_redis import RedisStore
+from tests.auth_fixtures import IdentityFile, write_identities
+from tests.coordinator_fixtures import running_coordinator
 from tests.redis_server import RedisServer, redis_server_available
 
 NAMESPACE = "test"
@@ -93,3 +97,16 @@ async def open_peer(store: MetadataStore, store_url: str | None) -> AsyncIterato
     yield open_one
     for peer in peers:
         await peer.close()
+
+
+@pytest.fixture
+def identities(tmp_path: Path) -> IdentityFile:
+    """An identities file (``tests.auth_fixtures.IDENTITIES``) with fresh tokens."""
+    return write_identities(tmp_path)
+
+
+@pytest.fixture
+async def auth_coordinator(identities: IdentityFile) -> AsyncIterator[RunningCoordinator]:
+    """A coordinator with auth on, serving ``identities``."""
+    async with running_coordinator(auth_file=str(identities.path)) as running:
+        yield running

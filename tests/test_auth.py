@@ -3,9 +3,6 @@ acting only as themselves, page keys only from key holders, health open, reflect
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -16,23 +13,12 @@ from coordinator.server import RunningCoordinator
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from kvcoord.scripted_worker import ScriptedWorker
-from tests.auth_fixtures import IDENTITIES, IdentityFile, write_identities
+from tests.auth_fixtures import IDENTITIES, IdentityFile
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 
 DENIED = grpc.StatusCode.PERMISSION_DENIED
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
-
-
-@pytest.fixture
-def identities(tmp_path: Path) -> IdentityFile:
-    return write_identities(tmp_path)
-
-
-@pytest.fixture
-async def coordinator(identities: IdentityFile) -> AsyncIterator[RunningCoordinator]:
-    async with running_coordinator(auth_file=str(identities.path)) as running:
-        yield running
 
 
 def _requests(worker_id: str) -> dict[str, object]:
@@ -82,10 +68,10 @@ async def _status(channel: grpc.aio.Channel, method: str, request: object,
 
 
 async def test_every_role_is_allowed_exactly_what_the_permission_table_says(
-    coordinator: RunningCoordinator, identities: IdentityFile,
+    auth_coordinator: RunningCoordinator, identities: IdentityFile,
 ) -> None:
     assert {m.name for m in SERVICE.methods} == set(COORDINATOR_PERMISSIONS)
-    async with grpc.aio.insecure_channel(target(coordinator)) as channel:
+    async with grpc.aio.insecure_channel(target(auth_coordinator)) as channel:
         for name, (role, _, worker_id, _) in IDENTITIES.items():
             requests = _requests(worker_id or "w1")
             for method, request in requests.items():
@@ -98,9 +84,9 @@ async def test_every_role_is_allowed_exactly_what_the_permission_table_says(
 
 
 async def test_a_call_without_a_known_token_is_unauthenticated(
-    coordinator: RunningCoordinator, identities: IdentityFile,
+    auth_coordinator: RunningCoordinator, identities: IdentityFile,
 ) -> None:
-    async with grpc.aio.insecure_channel(target(coordinator)) as channel:
+    async with grpc.aio.insecure_channel(target(auth_coordinator)) as channel:
         for metadata in ((), (("authorization", "Bearer not-a-real-token-at-all"),),
                          (("authorization", f"Basic {identities.tokens['admin']}"),)):
             for method, request in _requests("w1").items():
@@ -109,22 +95,22 @@ async def test_a_call_without_a_known_token_is_unauthenticated(
 
 
 async def test_a_worker_cannot_act_as_another_worker(
-    coordinator: RunningCoordinator, identities: IdentityFile,
+    auth_coordinator: RunningCoordinator, identities: IdentityFile,
 ) -> None:
     w1 = identities.metadata("w1")
-    async with grpc.aio.insecure_channel(target(coordinator)) as channel:
+    async with grpc.aio.insecure_channel(target(auth_coordinator)) as channel:
         for method in ("Register", "Sync", "Deregister", "ReportRollouts", "Cordon"):
             code = await _status(channel, method, _requests("w2")[method], w1)
             assert code == DENIED, method
     # As itself it registers and syncs; an admin may act for any worker.
-    own = ScriptedWorker(target(coordinator), "w1", hash_config=DEV_HASH,
+    own = ScriptedWorker(target(auth_coordinator), "w1", hash_config=DEV_HASH,
                          token=identities.tokens["w1"])
     await own.register()
     await own.connect()
-    other = ScriptedWorker(target(coordinator), "w2", hash_config=DEV_HASH,
+    other = ScriptedWorker(target(auth_coordinator), "w2", hash_config=DEV_HASH,
                            token=identities.tokens["admin"])
     await other.register()
-    async with grpc.aio.insecure_channel(target(coordinator)) as channel:
+    async with grpc.aio.insecure_channel(target(auth_coordinator)) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.ReportRollouts(pb.ReportRolloutsRequest(records=[
@@ -164,9 +150,9 @@ async def test_page_keys_are_refused_from_schedulers_unless_trusted(
 
 
 async def test_health_is_open_and_reflection_is_admin_only(
-    coordinator: RunningCoordinator, identities: IdentityFile,
+    auth_coordinator: RunningCoordinator, identities: IdentityFile,
 ) -> None:
-    async with grpc.aio.insecure_channel(target(coordinator)) as channel:
+    async with grpc.aio.insecure_channel(target(auth_coordinator)) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -15,21 +13,10 @@ from coordinator.server import RunningCoordinator
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from kvcoord.scripted_worker import ScriptedWorker
-from tests.auth_fixtures import IdentityFile, write_identities
+from tests.auth_fixtures import IdentityFile
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 
 PROMPT = list(range(1000, 1064))  # 4 pages of 16
-
-
-@pytest.fixture
-def identities(tmp_path: Path) -> IdentityFile:
-    return write_identities(tmp_path)
-
-
-@pytest.fixture
-async def coordinator(identities: IdentityFile) -> AsyncIterator[RunningCoordinator]:
-    async with running_coordinator(auth_file=str(identities.path)) as running:
-        yield running
 
 
 def _smuggled_scope(tenant: str) -> pb.Scope:
@@ -41,13 +28,13 @@ def _smuggled_scope(tenant: str) -> pb.Scope:
 
 
 async def test_tenant_b_gets_no_hit_on_tenant_a_prompt(
-    coordinator: RunningCoordinator, identities: IdentityFile,
+    auth_coordinator: RunningCoordinator, identities: IdentityFile,
 ) -> None:
-    worker = ScriptedWorker(target(coordinator), "w1", hash_config=DEV_HASH,
+    worker = ScriptedWorker(target(auth_coordinator), "w1", hash_config=DEV_HASH,
                             token=identities.tokens["w1"])
     await worker.start()
     await worker.store(worker.keys(PROMPT, tenant="tenant-a"))  # tenant A's prompt, served
-    async with grpc.aio.insecure_channel(target(coordinator)) as channel:
+    async with grpc.aio.insecure_channel(target(auth_coordinator)) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
         prompt = pb.Prompt(token_ids=PROMPT)
 
@@ -70,7 +57,7 @@ async def test_tenant_b_gets_no_hit_on_tenant_a_prompt(
         await worker.store(worker.keys(PROMPT, tenant="tenant-b"))
         assert await lookup("sched-b") == {"w1": 64}
         # A's route left pending entries under A's keys only: B's routed depth is its own.
-        stats = coordinator.service.stats()
+        stats = auth_coordinator.service.stats()
         assert stats.index_keys == 8
     await worker.close()
 
