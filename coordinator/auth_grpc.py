@@ -150,12 +150,14 @@ class Guard:
         """The caller's identity, once it may call ``method`` now; set as ``caller()``.
         Unauthenticated / PermissionDenied / RateLimited otherwise."""
         identity = self.identify(context)
+        # The rate first: refused calls count too, so a flood of them is throttled (and its
+        # log lines with it) like any other.
+        self._limiter.take(identity.name, method)
         try:
             authorize(identity, method, permissions)
         except Exception:
             log.warning("auth.denied", identity=identity.name, role=identity.role, method=method)
             raise
-        self._limiter.take(identity.name, method)
         acting_as(identity)
         return identity
 
