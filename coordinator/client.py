@@ -100,8 +100,8 @@ class CoordinatorClient:
 
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         """One call, failing over across targets on transport errors and retrying, within the
-        call's deadline, when the coordinator answers UNAVAILABLE with ``retry-after-ms`` (an
-        update draining the fleet, no worker yet)."""
+        call's deadline, when the coordinator answers with ``retry-after-ms`` (UNAVAILABLE: an
+        update draining the fleet, no worker yet; RESOURCE_EXHAUSTED: over the rate limit)."""
         deadline = time.monotonic() + (timeout or self._timeout)
         while True:
             try:

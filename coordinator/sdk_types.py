@@ -44,10 +44,16 @@ class KvcoordError(Exception):
         return cls(code, details, retry_after_ms=retry_after)
 
 
+RETRYABLE_WITH_HINT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+"""Codes a server may send with ``retry-after-ms``: an update draining the fleet, no worker yet,
+the metadata store down (UNAVAILABLE); the caller over its rate limit (RESOURCE_EXHAUSTED)."""
+
+
 def retry_pause(error: KvcoordError, deadline: float) -> float | None:
-    """Seconds to wait before retrying a call the coordinator asked to retry (UNAVAILABLE with
-    ``retry-after-ms``), or None when it must not be retried or the deadline would pass."""
-    if error.code != grpc.StatusCode.UNAVAILABLE or error.retry_after_ms is None:
+    """Seconds to wait before retrying a call the server asked to retry (a code of
+    ``RETRYABLE_WITH_HINT`` with ``retry-after-ms``), or None when it must not be retried or
+    the deadline would pass."""
+    if error.code not in RETRYABLE_WITH_HINT or error.retry_after_ms is None:
         return None
     pause = error.retry_after_ms / 1000
     if time.monotonic() + pause >= deadline:

@@ -144,3 +144,26 @@ async def test_a_fast_sync_stream_is_paced_not_torn_down(identities: IdentityFil
         # 31 stream messages from a bucket of 4 left: at least (31 - 4) / rate seconds.
         assert elapsed >= (batches + 1 - (burst - 1)) / rate - 0.05
         await worker.close()
+
+
+async def test_the_sdk_waits_out_the_rate_limit_within_its_deadline(
+    identities: IdentityFile,
+) -> None:
+    from coordinator.client import AsyncCoordinatorClient, KvcoordError
+
+    rate = 10.0
+    async with running_coordinator(auth_file=str(identities.path), rate_limit_per_s=rate,
+                                   rate_limit_burst=1) as running:
+        token = identities.tokens["sched-a"]
+        async with AsyncCoordinatorClient(target(running), token=token) as patient:
+            started = time.monotonic()
+            for _ in range(3):  # the first from the burst, then one per 1/rate
+                assert (await patient.policy()).version == 0
+            assert time.monotonic() - started >= 2 / rate - 0.02
+        async with AsyncCoordinatorClient(target(running), token=token,
+                                          timeout=0.05) as hurried:
+            await asyncio.sleep(1 / rate)  # a token is back
+            await hurried.policy()
+            with pytest.raises(KvcoordError) as refused:  # the next is 100 ms away: past 50
+                await hurried.policy()
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -155,8 +155,9 @@ class WorkerClient:
         self._channel.close()
 
     def _call(self, method: str, request: Any) -> Any:
-        """One call; a worker answering UNAVAILABLE with ``retry-after-ms`` (draining for a
-        policy update, resuming after one) is retried within the call's timeout."""
+        """One call; a worker answering with ``retry-after-ms`` (UNAVAILABLE: draining for a
+        policy update, resuming after one; RESOURCE_EXHAUSTED: over the rate limit) is retried
+        within the call's timeout."""
         deadline = time.monotonic() + self._timeout
         while True:
             try:
