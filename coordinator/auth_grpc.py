@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import structlog
 from coordinator.auth import (
     ANONYMOUS,
     Identity,
+    IdentityFileError,
     IdentityTable,
     RateLimiter,
     Role,
@@ -63,6 +65,9 @@ class ServerSecurity:
     the per-identity limits."""
 
     identities: IdentityTable | None = None
+    auth_file: str | None = None
+    """Where ``identities`` came from: re-read when it changes (``IdentitySource``)."""
+    auth_reload_ms: int = 5_000
     cert: bytes | None = None
     key: bytes | None = None
     client_ca: bytes | None = None
@@ -74,11 +79,12 @@ class ServerSecurity:
     def from_settings(
         cls, *, auth_file: str | None, tls_cert: str | None, tls_key: str | None,
         tls_client_ca: str | None, rate_limit_per_s: float, rate_limit_burst: int,
-        max_streams_per_identity: int,
+        max_streams_per_identity: int, auth_reload_ms: int = 5_000,
     ) -> ServerSecurity:
         """Read the files named by a config (ValueError naming the file when one is bad)."""
         return cls(
             identities=IdentityTable.load(auth_file) if auth_file else None,
+            auth_file=auth_file, auth_reload_ms=auth_reload_ms,
             cert=read_pem(tls_cert, "tls_cert") if tls_cert else None,
             key=read_pem(tls_key, "tls_key") if tls_key else None,
             client_ca=read_pem(tls_client_ca, "tls_client_ca") if tls_client_ca else None,
@@ -94,6 +100,7 @@ class ServerSecurity:
             tls_client_ca=config.tls_client_ca, rate_limit_per_s=config.rate_limit_per_s,
             rate_limit_burst=config.rate_limit_burst,
             max_streams_per_identity=config.max_streams_per_identity,
+            auth_reload_ms=config.auth_reload_ms,
         )
 
     @property
@@ -134,12 +141,70 @@ def read_pem(path: str, setting: str) -> bytes:
     return data
 
 
+class IdentitySource:
+    """The identities in force, re-read from ``path`` when the file changes, so a rotated token
+    (a Kubernetes Secret updated in place) takes effect without a restart. The file is checked
+    (one ``stat``) at most every ``interval`` seconds, on the call path; ``interval <= 0`` never
+    checks. A changed file that does not load leaves the identities in force, and says why in
+    the log (never a credential: the loader's messages name entries and fields only)."""
+
+    def __init__(self, table: IdentityTable, path: str | None, *, interval: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._table = table
+        self._path = path
+        self._interval = interval if path else 0.0
+        self._clock = clock
+        self._next_check = clock() + self._interval
+        self._stamp = self._file_stamp()
+
+    @property
+    def table(self) -> IdentityTable:
+        if self._interval > 0:
+            now = self._clock()
+            if now >= self._next_check:
+                self._next_check = now + self._interval
+                self._reload_if_changed()
+        return self._table
+
+    def _file_stamp(self) -> tuple[int, int, int] | None:
+        if self._path is None:
+            return None
+        try:
+            st = os.stat(self._path)  # follows the symlink a Secret volume swaps atomically
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _reload_if_changed(self) -> None:
+        if self._path is None:
+            return
+        stamp = self._file_stamp()
+        if stamp is None:
+            log.error("auth.reload_failed", file=self._path, error="cannot stat the file",
+                      kept=len(self._table))
+            return
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            table = IdentityTable.load(self._path)
+        except IdentityFileError as exc:
+            log.error("auth.reload_failed", file=self._path, error=str(exc),
+                      kept=len(self._table))
+            return
+        self._table = table
+        log.info("auth.reloaded", file=self._path, identities=len(table))
+
+
 class Guard:
     """Authenticate, authorize and rate-limit calls of one server (see the module doc)."""
 
     def __init__(self, security: ServerSecurity, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._identities = security.identities
+        self._identities = None if security.identities is None else IdentitySource(
+            security.identities, security.auth_file,
+            interval=security.auth_reload_ms / 1000, clock=clock,
+        )
         on = security.auth_on
         self._limiter = RateLimiter(security.rate_limit_per_s if on else 0.0,
                                     max(1, security.rate_limit_burst), clock)
@@ -164,15 +229,16 @@ class Guard:
     def identify(self, context: Any) -> Identity:
         if self._identities is None:
             return ANONYMOUS
+        identities = self._identities.table
         token = bearer_token(context.invocation_metadata() or ())
         if token is not None:
-            identity = self._identities.by_token(token)
+            identity = identities.by_token(token)
             if identity is None:
                 raise Unauthenticated("unknown bearer token")
             return identity
         subject = certificate_name(context.auth_context())
         if subject is not None:
-            identity = self._identities.by_subject(subject)
+            identity = identities.by_subject(subject)
             if identity is None:
                 raise Unauthenticated(f"client certificate {subject!r} names no identity")
             return identity

@@ -87,6 +87,9 @@ class CoordinatorConfig:
     # Security (docs/SECURITY.md): identities, TLS, per-identity limits.
     auth_file: str | None = None
     """TOML identities file (coordinator.auth): set = every call must authenticate."""
+    auth_reload_ms: int = 5_000
+    """How often the identities file is checked for changes (re-read when changed, so a
+    rotated token needs no restart); 0 = read once at start."""
     tls_cert: str | None = None
     """PEM certificate chain of this server: set (with tls_key) = TLS only."""
     tls_key: str | None = None
@@ -219,6 +222,8 @@ def check_security_settings(config: Any) -> None:
             IdentityTable.load(config.auth_file)
         except IdentityFileError as exc:
             raise ConfigError(f"auth_file: {exc}") from None
+    if config.auth_reload_ms < 0:
+        raise ConfigError(f"auth_reload_ms must be >= 0 (0 = never), got {config.auth_reload_ms}")
     if config.rate_limit_per_s < 0:
         raise ConfigError(f"rate_limit_per_s must be >= 0 (0 = off), got {config.rate_limit_per_s}")
 

@@ -3,6 +3,9 @@ acting only as themselves, page keys only from key holders, health open, reflect
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -187,3 +190,25 @@ async def test_a_worker_past_its_page_limit_is_refused(identities: IdentityFile)
         assert "max_pages_per_worker" in (refused.value.details() or "")
         assert running.service.index.held_count("w1") == 4
         await worker.close()
+
+
+async def test_a_rotated_token_takes_effect_without_a_restart(
+    identities: IdentityFile,
+) -> None:
+    async with (
+        running_coordinator(auth_file=str(identities.path), auth_reload_ms=20) as running,
+        grpc.aio.insecure_channel(target(running)) as channel,
+    ):
+        stub = pb_grpc.CoordinatorStub(channel)
+        old = identities.metadata("admin")
+        await stub.GetPolicy(pb.GetPolicyRequest(), metadata=old)
+        new_token = "rotated-admin-token-0123456789"
+        text = identities.path.read_text().replace(identities.tokens["admin"], new_token)
+        identities.path.write_text(text)
+        new = (("authorization", f"Bearer {new_token}"),)
+        deadline = time.monotonic() + 5
+        while await _status(channel, "GetPolicy", pb.GetPolicyRequest(),
+                            new) != grpc.StatusCode.OK:
+            assert time.monotonic() < deadline, "the rotated token was never accepted"
+            await asyncio.sleep(0.02)
+        assert await _status(channel, "GetPolicy", pb.GetPolicyRequest(), old) == UNAUTHENTICATED

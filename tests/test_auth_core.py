@@ -196,3 +196,35 @@ def test_credentials_are_read_from_metadata_and_certificates() -> None:
             bearer_token((("authorization", bad),))
     assert certificate_name({"x509_common_name": [b"w-0"]}) == "w-0"
     assert certificate_name({"transport_security_type": [b"ssl"]}) is None
+
+
+def test_a_changed_identities_file_is_read_again_and_a_broken_one_ignored(
+    tmp_path: Path,
+) -> None:
+    from coordinator.auth_grpc import IdentitySource
+
+    path = tmp_path / "ids.toml"
+
+    def write(name: str, token: str) -> None:
+        path.write_text(f'[[identity]]\nname = "{name}"\nrole = "admin"\ntoken = "{token}"\n')
+
+    old, new = "old-token-0123456789", "new-token-0123456789"
+    write("a", old)
+    now = [0.0]
+    source = IdentitySource(IdentityTable.load(path), str(path), interval=5.0,
+                            clock=lambda: now[0])
+    write("b", new)
+    assert source.table.by_token(new) is None  # not checked before the interval
+    now[0] = 5.0
+    assert source.table.by_token(new) == Identity("b", Role.ADMIN)
+    assert source.table.by_token(old) is None  # rotated out
+    path.write_text("not toml [")
+    now[0] = 10.0
+    assert source.table.by_token(new) == Identity("b", Role.ADMIN)  # kept
+    path.unlink()
+    now[0] = 15.0
+    assert source.table.by_token(new) == Identity("b", Role.ADMIN)  # kept
+    never = IdentitySource(source.table, str(path), interval=0.0, clock=lambda: now[0])
+    write("c", old)
+    now[0] = 100.0
+    assert never.table.by_token(old) is None  # interval 0: read once, at start

@@ -81,6 +81,9 @@ class WorkerConfig:
     server (needs ``tls_cert``)."""
     auth_file: str | None = None
     """TOML identities file: set = callers of the worker's server must authenticate."""
+    auth_reload_ms: int = 5_000
+    """How often the identities file is checked for changes (re-read when changed, so a
+    rotated token needs no restart); 0 = read once at start."""
     rate_limit_per_s: float = 2000.0
     """Calls per second each identity may make to the worker's server (0 = no limit)."""
     rate_limit_burst: int = 4000
