@@ -8,9 +8,10 @@ args, every ``KVCOORD_*`` variable is one the config loaders read, the container
 go through the real ``kvcoord`` CLI into a valid configuration, the NetworkPolicies admit exactly
 the intended peers, the dashboard plots metrics the code exports, and the Dockerfile builds what
 the manifests run. The credentials: the auth Secret is a template that keeps pods from starting,
-every worker ordinal has its identity and token, each container sees only the files it needs, and
-a coordinator and a worker started from their pods with the guide's credentials authenticate
-each other (and refuse a sibling's identity).
+every worker ordinal has its identity and token, each container sees only the files it needs, a
+change to the identities reaches the running pods (no subPath), and a coordinator and a worker
+started from their pods with the guide's credentials authenticate each other (and refuse a
+sibling's identity).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import copy
 import dataclasses
 import functools
+import hashlib
 import inspect
 import json
 import os
@@ -41,7 +43,8 @@ import pytest
 import yaml
 
 import kvcoord.cli
-from coordinator.auth import IdentityTable, Role
+from coordinator.auth import IdentityTable, Role, Unauthenticated
+from coordinator.auth_grpc import Guard, ServerSecurity
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.config import ENV_PREFIX, ConfigError, CoordinatorConfig
 from coordinator.hashing import load_hash_config
@@ -594,36 +597,61 @@ class Pod:
         return files
 
 
-def _write_secret_mounts(resources: list[Resource], workload: Resource, container: dict[str, Any],
-                         env: dict[str, str], root: Path) -> dict[str, Path]:
-    """Write what kubelet mounts into ``container`` from Secret volumes, under ``root``: a
-    volume is a folder holding the Secret's keys (or its ``items``) as files; a mount with
-    ``subPath`` (or ``subPathExpr``, expanded from the container's env) shows one entry of it, and
-    an empty folder when there is no such entry (kubelet's behaviour). mountPath -> local path."""
+def write_secret_volumes(resources: list[Resource], workload: Resource, root: Path) -> None:
+    """What kubelet writes into the Secret volumes of ``workload``'s pod, under ``root``, when the
+    pod starts and again whenever a Secret changes (``resources`` holds its content now): each
+    volume is a folder holding the Secret's keys (or its ``items``) as files. Each file is
+    written anew, as the atomic symlink swap of a Secret volume does (a new inode), and a key
+    gone from the Secret leaves the folder."""
     spec = pod_spec(workload)
     assert spec is not None
-    volumes = {v["name"]: v for v in spec.get("volumes", [])}
-    mounts: dict[str, Path] = {}
-    for mount in container.get("volumeMounts", []):
-        source = volumes[mount["name"]].get("secret")
+    for volume in spec.get("volumes", []):
+        source = volume.get("secret")
         if source is None:
             continue
+        data = named(resources, "Secret", source["secretName"])["stringData"]
+        items = source.get("items", [{"key": key, "path": key} for key in data])
+        # A missing item key: kubelet does not start the pod at all.
+        missing = [item["key"] for item in items if item["key"] not in data]
+        assert not missing, f"{source['secretName']} has no {missing}"
+        folder = root / volume["name"]
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in {p.name for p in folder.iterdir()} - {item["path"] for item in items}:
+            (folder / stale).unlink()
+        for item in items:
+            staged = root / ".staged"
+            staged.write_text(data[item["key"]])
+            staged.replace(folder / item["path"])
+
+
+def _write_secret_mounts(resources: list[Resource], workload: Resource, container: dict[str, Any],
+                         env: dict[str, str], root: Path) -> dict[str, Path]:
+    """Write what kubelet mounts into ``container`` from Secret volumes, under ``root``: a mount
+    without a subPath is the volume's folder (``write_secret_volumes`` later updates it); a mount
+    with ``subPath`` (or ``subPathExpr``, expanded from the container's env) is a bind mount of
+    one entry as it is at the container's start, which later changes of the Secret do not reach
+    (a copy here), and an empty folder when there is no such entry (kubelet's behaviour).
+    mountPath -> local path."""
+    spec = pod_spec(workload)
+    assert spec is not None
+    secret_volumes = {v["name"] for v in spec.get("volumes", []) if "secret" in v}
+    write_secret_volumes(resources, workload, root)
+    mounts: dict[str, Path] = {}
+    for mount in container.get("volumeMounts", []):
+        if mount["name"] not in secret_volumes:
+            continue
         folder = root / mount["name"]
-        if not folder.exists():
-            data = named(resources, "Secret", source["secretName"])["stringData"]
-            items = source.get("items", [{"key": key, "path": key} for key in data])
-            folder.mkdir(parents=True)
-            for item in items:
-                # A missing item key: kubelet does not start the pod at all.
-                assert item["key"] in data, f"{source['secretName']} has no {item['key']}"
-                (folder / item["path"]).write_text(data[item["key"]])
         sub_path = mount.get("subPath") or expand(mount.get("subPathExpr", ""), env)
-        if sub_path:
-            if not (folder / sub_path).exists():
-                (folder / sub_path).mkdir()  # what kubelet mounts for a missing subPath
-            mounts[mount["mountPath"]] = folder / sub_path
-        else:
+        if not sub_path:
             mounts[mount["mountPath"]] = folder
+            continue
+        pinned = root / ".subpath" / mount["name"] / sub_path
+        pinned.parent.mkdir(parents=True, exist_ok=True)
+        if (folder / sub_path).is_file():
+            shutil.copyfile(folder / sub_path, pinned)
+        else:
+            pinned.mkdir(exist_ok=True)  # what kubelet mounts for a missing subPath
+        mounts[mount["mountPath"]] = pinned
     return mounts
 
 
@@ -701,7 +729,7 @@ GUIDE = ROOT / "docs" / "OPERATIONS.md"
 # Where the pods read their credentials; what each kvcoord container may see, and from which
 # key of the auth Secret ({pod}: the pod's name).
 AUTH_FILE = "/etc/kvcoord/auth/identities.toml"
-WORKER_TOKEN_FILE = "/etc/kvcoord/auth/worker.token"
+WORKER_TOKEN_FILE = "/etc/kvcoord/token/worker.token"
 CREDENTIALS_SEEN = {
     "coordinator": {AUTH_FILE: IDENTITIES},
     "worker": {AUTH_FILE: IDENTITIES, WORKER_TOKEN_FILE: "{pod}.token"},
@@ -901,6 +929,8 @@ def test_each_kvcoord_container_sees_only_the_credentials_it_needs(
                     for path, key in CREDENTIALS_SEEN[component(workload)].items()}
         assert pod.visible_files() == expected, pod.name
         assert pod.env["KVCOORD_AUTH_FILE"] == pod.local(AUTH_FILE)
+        if component(workload) == "worker":
+            assert pod.token_file() == pod.local(WORKER_TOKEN_FILE)
         spec = pod_spec(workload)
         assert spec is not None
         secrets = {v["name"] for v in spec["volumes"] if "secret" in v}
@@ -911,6 +941,80 @@ def test_each_kvcoord_container_sees_only_the_credentials_it_needs(
                 # Read through the group (fsGroup, the kvcoord user's group), by no one else.
                 assert volume["secret"]["defaultMode"] & 0o047 == 0o040, volume["name"]
         assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
+
+
+def test_no_container_mounts_a_volume_inside_a_read_only_one(rendered: list[Resource]) -> None:
+    # kubelet cannot make a mount point inside a read-only volume (a Secret's): the worker's
+    # token file has a folder of its own beside the identities folder.
+    for workload in workloads(rendered):
+        for container in containers_of(workload):
+            mounts = container.get("volumeMounts", [])
+            paths = [m["mountPath"].rstrip("/") for m in mounts]
+            assert len(set(paths)) == len(paths), paths
+            for outer in (m["mountPath"].rstrip("/") for m in mounts if m.get("readOnly")):
+                inside = [p for p in paths if p.startswith(outer + "/")]
+                assert inside == [], (workload["metadata"]["name"], outer)
+
+
+def mount_of(container: dict[str, Any], path: str) -> dict[str, Any]:
+    """The volumeMount of ``container`` that ``path`` is in (the deepest one holding it)."""
+    holding = [m for m in container.get("volumeMounts", [])
+               if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert holding, f"{path} is in no volume of {container['name']}"
+    mount: dict[str, Any] = max(holding, key=lambda m: len(m["mountPath"]))
+    return mount
+
+
+ADDED_TOKEN = "a-scheduler-token-added-to-the-running-fleet"
+
+
+def _bearer_context(token: str) -> Any:
+    """A call's context as Guard.identify reads it: this bearer token, no client certificate."""
+    return types.SimpleNamespace(invocation_metadata=lambda: _bearer(token),
+                                 auth_context=lambda: {})
+
+
+def test_the_identities_file_follows_the_secret_into_every_running_pod_that_reads_it(
+    overlay: list[Resource], credentials: Credentials, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """Every pod mounts identities.toml through a folder (no subPath), which kubelet updates when
+    the Secret changes, and checks it again every auth_reload_ms: an identity added to the
+    Secret is accepted by the running coordinators and workers, with no restart. The worker's
+    own token file is a subPath mount, read at start: it keeps the token the pod started with."""
+    resources = with_credentials(overlay, credentials)
+    changed = copy.deepcopy(resources)
+    files = auth_files(changed)
+    digest = hashlib.sha256(ADDED_TOKEN.encode()).hexdigest()
+    files[IDENTITIES] += (f'\n[[identity]]\nname = "scheduler-2"\nrole = "scheduler"\n'
+                          f'token_sha256 = "{digest}"\n')
+    for key in [k for k in files if k != IDENTITIES]:
+        files[key] = f"rotated-{key}"
+    readers = set()
+    for workload, container in kvcoord_containers(resources):
+        root = tmp_path / component(workload)
+        pod = pod_of(resources, workload, container, root)
+        mount = mount_of(container, AUTH_FILE)
+        assert "subPath" not in mount and "subPathExpr" not in mount, (
+            f"{pod.name}: {AUTH_FILE} by subPath does not follow the Secret")
+        config = pod_config(pod, monkeypatch)
+        assert config.auth_file == pod.local(AUTH_FILE) and config.auth_reload_ms > 0
+        now = [0.0]
+        guard = Guard(ServerSecurity.from_config(config), clock=lambda now=now: now[0])
+        with pytest.raises(Unauthenticated):
+            guard.identify(_bearer_context(ADDED_TOKEN))
+        started_with = config.coordinator_token() if component(workload) == "worker" else None
+
+        write_secret_volumes(changed, workload, root)  # kubelet, after `kubectl apply`
+        now[0] += config.auth_reload_ms / 1000
+        identity = guard.identify(_bearer_context(ADDED_TOKEN))
+        assert (identity.name, identity.role) == ("scheduler-2", Role.SCHEDULER), pod.name
+        if component(workload) == "worker":
+            # The Secret's new token waits for the pod's restart.
+            assert config.coordinator_token() == started_with == auth_files(resources)[
+                f"{pod.name}.token"]
+        readers.add(component(workload))
+    assert readers == set(KVCOORD_COMPONENTS)
 
 
 def test_container_args_parse_with_the_kvcoord_cli(rendered: list[Resource]) -> None:
