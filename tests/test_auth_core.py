@@ -112,6 +112,18 @@ def test_tls_settings_are_checked_at_start(tmp_path: Path) -> None:
         CoordinatorConfig(rate_limit_per_s=-1)
     with pytest.raises(ConfigError, match="max_streams_per_identity must be > 0"):
         CoordinatorConfig(max_streams_per_identity=0)
+    with pytest.raises(ConfigError, match="auth_reload_ms must be >= 0"):
+        CoordinatorConfig(auth_reload_ms=-1)
+    with pytest.raises(ConfigError, match="max_batch_tokens must be > 0"):
+        CoordinatorConfig(max_batch_tokens=0)
+    with pytest.raises(ConfigError, match="max_pages_per_worker must be > 0"):
+        CoordinatorConfig(max_pages_per_worker=0)
+    from worker.config import WorkerConfig
+
+    with pytest.raises(ConfigError, match="auth_reload_ms must be >= 0"):
+        WorkerConfig(auth_reload_ms=-1, device="cpu")
+    with pytest.raises(ConfigError, match="tls_cert and tls_key must be given together"):
+        WorkerConfig(tls_cert=str(pem), device="cpu")
 
 
 def test_roles_and_worker_ids() -> None:

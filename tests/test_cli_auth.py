@@ -73,6 +73,10 @@ def test_credential_files_that_cannot_be_used_exit_2_naming_the_file(tmp_path: P
         assert "auth_file" in refused.stderr and "role must be one of" in refused.stderr
     half = run_cli("coordinator", "--tls-cert", str(bad))
     assert half.returncode == 2 and "tls_cert and tls_key must be given together" in half.stderr
+    negative = run_cli("coordinator", "--listen", "127.0.0.1:0", "--rate-limit-per-s", "-5")
+    assert negative.returncode == 2 and "rate_limit_per_s must be >= 0" in negative.stderr
+    no_ca = run_cli("status", "--tls-cert", str(bad), "--tls-key", str(bad))
+    assert no_ca.returncode == 2 and "need --tls-ca" in no_ca.stderr
 
 
 def test_identity_new_mints_a_token_whose_printed_entry_authenticates_it(tmp_path: Path) -> None:
