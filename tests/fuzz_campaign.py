@@ -15,6 +15,7 @@ normal request after every block. RSS is read before and after each class of the
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -72,9 +73,14 @@ class Endpoint:
 
 @dataclass(slots=True)
 class Tally:
-    """What one hostile class got back, over both passes (RSS: the measured pass)."""
+    """What one hostile class got back, over both passes (RSS: the measured pass).
+
+    ``tried`` counts sends (the warm-up pass included, so a case sent twice counts twice);
+    ``distinct`` counts the different inputs among them (a case is its payloads' bytes).
+    """
 
     tried: int = 0
+    case_digests: set[bytes] = field(default_factory=set)
     statuses: Counter[str] = field(default_factory=Counter)
     decode_failures: int = 0
     """Bytes that are not a unary request, answered UNKNOWN with grpcio's parse-failure
@@ -93,6 +99,11 @@ class Tally:
     failures: list[str] = field(default_factory=list)
     """The first few bug cases: method, status, details and the payload's head."""
 
+    @property
+    def distinct(self) -> int:
+        """Different inputs sent (the same bytes to another method count apart)."""
+        return len(self.case_digests)
+
 
 @dataclass(slots=True)
 class Report:
@@ -109,7 +120,13 @@ class Report:
 
     @property
     def cases(self) -> int:
+        """Sends, the warm-up pass included."""
         return sum(t.tried for t in self.classes.values())
+
+    @property
+    def distinct(self) -> int:
+        """Different inputs among the sends."""
+        return sum(t.distinct for t in self.classes.values())
 
     def total(self, what: str) -> int:
         """The sum of one ``Tally`` counter (``internal``, ``unknown``, ...) over classes."""
@@ -237,6 +254,7 @@ class Campaign:
         seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - started
         self.report.methods.setdefault(name, Counter())[code] += 1
         tally.tried += 1
+        tally.case_digests.add(_case_digest(name, case))
         tally.statuses[code] += 1
         request = endpoint.service.methods_by_name[method].input_type
         decodable = all(decodes(request, payload) for payload in case)
@@ -288,6 +306,15 @@ class Campaign:
         path = f"/{endpoint.service.full_name}/{method}"
         self._channels[endpoint.name].unary_unary(path)(payload, timeout=10.0,
                                                         metadata=endpoint.probe_metadata)
+
+
+def _case_digest(method: str, case: tuple[bytes, ...]) -> bytes:
+    """One input's identity: the method and every payload, each length-prefixed."""
+    digest = hashlib.blake2b(method.encode(), digest_size=16)
+    for payload in case:
+        digest.update(len(payload).to_bytes(8, "little"))
+        digest.update(payload)
+    return digest.digest()
 
 
 def _describe(endpoint: Endpoint, method: str, kind: str, code: str, details: str,
