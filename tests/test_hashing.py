@@ -27,7 +27,7 @@ TOKENS = list(range(10))  # two full pages of 4, then a partial page of 2
 
 
 def spec_keys(key: bytes, tokens: list[int], ns: Namespace) -> list[bytes]:
-    """The DESIGN.md contract written out independently with hashlib."""
+    """The hashing contract (docs/PROTOCOL.md §3) written out independently with hashlib."""
 
     def lp(data: bytes) -> bytes:
         return len(data).to_bytes(4, "little") + data

@@ -5,7 +5,7 @@ Each trainer keeps the record it last read, which other trainers may have made s
 time it acts. Acting means what the service's CAS loop does once: compute the transition from
 that snapshot with ``coordinator.policy`` and ``cas_policy(snapshot, new)``, alone or racing
 the other trainers (each on its own connection on Redis). The model is the record the store
-must hold; every step checks it and the invariants of DESIGN.md "Policy version".
+must hold; every step checks it and the policy-version invariants of docs/ARCHITECTURE.md §0.
 
 The store is async and hypothesis rules are not: each machine drives its handles on a private
 event loop.

@@ -1,4 +1,4 @@
-"""Rollout attribution (DESIGN.md invariant 4): ``RolloutLog`` against both stores (append and
+"""Attribution (ARCHITECTURE §0, invariant 4): ``RolloutLog`` against both stores (append and
 read exact records in order, cursor semantics, follow, every refusal appending nothing, the
 maxlen bound); the worker's ``RolloutReporter`` against a fake coordinator (batching, retry
 across disconnects and errors, refusals dropped, the queue bound, flush on stop); and the
