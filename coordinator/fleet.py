@@ -143,7 +143,9 @@ class WorkerSession:
         self.routed_cached_tokens += cached_tokens
 
     def check_batch(self, seq: int) -> BatchVerdict:
-        """Judge a batch's sequence number against the next expected one.
+        """Judge a batch's sequence number against the next expected one; changes nothing
+        (``advance`` does, once every other check of the batch passed: a batch refused for any
+        reason must be asked for again, never counted as applied).
 
         Raises ``FailedPrecondition`` on a regression (a replay of an applied batch is a protocol
         violation: the worker resumes from the ``next_seq`` it was told at hello).
@@ -157,8 +159,11 @@ class WorkerSession:
             )
         if seq > self.next_seq:
             return BatchVerdict.GAP
-        self.next_seq = seq + 1
         return BatchVerdict.APPLY
+
+    def advance(self, seq: int) -> None:
+        """Batch ``seq`` (judged APPLY by ``check_batch``) was applied: expect ``seq + 1``."""
+        self.next_seq = seq + 1
 
 
 class Fleet:

@@ -405,7 +405,11 @@ class WorkerSessions:
     def events(
         self, session: WorkerSession, seq: int, events: Sequence[PageEventIn]
     ) -> list[Outbound]:
-        """Apply one event batch in order; a gap answers with a resync request, never a guess."""
+        """Apply one event batch in order; a gap answers with a resync request, never a guess.
+
+        Every check runs before any state changes: a refused batch (over a limit) leaves the
+        index and the expected sequence number as they were, so the worker's reconnect is
+        told to send it again."""
         if len(events) > self._config.max_events_per_batch:
             raise InvalidArgument(
                 f"event batch has {len(events)} events, over the limit of "
@@ -418,6 +422,7 @@ class WorkerSessions:
             return [self._start_resync(session, f"sequence gap: got {seq}, "
                                                 f"expected {session.next_seq}")]
         self._check_page_limit(session, sum(len(e.keys) for e in events if e.kind == "stored"))
+        session.advance(seq)
         apply_page_events(self._index, session.worker_id, events)
         self.counters.events_applied += len(events)
         self.replication.pages(session, seq, events)
