@@ -18,6 +18,7 @@ Pure core: no I/O; time comes from the injected ``clock`` (monotonic seconds). N
 from __future__ import annotations
 
 import enum
+import hashlib
 import heapq
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -258,6 +259,20 @@ class PrefixIndex:
     def stats(self) -> IndexStats:
         holdings = sum(len(w.held) for w in self._workers.values())
         return IndexStats(len(self._holders), holdings, self._pending_count, len(self._workers))
+
+    def digest(self) -> bytes:
+        """16 bytes naming the confirmed ``(worker, key, tier)`` entries as a set: the sum mod
+        2**128 of each entry's BLAKE2b, so two indexes holding the same entries agree whatever
+        order they were built in (replicas compare it). Pending entries are left out. All zero
+        for an empty index. O(entries); for operators and checks, not for a hot path."""
+        total = 0
+        for worker_id, w in self._workers.items():
+            name = worker_id.encode() + b"\0"
+            for key in w.held:
+                tier = w.spilled.get(key, Tier.GPU).value.encode()
+                entry = hashlib.blake2b(name + key + tier, digest_size=KEY_BYTES).digest()
+                total += int.from_bytes(entry, "big")
+        return (total % (1 << (8 * KEY_BYTES))).to_bytes(KEY_BYTES, "big")
 
     # ---- pending entries ------------------------------------------------------------------
 

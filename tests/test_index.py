@@ -228,3 +228,25 @@ def test_worker_names_follow_slot_reuse_between_lookups(idx: PrefixIndex) -> Non
     idx.store("w2", A[:5])  # reuses slot 0: the same mask now names w2
     assert idx.match(A) == {"w2": 5}
     assert idx.match_detail(A) == {"w2": MatchDetail(5, 0, 0, 5)}
+
+
+def test_digest_is_order_independent_and_covers_worker_key_and_tier(clock: FakeClock) -> None:
+    def built(steps: list[tuple[str, list[bytes], Tier]]) -> PrefixIndex:
+        idx = PrefixIndex(clock=clock)
+        for worker, keys, tier in steps:
+            idx.store(worker, keys, tier)
+        return idx
+
+    b = chain("b", 3)
+    one = built([("w1", A[:4], Tier.GPU), ("w2", b, Tier.CPU)])
+    assert one.digest() == built([("w2", b[::-1], Tier.CPU), ("w1", A[3::-1], Tier.GPU)]).digest()
+    assert len(one.digest()) == 16
+    assert one.digest() != built([("w1", A[:4], Tier.GPU), ("w2", b, Tier.GPU)]).digest()  # tier
+    assert one.digest() != built([("w1", A[:4], Tier.GPU), ("w3", b, Tier.CPU)]).digest()  # worker
+    assert one.digest() != built([("w1", A[:3], Tier.GPU), ("w2", b, Tier.CPU)]).digest()  # key
+    pending = built([("w1", A[:4], Tier.GPU), ("w2", b, Tier.CPU)])
+    pending.add_pending("w3", chain("c", 2))  # unconfirmed: not part of the index's agreement
+    assert pending.digest() == one.digest()
+    one.remove("w2", b)
+    one.drop_worker("w1")
+    assert one.digest() == PrefixIndex(clock=clock).digest() == bytes(16)
