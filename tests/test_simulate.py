@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -10,13 +11,16 @@ from pathlib import Path
 import pytest
 
 from kvcoord.simulate.engine import ROUTERS
-from kvcoord.simulate.report import SimulationReport, percentile, to_json
+from kvcoord.simulate.report import SimulationReport, to_json
 from kvcoord.simulate.runner import simulate
+from kvcoord.simulate.summary import percentile
 from kvcoord.simulate.trace import TraceError, block_tokens, load_trace, prompt_bytes
 
 TRACE = Path(__file__).parent / "data" / "mooncake_300.jsonl"
-POLICY_KEYS = {"hit_ratio", "prefill_tokens", "cached_tokens", "ttft_p50_ms", "ttft_p99_ms",
-               "load_imbalance"}
+CONTRACT_KEYS = ("hit_ratio", "prefill_tokens", "cached_tokens", "ttft_p50_ms", "ttft_p99_ms",
+                 "load_imbalance")
+POLICY_KEYS = {*CONTRACT_KEYS, *(f"{k}_min" for k in CONTRACT_KEYS),
+               *(f"{k}_max" for k in CONTRACT_KEYS)}
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +34,17 @@ def test_the_same_slice_and_seed_give_identical_numbers_twice(report: Simulation
     assert again.runs == report.runs  # per request and per worker too, not only summaries
 
 
-def test_json_has_exactly_the_contract_shape(report: SimulationReport) -> None:
+def test_json_has_the_contract_shape_with_the_seed_keys_beside_it(
+    report: SimulationReport,
+) -> None:
     out = json.loads(json.dumps(to_json(report)))
-    assert set(out) == {"trace", "workers", "capacity_tokens", "bounds", "policies"}
+    assert set(out) == {"trace", "workers", "capacity_tokens", "bounds", "policies",
+                        "trace_sha256", "requests", "page_size", "seeds", "arrival_jitter_ms",
+                        "differences"}
     assert (out["workers"], out["capacity_tokens"]) == (4, 200_000)
+    assert out["trace"] == "mooncake_300.jsonl"  # a name, not a path
+    assert out["trace_sha256"] == hashlib.sha256(TRACE.read_bytes()).hexdigest()
+    assert (out["seeds"], out["arrival_jitter_ms"], out["requests"]) == ([7, 8, 9], 250.0, 300)
     assert set(out["bounds"]) == {"infinite", "pooled"}
     assert list(out["policies"]) == list(ROUTERS)
     assert {"round_robin", "least_loaded", "kv_aware", "sglang_like", "dynamo_like"} <= set(
@@ -43,9 +54,13 @@ def test_json_has_exactly_the_contract_shape(report: SimulationReport) -> None:
         assert isinstance(numbers["prefill_tokens"], int)
         assert isinstance(numbers["cached_tokens"], int)
         total = numbers["prefill_tokens"] + numbers["cached_tokens"]
-        assert numbers["hit_ratio"] == pytest.approx(numbers["cached_tokens"] / total)
+        # Means over seeds: the token counts are rounded to integers, half a token at most.
+        assert numbers["hit_ratio"] == pytest.approx(numbers["cached_tokens"] / total,
+                                                     rel=0, abs=0.5 / total)
         assert numbers["load_imbalance"] >= 1.0
         assert 0 <= numbers["ttft_p50_ms"] <= numbers["ttft_p99_ms"]
+        for key in CONTRACT_KEYS:  # the contract's keys are the means over the seeds
+            assert numbers[f"{key}_min"] <= numbers[key] <= numbers[f"{key}_max"], key
 
 
 def test_every_policy_serves_the_same_prompt_tokens(report: SimulationReport) -> None:
@@ -63,7 +78,7 @@ def test_bounds_are_ordered(report: SimulationReport) -> None:
 
 def test_kv_aware_beats_round_robin_at_tiny_capacity() -> None:
     tiny = simulate(TRACE, workers=4, capacity_tokens=50_000, policies=["round_robin",
-                                                                        "kv_aware"])
+                                                                        "kv_aware"], seeds=1)
     policies = to_json(tiny)["policies"]
     assert policies["round_robin"]["hit_ratio"] < policies["kv_aware"]["hit_ratio"]
 
@@ -71,7 +86,7 @@ def test_kv_aware_beats_round_robin_at_tiny_capacity() -> None:
 def test_a_single_worker_fleet_is_its_own_pool() -> None:
     # One worker, nothing else competing for its cache: routing cannot matter.
     one = simulate(TRACE, workers=1, capacity_tokens=100_000, limit=120,
-                   policies=["round_robin", "kv_aware"])
+                   policies=["round_robin", "kv_aware"], seeds=2)
     policies = to_json(one)["policies"]
     assert policies["round_robin"] == policies["kv_aware"]
     assert policies["kv_aware"]["load_imbalance"] == 1.0
@@ -129,8 +144,11 @@ def test_cli_prints_the_table_and_writes_the_json(tmp_path: Path) -> None:
     result = run_cli("--trace", str(TRACE), "--workers", "4", "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert "kv_aware" in result.stdout and "infinite cache" in result.stdout
+    assert "seeds 0, 1, 2" in result.stdout  # three seeds by default
+    assert "ranges do not overlap" in result.stdout
     written = json.loads(out.read_text())
     assert written["workers"] == 4 and written["capacity_tokens"] == 500_000
+    assert written["seeds"] == [0, 1, 2]
     assert set(written["policies"]) == set(ROUTERS)
     assert "100%" in result.stderr  # the progress bar, on stderr only
 
@@ -145,6 +163,9 @@ def test_cli_prints_the_table_and_writes_the_json(tmp_path: Path) -> None:
         (["--trace", str(TRACE), "--workers", "2", "--capacity-tokens", "3"],
          "--capacity-tokens must hold"),
         (["--trace", str(TRACE), "--workers", "2", "--limit", "0"], "--limit must be >= 1"),
+        (["--trace", str(TRACE), "--workers", "2", "--seeds", "0"], "--seeds must be >= 1"),
+        (["--trace", str(TRACE), "--workers", "2", "--jitter-ms", "-1"],
+         "--jitter-ms must be >= 0"),
     ],
 )
 def test_cli_refuses_bad_input_with_a_clear_message(args: list[str], message: str) -> None:

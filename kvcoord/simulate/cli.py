@@ -28,7 +28,14 @@ def add_simulate_parser(sub: Any) -> None:
     sim.add_argument("--json", metavar="FILE", help="write the results as JSON (DESIGN.md)")
     sim.add_argument("--plot", metavar="FILE", help="write a PNG (needs matplotlib)")
     sim.add_argument("--limit", type=int, metavar="N", help="only the first N requests")
-    sim.add_argument("--seed", type=int, default=0, help="seed for tie-breaks (default 0)")
+    sim.add_argument("--seed", type=int, default=0,
+                     help="first seed (default 0); a seed jitters arrivals and breaks ties")
+    sim.add_argument("--seeds", type=int, default=3, metavar="N",
+                     help="run each policy under N seeds: --seed, --seed+1, ... (default "
+                     "%(default)s); the table shows mean and min-max")
+    sim.add_argument("--jitter-ms", type=float, default=250.0, metavar="MS",
+                     help="each arrival is delayed by a seeded uniform amount in [0, MS) "
+                     "(default %(default)s)")
     sim.add_argument("--page-size", type=int, default=512, metavar="N",
                      help="tokens per KV page (default %(default)s: one trace block)")
 
@@ -49,7 +56,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     def on_phase(policy: str, requests: int) -> Callable[[int], None]:
         if not bar:
-            bar.append(Progress(requests * len(names)))
+            bar.append(Progress(requests * len(names) * args.seeds))
         bar[0].set_phase(policy)
         return bar[0].advance
 
@@ -57,7 +64,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         report = simulate(
             args.trace, workers=args.workers, capacity_tokens=args.capacity_tokens,
             policies=names, page_size=args.page_size, limit=args.limit, seed=args.seed,
-            progress=on_phase,
+            seeds=args.seeds, arrival_jitter_ms=args.jitter_ms, progress=on_phase,
         )
     finally:
         if bar:

@@ -1,14 +1,25 @@
 """The simulator's cost model: how long a simulated worker takes. The same for every policy.
 
-A worker is modelled as one prefill server with a FIFO queue, plus decoding that overlaps it:
+A worker is modelled as one prefill server with a FIFO queue, plus decoding batched beside it:
 
 - **Prefill**: a request's prefill starts when it reaches the head of its worker's queue (and
-  its pages fit, see ``simworker``); it computes only its *uncached* prompt tokens, at
-  :attr:`CostModel.prefill_tokens_per_s`, so it takes ``uncached / rate`` seconds. Its first
+  its pages fit, see ``simworker``); it computes only its *uncached* prompt tokens. Its first
   token comes out when the prefill ends: ``TTFT = prefill end - arrival`` (queueing included).
-- **Decode**: then ``output_length`` tokens at :attr:`CostModel.decode_s_per_token` each. Decode
-  runs batched alongside later prefills (chunked prefill) and does not delay them; it only
-  keeps the request's pages pinned (unevictable) until it ends.
+- **Decode interferes with prefill** (chunked prefill, as vLLM and SGLang run it): every engine
+  step carries :attr:`CostModel.step_prefill_tokens` prefill tokens plus one token for each
+  sequence decoding on that worker, and a step takes as long as its tokens' compute. A decode
+  token costs ``1 + context / kv_read_tokens`` prefill tokens: its own matmuls (as one prefill
+  token) plus reading its whole KV context. So while sequences with contexts ``L_1..L_d``
+  decode, a prefill advances at::
+
+      rate = prefill_tokens_per_s * C / (C + sum_i (1 + L_i / kv_read_tokens))
+
+  with ``C = step_prefill_tokens``. The rate changes whenever a decode starts or ends; the
+  running prefill's remaining tokens are carried over at the new rate. A decoding sequence's
+  context is taken as its prompt plus half its output (its mean while decoding).
+- **Decode** itself lasts ``output_length x decode_s_per_token`` (not slowed by prefills: only
+  TTFT is measured, and decode time only decides how long pages stay pinned and how long the
+  sequence slows prefills beside it).
 
 Constants (documented, never tuned per policy; change them for another model or GPU):
 
@@ -18,6 +29,13 @@ Constants (documented, never tuned per policy; change them for another model or 
   assumes, so the router's exchange rates and the simulator agree.
 - ``decode_s_per_token = 0.02``: 20 ms per output token (50 tokens/s per sequence), a typical
   inter-token latency for an 8B model under continuous batching.
+- ``step_prefill_tokens = 8192``: vLLM's default token budget per step
+  (``max_num_batched_tokens``) for its OpenAI server on GPUs of 70 GiB or more
+  (``vllm/engine/arg_utils.py``).
+- ``kv_read_tokens = 1700``: context tokens whose KV is read in the time of one prefill token:
+  an H100's ~3.35 TB/s of HBM x (1 / 15,000 s) = 223 MB, over Llama-3-8B's 128 KiB of KV per
+  token. A 15k-token context (the Mooncake trace's mean prompt) thus costs ~10 prefill tokens
+  per decode token.
 """
 
 from __future__ import annotations
@@ -31,15 +49,30 @@ class CostModel:
 
     prefill_tokens_per_s: float = 15_000.0
     decode_s_per_token: float = 0.02
+    step_prefill_tokens: int = 8192
+    kv_read_tokens: int = 1700
 
     def __post_init__(self) -> None:
-        if not (self.prefill_tokens_per_s > 0 and self.decode_s_per_token > 0):
+        if not (self.prefill_tokens_per_s > 0 and self.decode_s_per_token > 0
+                and self.step_prefill_tokens > 0 and self.kv_read_tokens > 0):
             raise ValueError(f"cost model constants must be > 0, got {self!r}")
 
+    def prefill_rate(self, decoding: int, decoding_context_tokens: int) -> float:
+        """Prefill tokens per second while ``decoding`` sequences, whose contexts add up to
+        ``decoding_context_tokens``, decode beside it (the rule in the module docstring)."""
+        step = self.step_prefill_tokens
+        decode_cost = decoding + decoding_context_tokens / self.kv_read_tokens
+        return self.prefill_tokens_per_s * step / (step + decode_cost)
+
     def prefill_s(self, uncached_tokens: int) -> float:
-        """Seconds to prefill ``uncached_tokens`` tokens (cached ones cost nothing)."""
+        """Seconds to prefill ``uncached_tokens`` tokens with nothing decoding beside them."""
         return uncached_tokens / self.prefill_tokens_per_s
 
     def decode_s(self, output_tokens: int) -> float:
         """Seconds to decode ``output_tokens`` tokens after the first."""
         return output_tokens * self.decode_s_per_token
+
+    @staticmethod
+    def decode_context(input_length: int, output_length: int) -> int:
+        """The context a decoding sequence is charged for: its prompt plus half its output."""
+        return input_length + output_length // 2

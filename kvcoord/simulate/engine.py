@@ -1,19 +1,17 @@
 """The simulation: replay a trace's arrivals through a routing policy and simulated workers.
 
-One run per policy, each from scratch (fresh index, workers, and ``random.Random(seed)``), so
-a policy's numbers do not depend on which others ran. Events are processed in time order; at
-equal times a decode end comes before a prefill end, which comes before an arrival (a freed
-server or page is visible to the request arriving at that instant), and arrivals keep trace
+One run per (policy, seed), each from scratch (fresh index, workers, coordinator books and
+``random.Random(seed)`` for tie-breaks), so a policy's numbers do not depend on which others
+ran. The seed also jitters the arrivals (``arrivals``); under one seed every policy replays
+the same arrivals. Events are processed in time order; at equal times a decode end comes
+before a prefill end, then a delivered Sync message, then a heartbeat, then an arrival (a freed
+server or page is visible to the request arriving at that instant), and arrivals keep their
 order. The index's clock is the simulated clock, so pending entries expire after the
 production TTL of simulated time.
 
-Bounds (hit ratio = cached prompt tokens / all prompt tokens, page granularity):
+What each router sees, and how late, is ``views``; what a worker costs is ``cost_model``.
 
-- ``infinite``: every page ever computed stays cached somewhere reachable.
-- ``pooled``: one LRU cache of ``workers x capacity`` pages serving every request in arrival
-  order, i.e. what perfect routing over the fleet's pooled memory could reach.
-
-Determinism: no wall clock, no hash-order iteration; randomness only from the seeded rng.
+Determinism: no wall clock, no hash-order iteration; randomness only from the seeded rngs.
 """
 
 from __future__ import annotations
@@ -25,18 +23,22 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import NamedTuple
 
 from coordinator.hashing import Namespace, PageHasher
 from coordinator.index import PrefixIndex
-from coordinator.routing import KvAwareWeights
+from coordinator.routing import KvAwareWeights, WorkerLoad
+from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS, jittered_arrivals
 from kvcoord.simulate.cost_model import CostModel
 from kvcoord.simulate.peers import DynamoLikeRouter, SglangLikeRouter
 from kvcoord.simulate.routers import ProductionRouter, RouterContext, SimRouter
-from kvcoord.simulate.simworker import Job, SimWorker
+from kvcoord.simulate.simworker import Job, PageEvent, SimWorker
 from kvcoord.simulate.trace import TraceRequest
+from kvcoord.simulate.views import SYNC_DELAY_S, CoordinatorLoads, HeartbeatClock
 
 PENDING_TTL_S = 2.0  # the coordinator's default pending_ttl_ms, in simulated seconds
-_DECODE_DONE, _PREFILL_DONE = 0, 1  # event order at equal times
+# Event kinds, in their order at equal times.
+_DECODE_DONE, _PREFILL_DONE, _DELIVERY, _HEARTBEAT = range(4)
 
 ROUTERS: Mapping[str, Callable[[RouterContext], SimRouter]] = MappingProxyType({
     "round_robin": lambda ctx: ProductionRouter("round_robin", ctx),
@@ -59,7 +61,7 @@ def check_policies(names: Sequence[str]) -> list[str]:
 class SimConfig:
     """A fleet: ``workers`` >= 1 workers of ``capacity_tokens`` KV tokens each (whole pages
     of ``namespace.page_size``; at least one page), the cost model, the router weights and the
-    seed. ValueError otherwise."""
+    arrival jitter. ValueError otherwise."""
 
     workers: int
     capacity_tokens: int
@@ -67,7 +69,7 @@ class SimConfig:
     namespace: Namespace
     cost: CostModel = field(default_factory=CostModel)
     weights: KvAwareWeights = field(default_factory=KvAwareWeights)
-    seed: int = 0
+    arrival_jitter_ms: float = ARRIVAL_JITTER_MS
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -77,6 +79,8 @@ class SimConfig:
                 f"--capacity-tokens must hold at least one page of {self.namespace.page_size} "
                 f"tokens, got {self.capacity_tokens}"
             )
+        if not (0 <= self.arrival_jitter_ms < math.inf):
+            raise ValueError(f"--jitter-ms must be >= 0, got {self.arrival_jitter_ms}")
 
     @property
     def pages_per_worker(self) -> int:
@@ -85,14 +89,30 @@ class SimConfig:
 
 @dataclass(frozen=True, slots=True)
 class PolicyRun:
-    """One policy's raw outcome: per request (trace order) its cached and prompt tokens and
-    TTFT in seconds; per worker (position order) its computed prefill tokens."""
+    """One policy's raw outcome under one seed: per request (trace order) its cached and
+    prompt tokens and TTFT in seconds; per worker (position order) its computed prefill
+    tokens."""
 
     name: str
+    seed: int
     cached_tokens: tuple[int, ...]
     prompt_tokens: tuple[int, ...]
     ttft_s: tuple[float, ...]
     worker_prefill_tokens: tuple[int, ...]
+
+
+class _PrefillEnd(NamedTuple):
+    """A prefill's scheduled end; stale once the job was re-timed (another generation)."""
+
+    job: Job
+    generation: int
+
+
+class _Beat(NamedTuple):
+    """A heartbeat on its way to the coordinator."""
+
+    load: WorkerLoad
+    completed_routes: int
 
 
 def run_policy(
@@ -100,108 +120,131 @@ def run_policy(
     requests: Sequence[TraceRequest],
     keys: Sequence[list[bytes]],
     config: SimConfig,
+    seed: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> PolicyRun:
-    """Replay ``requests`` (arrival order, with their page ``keys``) under policy ``name``;
+    """Replay ``requests`` (with their page ``keys``) under policy ``name`` and ``seed``;
     ``progress(n)`` is called as arrivals are routed (n = how many since the last call)."""
-    clock = [0.0]
-    index = PrefixIndex(clock=lambda: clock[0], pending_ttl=PENDING_TTL_S)
-    width = len(str(config.workers - 1))
-    workers = [
-        SimWorker(f"w{i:0{width}d}", config.pages_per_worker, hasher=config.hasher,
-                  namespace=config.namespace, cost=config.cost, index=index)
-        for i in range(config.workers)
-    ]
-    ctx = RouterContext(workers, index, config.namespace.page_size,
-                        random.Random(config.seed), config.weights)
-    router = ROUTERS[check_policies([name])[0]](ctx)
-    events: list[tuple[float, int, int, int, Job]] = []
-    order = itertools.count()
-    ttft = [0.0] * len(requests)
-    cached = [0] * len(requests)
+    return _Replay(name, requests, keys, config, seed).run(progress)
 
-    def start(w: int, now: float) -> None:
-        job = workers[w].start_next(now)
+
+class _Replay:
+    """One (policy, seed) run's state; see the module docstring for the event order."""
+
+    def __init__(self, name: str, requests: Sequence[TraceRequest],
+                 keys: Sequence[list[bytes]], config: SimConfig, seed: int) -> None:
+        self.name, self.requests, self.keys, self.config, self.seed = (
+            name, requests, keys, config, seed)
+        self.now = 0.0
+        self.index = PrefixIndex(clock=lambda: self.now, pending_ttl=PENDING_TTL_S)
+        width = len(str(config.workers - 1))
+        self.workers = [
+            SimWorker(f"w{i:0{width}d}", config.pages_per_worker, hasher=config.hasher,
+                      namespace=config.namespace, cost=config.cost, publish=self._publish)
+            for i in range(config.workers)
+        ]
+        self.position = {w.worker_id: i for i, w in enumerate(self.workers)}
+        ids = [w.worker_id for w in self.workers]
+        self.coordinator = CoordinatorLoads(ids, config.pages_per_worker)
+        self.beats = HeartbeatClock(config.workers)
+        ctx = RouterContext(ids, self.index, config.namespace.page_size, random.Random(seed),
+                            config.weights, self.coordinator)
+        self.router = ROUTERS[check_policies([name])[0]](ctx)
+        self.events: list[tuple[float, int, int, int, object]] = []
+        self.order = itertools.count()
+        self.ttft = [0.0] * len(requests)
+        self.cached = [0] * len(requests)
+        self.active = 0  # jobs routed and not finished
+
+    def run(self, progress: Callable[[int], None] | None) -> PolicyRun:
+        for w in range(len(self.workers)):
+            self._push(0.0, _HEARTBEAT, w, self.beats.generation[w])
+        arrivals = jittered_arrivals(self.requests, self.seed, self.config.arrival_jitter_ms)
+        step = max(1, len(arrivals) // 100)
+        for n, (arrival_s, i) in enumerate(arrivals, start=1):
+            self._handle_until(arrival_s)
+            self.now = arrival_s
+            self._route(Job(self.requests[i], self.keys[i], arrival_s))
+            if progress is not None and n % step == 0:
+                progress(step)
+        self._handle_until(math.inf)
+        if progress is not None and len(arrivals) % step:
+            progress(len(arrivals) % step)
+        return PolicyRun(
+            self.name, self.seed, tuple(self.cached),
+            tuple(r.input_length for r in self.requests), tuple(self.ttft),
+            tuple(w.computed_tokens for w in self.workers),
+        )
+
+    # ---- the event loop ---------------------------------------------------------------------
+
+    def _push(self, at: float, kind: int, worker: int, payload: object) -> None:
+        heapq.heappush(self.events, (at, kind, next(self.order), worker, payload))
+
+    def _publish(self, event: PageEvent) -> None:
+        """A worker's page event, delivered to the index after the Sync delay."""
+        self._push(self.now + SYNC_DELAY_S, _DELIVERY, self.position[event.worker_id], event)
+
+    def _handle_until(self, limit: float) -> None:
+        """Process every event up to ``limit``; with ``limit`` = inf, until no job is left
+        (heartbeats would go on forever)."""
+        events = self.events
+        while events and events[0][0] <= limit and (limit < math.inf or self.active):
+            self.now, kind, _, w, payload = heapq.heappop(events)
+            if kind == _DECODE_DONE:
+                assert isinstance(payload, Job)
+                self._decode_done(w, payload)
+            elif kind == _PREFILL_DONE:
+                assert isinstance(payload, _PrefillEnd)
+                job = payload.job
+                if job.prefill_gen == payload.generation and job is self.workers[w].prefilling:
+                    self._prefill_done(w, job)
+            elif kind == _DELIVERY:
+                self._deliver(w, payload)
+            elif payload == self.beats.generation[w]:  # _HEARTBEAT, not superseded
+                load, completed = self.workers[w].heartbeat()
+                self._push(self.now + SYNC_DELAY_S, _DELIVERY, w, _Beat(load, completed))
+                self._push(self.beats.sent(w, self.now), _HEARTBEAT, w, self.beats.generation[w])
+
+    def _route(self, job: Job) -> None:
+        details = self.index.match_detail(job.keys, include_pending=True) if job.keys else {}
+        w = self.router.route(job, details, self.now)
+        self.workers[w].enqueue(job)
+        self.active += 1
+        self._start(w)
+
+    def _start(self, w: int) -> None:
+        job = self.workers[w].start_next(self.now)
         if job is not None:
-            heapq.heappush(events, (job.prefill_end_s, _PREFILL_DONE, next(order), w, job))
+            self._push(job.prefill_end_s, _PREFILL_DONE, w, _PrefillEnd(job, job.prefill_gen))
 
-    def handle_until(limit: float) -> None:
-        while events and events[0][0] <= limit:
-            now, kind, _, w, job = heapq.heappop(events)
-            clock[0] = now
-            if kind == _PREFILL_DONE:
-                workers[w].finish_prefill(job)
-                router.on_prefill_done(w, job)
-                ttft[job.request.index] = now - job.arrival_s
-                cached[job.request.index] = job.cached_tokens
-                done = now + config.cost.decode_s(job.request.output_length)
-                heapq.heappush(events, (done, _DECODE_DONE, next(order), w, job))
+    def _prefill_done(self, w: int, job: Job) -> None:
+        self.workers[w].finish_prefill(job)
+        self.router.on_prefill_done(w, job)
+        self.ttft[job.request.index] = self.now - job.arrival_s
+        self.cached[job.request.index] = job.cached_tokens
+        done = self.now + self.config.cost.decode_s(job.request.output_length)
+        self._push(done, _DECODE_DONE, w, job)
+        self._start(w)
+
+    def _decode_done(self, w: int, job: Job) -> None:
+        running = self.workers[w].finish_decode(job, self.now)
+        if running is not None:  # re-timed: its earlier end event is now stale
+            self._push(running.prefill_end_s, _PREFILL_DONE, w,
+                       _PrefillEnd(running, running.prefill_gen))
+        self.router.on_finished(w, job)
+        self.active -= 1
+        sooner = self.beats.completed(w, self.now)
+        if sooner is not None:
+            self._push(sooner, _HEARTBEAT, w, self.beats.generation[w])
+        self._start(w)
+
+    def _deliver(self, w: int, message: object) -> None:
+        if isinstance(message, PageEvent):
+            if message.stored:
+                self.index.store(message.worker_id, message.keys)
             else:
-                workers[w].finish_decode(job)
-                router.on_finished(w, job)
-            start(w, now)
-
-    step = max(1, len(requests) // 100)
-    for i, request in enumerate(requests):
-        now = request.timestamp_ms / 1000.0
-        handle_until(now)
-        clock[0] = now
-        job = Job(request, keys[i], now)
-        details = index.match_detail(job.keys, include_pending=True) if job.keys else {}
-        w = router.route(job, details, now)
-        detail = details.get(workers[w].worker_id)
-        expected = detail.pages * config.namespace.page_size if detail is not None else 0
-        job.expected_uncached = max(0, request.input_length - expected)
-        workers[w].enqueue(job)
-        start(w, now)
-        if progress is not None and (i + 1) % step == 0:
-            progress(step)
-    handle_until(math.inf)
-    if progress is not None and len(requests) % step:
-        progress(len(requests) % step)
-    return PolicyRun(
-        name, tuple(cached), tuple(r.input_length for r in requests), tuple(ttft),
-        tuple(w.computed_tokens for w in workers),
-    )
-
-
-def infinite_bound(requests: Sequence[TraceRequest], keys: Sequence[list[bytes]],
-                   page_size: int) -> float:
-    """Hit ratio if every computed page stayed cached forever (an upper bound for any fleet)."""
-    seen: set[bytes] = set()
-    hit = total = 0
-    for request, prompt_keys in zip(requests, keys, strict=True):
-        depth = 0
-        for key in prompt_keys:
-            if key not in seen:
-                break
-            depth += 1
-        hit += min(depth * page_size, request.input_length)
-        total += request.input_length
-        seen.update(prompt_keys)
-    return hit / total if total else 0.0
-
-
-def pooled_bound(requests: Sequence[TraceRequest], keys: Sequence[list[bytes]],
-                 config: SimConfig) -> float:
-    """Hit ratio of one LRU cache of the whole fleet's pages (``workers x capacity``),
-    requests served one at a time in arrival order by the production allocator and prefix
-    cache. A prompt larger than the pool streams through uncached."""
-    page = config.namespace.page_size
-    pool = SimWorker("pooled", config.pages_per_worker * config.workers, hasher=config.hasher,
-                     namespace=config.namespace, cost=config.cost)
-    cache, allocator = pool.cache, pool.allocator
-    hit = total = 0
-    for request, prompt_keys in zip(requests, keys, strict=True):
-        found = cache.lookup(prompt_keys)
-        hit += min(len(found.pages) * page, request.input_length)
-        total += request.input_length
-        need = math.ceil(request.input_length / page) - len(found.pages)
-        if len(found.pages) + need > allocator.n_pages:
-            cache.release(found.pages)
-            continue
-        pages = found.pages + allocator.alloc(need)
-        new_keys = prompt_keys[len(found.pages):]
-        cache.record(new_keys, pages[len(found.pages): len(found.pages) + len(new_keys)])
-        cache.release(pages)
-    return hit / total if total else 0.0
+                self.index.remove(message.worker_id, message.keys)
+        else:
+            assert isinstance(message, _Beat)
+            self.coordinator.heartbeat(w, message.load, message.completed_routes)

@@ -7,7 +7,8 @@ defaults; neither is tuned here. Units: a *block* is one of our pages (``page_si
 ``sgl-router/src/policies/cache_aware.rs`` and the router's CLI defaults in
 ``sgl-router/src/main.rs`` / ``rust/README.md``):
 
-- Load = requests the router sent to a worker that have not completed.
+- Load = requests the router sent to a worker that have not completed (its own count: it
+  proxies the responses, so it sees each completion at once).
 - If ``max_load - min_load > balance_abs_threshold`` **and** ``max_load > min_load *
   balance_rel_threshold`` the fleet is imbalanced: pick the least-loaded worker.
 - Otherwise find the worker whose *approximate tree* (the prompts the router itself sent
@@ -27,10 +28,11 @@ Cost Function", docs.nvidia.com/dynamo):
   ``prefill_blocks = (active prefill tokens + request tokens - overlap_blocks * block_size)
   / block_size`` and ``decode_blocks = active blocks + the request's blocks not already
   active there``. ``overlap_blocks`` comes from an indexer fed by the workers' KV events
-  (here: the production index, confirmed entries only); "active" = requests routed there and
-  not finished, their prefill tokens until the first token. Defaults: overlap_score_weight
-  1.0, router_temperature 0.0 (deterministic argmin); ties go to the smallest tree (fewest
-  cached blocks), then at random.
+  (here: the production index, confirmed entries only, fed after the same Sync delay as for
+  every policy); "active" = its own books of requests routed there and not finished, their
+  prefill tokens until the first token (it sees the responses stream by). Defaults:
+  overlap_score_weight 1.0, router_temperature 0.0 (deterministic argmin); ties go to the
+  smallest tree (fewest blocks the indexer holds for the worker), then at random.
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ class SglangLikeRouter:
         self._ctx = ctx
         self.config = config or SglangConfig()
         self._tree = PrefixIndex(clock=lambda: 0.0)
-        self._lru: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in ctx.workers]
-        self._load = [0] * len(ctx.workers)
+        self._lru: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in ctx.worker_ids]
+        self._load = [0] * len(ctx.worker_ids)
         self._next_eviction = self.config.eviction_interval_s
 
     def route(self, job: Job, details: Mapping[str, MatchDetail], now: float) -> int:
@@ -101,7 +103,8 @@ class SglangLikeRouter:
         tokens = job.request.input_length
         rate = best * ctx.page_size / tokens if tokens else 0.0
         if rate > self.config.cache_threshold:
-            pool = [i for i, w in enumerate(ctx.workers) if depths.get(w.worker_id) == best]
+            pool = [i for i, worker_id in enumerate(ctx.worker_ids)
+                    if depths.get(worker_id) == best]
         else:
             sizes = [len(lru) for lru in self._lru]
             smallest = min(sizes)
@@ -111,7 +114,7 @@ class SglangLikeRouter:
     def _insert(self, worker: int, keys: Sequence[bytes]) -> None:
         if not keys:
             return
-        self._tree.store(self._ctx.workers[worker].worker_id, keys)
+        self._tree.store(self._ctx.worker_ids[worker], keys)
         lru = self._lru[worker]
         for key in reversed(keys):  # head last: most recent, evicted after its tail
             lru[key] = None
@@ -123,7 +126,7 @@ class SglangLikeRouter:
             excess = len(lru) - limit_pages
             if excess > 0:
                 victims = [lru.popitem(last=False)[0] for _ in range(excess)]
-                self._tree.remove(self._ctx.workers[i].worker_id, victims)
+                self._tree.remove(self._ctx.worker_ids[i], victims)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +145,7 @@ class DynamoLikeRouter:
     def __init__(self, ctx: RouterContext, config: DynamoConfig | None = None) -> None:
         self._ctx = ctx
         self.config = config or DynamoConfig()
-        n = len(ctx.workers)
+        n = len(ctx.worker_ids)
         self._prefill_tokens = [0] * n
         self._active: list[dict[bytes, int]] = [{} for _ in range(n)]  # block -> sequences
         self._job_prefill: dict[int, int] = {}  # request index -> its counted prefill tokens
@@ -151,9 +154,9 @@ class DynamoLikeRouter:
         ctx, keys = self._ctx, job.keys
         block, isl = ctx.page_size, job.request.input_length
         weight = self.config.overlap_score_weight
-        best_logit, pool, new_tokens_of = float("inf"), [], [0] * len(ctx.workers)
-        for i, w in enumerate(ctx.workers):
-            detail = details.get(w.worker_id)
+        best_logit, pool, new_tokens_of = float("inf"), [], [0] * len(ctx.worker_ids)
+        for i, worker_id in enumerate(ctx.worker_ids):
+            detail = details.get(worker_id)
             overlap = detail.confirmed_pages if detail is not None else 0
             new_tokens = max(0, isl - overlap * block)
             new_tokens_of[i] = new_tokens
@@ -165,9 +168,10 @@ class DynamoLikeRouter:
                 best_logit, pool = logit, [i]
             elif logit == best_logit:
                 pool.append(i)
-        if len(pool) > 1:  # Dynamo: smallest tree first, then arbitrary
-            smallest = min(ctx.workers[i].cached_pages for i in pool)
-            pool = [i for i in pool if ctx.workers[i].cached_pages == smallest]
+        if len(pool) > 1:  # Dynamo: smallest tree (its indexer's) first, then arbitrary
+            sizes = {i: ctx.index.held_count(ctx.worker_ids[i]) for i in pool}
+            smallest = min(sizes.values())
+            pool = [i for i in pool if sizes[i] == smallest]
         chosen = pool[0] if len(pool) == 1 else ctx.rng.choice(pool)
         self._prefill_tokens[chosen] += new_tokens_of[chosen]
         self._job_prefill[job.request.index] = new_tokens_of[chosen]

@@ -2,85 +2,93 @@
 
 JSON (DESIGN.md "simulate --json", binding): ``{"trace", "workers", "capacity_tokens",
 "bounds": {"infinite", "pooled"}, "policies": {NAME: {"hit_ratio", "prefill_tokens",
-"cached_tokens", "ttft_p50_ms", "ttft_p99_ms", "load_imbalance"}}}`` where hit_ratio = cached
-prompt tokens / all prompt tokens, prefill_tokens = prompt tokens computed (not served from
-cache), load_imbalance = the busiest worker's computed prefill tokens / the mean over workers.
-Percentiles are nearest-rank. matplotlib is optional (``pip install 'kvcoord[plot]'``) and
-imported only by :func:`write_plot`.
+"cached_tokens", "ttft_p50_ms", "ttft_p99_ms", "load_imbalance"}}}``; each of those
+per-policy values is now the **mean over the seeds** (token counts rounded to integers), and
+beside each sits ``<field>_min`` and ``<field>_max`` over the seeds. Added beside the contract's
+top-level keys: ``trace_sha256``, ``requests``, ``page_size``, ``seeds`` (the list run),
+``arrival_jitter_ms``, and ``differences``: for each policy other than ``kv_aware``, per
+compared field, ``kv_aware``'s verdict against it ("better", "worse", "no difference": see
+``summary``). ``trace`` is the trace's file name. Nothing of the contract is nested or renamed.
+matplotlib is optional (``pip install 'kvcoord[plot]'``) and imported only by
+:func:`write_plot`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvcoord.simulate.engine import PolicyRun
+from kvcoord.simulate.summary import FIELDS, Spread, spreads, verdict
 from kvcoord.tables import render_table
 
-
-@dataclass(frozen=True, slots=True)
-class PolicySummary:
-    """One policy's numbers, exactly the contract's per-policy fields."""
-
-    hit_ratio: float
-    prefill_tokens: int
-    cached_tokens: int
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    load_imbalance: float
+BASELINE = "kv_aware"  # the production router: every other policy is compared with it
+COMPARED = ("hit_ratio", "ttft_p50_ms", "ttft_p99_ms", "load_imbalance")
+_INTEGER_FIELDS = frozenset({"prefill_tokens", "cached_tokens"})
 
 
 @dataclass(frozen=True, slots=True)
 class SimulationReport:
-    """Everything one ``simulate`` call produced (``page_size``, ``requests``, ``seed`` and
-    ``elapsed_s`` are shown in the table, not written to the JSON contract)."""
+    """Everything one ``simulate`` call produced. ``runs[policy]`` holds one run per seed, in
+    ``seeds`` order."""
 
     trace: str
+    trace_sha256: str
     workers: int
     capacity_tokens: int
     page_size: int
     requests: int
-    seed: int
+    seeds: tuple[int, ...]
+    arrival_jitter_ms: float
     infinite: float
     pooled: float
-    runs: Mapping[str, PolicyRun]
+    runs: Mapping[str, Sequence[PolicyRun]]
     elapsed_s: float = 0.0
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank ``q``-quantile (0 < q <= 1) of ``values``; 0.0 when empty."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+def differences(report: SimulationReport) -> dict[str, dict[str, str]]:
+    """``kv_aware``'s verdict against each other policy on each compared field; empty when
+    ``kv_aware`` was not run."""
+    if BASELINE not in report.runs:
+        return {}
+    ours = spreads(report.runs[BASELINE])
+    out = {}
+    for name, runs in report.runs.items():
+        if name != BASELINE:
+            theirs = spreads(runs)
+            out[name] = {f: verdict(f, ours[f], theirs[f]) for f in COMPARED}
+    return out
 
 
-def summarize(run: PolicyRun) -> PolicySummary:
-    prompt, cached = sum(run.prompt_tokens), sum(run.cached_tokens)
-    loads = run.worker_prefill_tokens
-    mean = sum(loads) / len(loads) if loads else 0.0
-    return PolicySummary(
-        hit_ratio=cached / prompt if prompt else 0.0,
-        prefill_tokens=prompt - cached,
-        cached_tokens=cached,
-        ttft_p50_ms=percentile(run.ttft_s, 0.50) * 1000.0,
-        ttft_p99_ms=percentile(run.ttft_s, 0.99) * 1000.0,
-        load_imbalance=max(loads) / mean if mean > 0 else 1.0,
-    )
+def _policy_json(spread: Mapping[str, Spread]) -> dict[str, float | int]:
+    out: dict[str, float | int] = {}
+    for name in FIELDS:  # the contract's keys first, as means
+        s = spread[name]
+        out[name] = round(s.mean) if name in _INTEGER_FIELDS else s.mean
+    for name in FIELDS:
+        s = spread[name]
+        low, high = (int(s.low), int(s.high)) if name in _INTEGER_FIELDS else (s.low, s.high)
+        out[f"{name}_min"], out[f"{name}_max"] = low, high
+    return out
 
 
 def to_json(report: SimulationReport) -> dict[str, Any]:
-    """The contract's object (nothing more, nothing less)."""
+    """The contract's object, with the added keys the module docstring lists."""
     return {
-        "trace": report.trace,
+        "trace": Path(report.trace).name,
+        "trace_sha256": report.trace_sha256,
         "workers": report.workers,
         "capacity_tokens": report.capacity_tokens,
+        "requests": report.requests,
+        "page_size": report.page_size,
+        "seeds": list(report.seeds),
+        "arrival_jitter_ms": report.arrival_jitter_ms,
         "bounds": {"infinite": report.infinite, "pooled": report.pooled},
-        "policies": {name: asdict(summarize(run)) for name, run in report.runs.items()},
+        "policies": {name: _policy_json(spreads(runs)) for name, runs in report.runs.items()},
+        "differences": differences(report),
     }
 
 
@@ -88,34 +96,52 @@ def write_json(report: SimulationReport, path: str | Path) -> None:
     Path(path).write_text(json.dumps(to_json(report), indent=2) + "\n", encoding="utf-8")
 
 
+def _cell(s: Spread, fmt: str) -> str:
+    return f"{s.mean:{fmt}} ({s.low:{fmt}}-{s.high:{fmt}})"
+
+
 def render(report: SimulationReport) -> str:
-    """The terminal report: a header, the bounds, one row per policy."""
+    """The terminal report: a header, the bounds, one row per policy (mean and min-max over
+    the seeds), then ``kv_aware`` against each other policy."""
+    seeds = ", ".join(map(str, report.seeds))
     header = (
         f"trace {report.trace}: {report.requests} requests, {report.workers} workers x "
-        f"{report.capacity_tokens:,} KV tokens, page {report.page_size} tokens, seed "
-        f"{report.seed} ({report.elapsed_s:.1f}s)\n"
+        f"{report.capacity_tokens:,} KV tokens, page {report.page_size} tokens, seeds {seeds} "
+        f"(arrivals jittered by up to {report.arrival_jitter_ms:g} ms; "
+        f"{report.elapsed_s:.1f}s)\n"
         f"bounds: infinite cache {report.infinite:.1%}, pooled LRU "
-        f"({report.workers} x capacity) {report.pooled:.1%}"
+        f"({report.workers} x capacity) {report.pooled:.1%}\n"
+        f"each cell: mean over the seeds (min-max)"
     )
     rows = []
-    for name, run in report.runs.items():
-        s = summarize(run)
-        of_pooled = f"{s.hit_ratio / report.pooled:.2f}x" if report.pooled > 0 else "-"
+    for name, runs in report.runs.items():
+        s = spreads(runs)
+        hit = s["hit_ratio"]
+        of_pooled = f"{hit.mean / report.pooled:.2f}x" if report.pooled > 0 else "-"
         rows.append([
-            name, f"{s.hit_ratio:.1%}", of_pooled, f"{s.prefill_tokens}", f"{s.cached_tokens}",
-            f"{s.ttft_p50_ms:.0f}", f"{s.ttft_p99_ms:.0f}", f"{s.load_imbalance:.2f}",
+            name, _cell(Spread(hit.mean * 100, hit.low * 100, hit.high * 100), ".1f"),
+            of_pooled, f"{s['prefill_tokens'].mean:.0f}", _cell(s["ttft_p50_ms"], ".0f"),
+            _cell(s["ttft_p99_ms"], ".0f"), _cell(s["load_imbalance"], ".2f"),
         ])
     table = render_table(
-        ["policy", "hit", "of pooled", "prefill tokens", "cached tokens", "TTFT p50 ms",
-         "TTFT p99 ms", "imbalance"], rows,
+        ["policy", "hit %", "of pooled", "prefill tokens", "TTFT p50 ms", "TTFT p99 ms",
+         "imbalance"], rows,
     )
-    return f"{header}\n\n{table}"
+    out = f"{header}\n\n{table}"
+    verdicts = differences(report)
+    if verdicts:
+        compare = render_table(
+            [f"{BASELINE} vs", "hit", "TTFT p50", "TTFT p99", "imbalance"],
+            [[name, *v.values()] for name, v in verdicts.items()],
+        )
+        out += (f"\n\n{BASELINE} against each policy: a difference counts only where the "
+                f"seeds' min-max ranges do not overlap\n{compare}")
+    return out
 
 
 def write_plot(report: SimulationReport, path: str | Path) -> None:
-    """A PNG: TTFT CDF per policy (left) and computed prefill tokens per worker (right).
-
-    ValueError (with the install hint) when matplotlib is not installed.
+    """A PNG of the first seed's runs: TTFT CDF per policy (left) and computed prefill tokens
+    per worker (right). ValueError (with the install hint) when matplotlib is not installed.
     """
     try:
         import matplotlib
@@ -128,7 +154,8 @@ def write_plot(report: SimulationReport, path: str | Path) -> None:
         ) from None
     fig, (cdf, bars) = plt.subplots(1, 2, figsize=(13, 5))
     width = 0.8 / max(1, len(report.runs))
-    for k, (name, run) in enumerate(report.runs.items()):
+    for k, (name, runs) in enumerate(report.runs.items()):
+        run = runs[0]
         ttft = sorted(t * 1000.0 for t in run.ttft_s)
         n = len(ttft)
         cdf.plot(ttft, [(i + 1) / n for i in range(n)], label=name)
@@ -138,12 +165,12 @@ def write_plot(report: SimulationReport, path: str | Path) -> None:
     cdf.set_xscale("symlog", linthresh=10.0)
     cdf.set_xlabel("TTFT (ms)")
     cdf.set_ylabel("fraction of requests")
-    cdf.set_title("TTFT CDF")
+    cdf.set_title(f"TTFT CDF (seed {report.seeds[0]})")
     cdf.grid(True, alpha=0.3)
     cdf.legend()
     bars.set_xlabel("worker")
     bars.set_ylabel("computed prefill tokens (millions)")
-    bars.set_title("per-worker load")
+    bars.set_title(f"per-worker load (seed {report.seeds[0]})")
     bars.legend(fontsize="small")
     fig.suptitle(f"{Path(report.trace).name}: {report.workers} workers x "
                  f"{report.capacity_tokens:,} tokens")

@@ -5,7 +5,8 @@ very code the coordinator's ``Scheduler`` runs: ``coordinator.routing.make_polic
 choosing among :class:`Candidate` objects built from the production
 ``PrefixIndex.match_detail(keys, include_pending=True)`` (holders) plus every other worker as
 an idle candidate in ascending ``load_floor`` order, then ``add_pending`` for the chosen
-worker's unconfirmed pages. Only the loads are simulated (``SimWorker.load``).
+worker's unconfirmed pages and ``record_route`` in the coordinator's books. The loads it
+reads are the coordinator's (``views.CoordinatorLoads``: heartbeat-delayed, plus in-flight).
 """
 
 from __future__ import annotations
@@ -23,20 +24,24 @@ from coordinator.routing import (
     load_floor,
     make_policy,
 )
-from kvcoord.simulate.simworker import Job, SimWorker
+from kvcoord.simulate.simworker import Job
+from kvcoord.simulate.views import CoordinatorLoads
 
 
 @dataclass(frozen=True, slots=True)
 class RouterContext:
-    """What every simulated router may read: the workers (index = position), the production
-    index (kept current by the workers' Stored/Removed events), the page size, the seeded
-    ``rng`` (the only randomness allowed) and the production router's weights."""
+    """What a simulated router may read (never a worker's exact state; see ``views``): the
+    workers' ids (index = position), the production index (fed by the workers' Stored/Removed
+    events after the Sync delay), the page size, the seeded ``rng`` (the only randomness
+    allowed), the production router's weights, and the production coordinator's load books
+    (read by the production policies only)."""
 
-    workers: Sequence[SimWorker]
+    worker_ids: Sequence[str]
     index: PrefixIndex
     page_size: int
     rng: random.Random
     weights: KvAwareWeights
+    coordinator: CoordinatorLoads
 
 
 class SimRouter(Protocol):
@@ -61,22 +66,22 @@ class ProductionRouter:
         self.name = name
         self._policy = make_policy(name, ctx.weights)
         self._ctx = ctx
-        self._position = {w.worker_id: i for i, w in enumerate(ctx.workers)}
+        self._position = {worker_id: i for i, worker_id in enumerate(ctx.worker_ids)}
 
     def route(self, job: Job, details: Mapping[str, MatchDetail], now: float) -> int:
         ctx = self._ctx
         keys, request = job.keys, job.request
-        loads = [w.load(now) for w in ctx.workers]
+        loads = [ctx.coordinator.load(i) for i in range(len(ctx.worker_ids))]
         holders = [
             Candidate(worker_id, d.pages, d.lower_tier_pages, loads[self._position[worker_id]])
             for worker_id, d in details.items()
         ]
         # The fleet hands idle workers over cheapest load floor first (ties: fleet order).
         idle_order = sorted(
-            (i for i, w in enumerate(ctx.workers) if w.worker_id not in details),
+            (i for i, worker_id in enumerate(ctx.worker_ids) if worker_id not in details),
             key=lambda i: load_floor(loads[i], ctx.weights),
         )
-        idle = (Candidate(ctx.workers[i].worker_id, 0, 0, loads[i]) for i in idle_order)
+        idle = (Candidate(ctx.worker_ids[i], 0, 0, loads[i]) for i in idle_order)
         routing_request = RoutingRequest(
             prompt_pages=len(keys), prompt_tokens=request.input_length,
             page_size=ctx.page_size,
@@ -86,10 +91,13 @@ class ProductionRouter:
         confirmed = detail.confirmed_pages if detail is not None else 0
         if confirmed < len(keys):
             ctx.index.add_pending(decision.worker_id, keys[confirmed:])
-        return self._position[decision.worker_id]
+        position = self._position[decision.worker_id]
+        cached_tokens = min(confirmed * ctx.page_size, request.input_length)
+        ctx.coordinator.routed(position, request.input_length, cached_tokens)
+        return position
 
     def on_prefill_done(self, worker: int, job: Job) -> None:
-        """Nothing: the production router reads loads and the index, it keeps no books."""
+        """Nothing: the coordinator learns of it from the worker's heartbeats."""
 
     def on_finished(self, worker: int, job: Job) -> None:
         """Nothing, as ``on_prefill_done``."""

@@ -1,20 +1,16 @@
-"""``simulate``: load a trace, hash it once, compute the bounds, run each policy."""
+"""``simulate``: load a trace, hash it once, compute the bounds, run each policy per seed."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from coordinator.hashing import HashConfig, Namespace, PageHasher
-from kvcoord.simulate.engine import (
-    ROUTERS,
-    SimConfig,
-    check_policies,
-    infinite_bound,
-    pooled_bound,
-    run_policy,
-)
+from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS
+from kvcoord.simulate.bounds import infinite_bound, pooled_bound
+from kvcoord.simulate.engine import ROUTERS, SimConfig, check_policies, run_policy
 from kvcoord.simulate.report import SimulationReport
 from kvcoord.simulate.trace import BLOCK_TOKENS, load_trace, trace_page_keys
 
@@ -26,7 +22,8 @@ DEFAULT_PAGE_SIZE = BLOCK_TOKENS
 # Any fixed key gives the same hit ratios; the simulator's keys never leave the process.
 _SIM_HASH_KEY = b"kvcoord.simulate.fixed-key.v1...."
 
-# (policy name, requests in the run) -> a callback given how many more requests are done.
+DEFAULT_SEEDS = 3  # the fewest the README's comparison rule accepts
+# (phase label, requests in the run) -> a callback given how many more requests are done.
 PhaseProgress = Callable[[str, int], Callable[[int], None]]
 
 
@@ -39,32 +36,54 @@ def simulate(
     page_size: int = DEFAULT_PAGE_SIZE,
     limit: int | None = None,
     seed: int = 0,
+    seeds: int = DEFAULT_SEEDS,
+    arrival_jitter_ms: float = ARRIVAL_JITTER_MS,
     progress: PhaseProgress | None = None,
 ) -> SimulationReport:
-    """Run every policy in ``policies`` over the trace (its first ``limit`` requests).
+    """Run every policy in ``policies`` over the trace (its first ``limit`` requests) under
+    each of the ``seeds`` seeds ``seed, seed + 1, ...`` (a seed jitters the arrivals by up to
+    ``arrival_jitter_ms`` and breaks ties).
 
     All arguments are checked before the trace is read (ValueError); trace problems raise
-    ``TraceError`` (a ValueError naming the line). ``progress(policy, requests)`` is called
-    as each policy's run starts and returns a callback told how many more requests are done.
+    ``TraceError`` (a ValueError naming the line). ``progress(label, requests)`` is called
+    as each (policy, seed) run starts and returns a callback told how many more requests are
+    done.
     """
     names = check_policies(policies)
     if not names:
         raise ValueError("no policy to simulate")
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
     started = time.monotonic()
     hasher = PageHasher(HashConfig(_SIM_HASH_KEY, page_size=page_size))
     namespace = Namespace(model="simulate", page_size=page_size)
-    config = SimConfig(workers, capacity_tokens, hasher, namespace, seed=seed)
+    config = SimConfig(workers, capacity_tokens, hasher, namespace,
+                       arrival_jitter_ms=arrival_jitter_ms)
     requests = load_trace(trace, limit)
     keys = trace_page_keys(requests, hasher, namespace)
     infinite = infinite_bound(requests, keys, page_size)
-    pooled = pooled_bound(requests, keys, config)
+    pooled = pooled_bound(requests, keys, config.pages_per_worker * workers, hasher, namespace)
+    run_seeds = tuple(range(seed, seed + seeds))
     runs = {
-        name: run_policy(name, requests, keys, config,
-                         progress(name, len(requests)) if progress is not None else None)
+        name: tuple(
+            run_policy(name, requests, keys, config, s,
+                       progress(f"{name} seed {s}", len(requests))
+                       if progress is not None else None)
+            for s in run_seeds
+        )
         for name in names
     }
     return SimulationReport(
-        trace=str(trace), workers=workers, capacity_tokens=capacity_tokens,
-        page_size=page_size, requests=len(requests), seed=seed, infinite=infinite,
+        trace=str(trace), trace_sha256=_sha256(trace), workers=workers,
+        capacity_tokens=capacity_tokens, page_size=page_size, requests=len(requests),
+        seeds=run_seeds, arrival_jitter_ms=arrival_jitter_ms, infinite=infinite,
         pooled=pooled, runs=runs, elapsed_s=time.monotonic() - started,
     )
+
+
+def _sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
