@@ -73,6 +73,11 @@ class CoordinatorConfig:
     """retry-after-ms told to routes refused while an update drains."""
     policy_poll_ms: int = 250
     """How often watchers re-read the store for changes made through other replicas."""
+    policy_stale_ms: int | None = None
+    """A replica that has not read the policy state from the store for this long refuses
+    Route and RouteBatch (UNAVAILABLE, retry-after-ms): it may have missed a commit. Unset =
+    one lease (``lease_ms``). The state is re-read every ``policy_poll_ms`` or a quarter of
+    this, whichever is shorter."""
     max_rollouts: int = 1_000_000
     """Rollout records kept in the stream (older ones are trimmed)."""
     replication: bool = True
@@ -128,6 +133,8 @@ class CoordinatorConfig:
             raise ConfigError(
                 "drop_grace_ms, hash_cache_pages, max_staleness and route_wait_ms must be >= 0"
             )
+        if self.policy_stale_ms is not None and self.policy_stale_ms <= 0:
+            raise ConfigError(f"policy_stale_ms must be > 0, got {self.policy_stale_ms}")
         if self.heartbeat_ms >= self.lease_ms:
             raise ConfigError(
                 f"heartbeat_ms ({self.heartbeat_ms}) must be below lease_ms ({self.lease_ms})"
@@ -180,6 +187,18 @@ class CoordinatorConfig:
             self.kv_weights()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+    @property
+    def policy_stale_s(self) -> float:
+        """``policy_stale_ms`` in seconds, one lease when unset."""
+        stale_ms = self.lease_ms if self.policy_stale_ms is None else self.policy_stale_ms
+        return stale_ms / 1000
+
+    @property
+    def policy_read_s(self) -> float:
+        """How often the policy state is re-read: ``policy_poll_ms``, or a quarter of
+        ``policy_stale_ms`` when that is shorter (three reads may fail before routes stop)."""
+        return min(self.policy_poll_ms / 1000, self.policy_stale_s / 4)
 
     def kv_weights(self) -> KvAwareWeights:
         """The kv_aware routing weights of this configuration."""

@@ -69,6 +69,9 @@ class _StateCollector(Collector):
             ("kvcoord_sync_events_applied", "Page events applied from workers",
              s.events_applied),
             ("kvcoord_sync_resyncs", "Resync requests sent to workers", s.resyncs),
+            ("kvcoord_policy_version_restored",
+             "Times the store's policy state was found behind what this coordinator had seen "
+             "(data lost) and restored", self._service.updates.restores),
         ]
         if s.replica_id:
             counters += [

@@ -22,8 +22,9 @@ import structlog
 
 from coordinator import policy
 from coordinator.config import CoordinatorConfig
-from coordinator.errors import Aborted
+from coordinator.errors import Aborted, FailedPrecondition, Unavailable
 from coordinator.fleet import Fleet, WorkerSession, WorkerStatus
+from coordinator.high_water import HighWater
 from coordinator.sessions import Command, WorkerSessions
 from coordinator.store import MetadataStore, PolicyRecord, StoreUnavailable
 
@@ -56,6 +57,7 @@ class PolicyUpdates:
     def __init__(
         self, *, config: CoordinatorConfig, store: MetadataStore, fleet: Fleet,
         sessions: WorkerSessions, clock: Callable[[], float] = time.monotonic,
+        high_water: HighWater | None = None,
     ) -> None:
         self._config = config
         self._store = store
@@ -63,6 +65,12 @@ class PolicyUpdates:
         self._sessions = sessions
         self._clock = clock
         self.record = PolicyRecord()
+        self.high_water = high_water or HighWater()
+        self.restores = 0  # times the store was found behind the high-water mark and restored
+        self._restored_at: float | None = None  # clock of the last restore
+        # Clock at the start of the newest successful read of the stored state: routes are
+        # refused once it is older than policy_stale_ms (see ``check_fresh``).
+        self.read_at = clock()
         self._changed = asyncio.Event()  # replaced (set, then renewed) on every change
         self._rolling: asyncio.Task[None] | None = None
         # target version -> worker -> last stage seen here ("member", "drained", "applied"): the
@@ -92,8 +100,78 @@ class PolicyUpdates:
 
     async def refresh(self) -> PolicyRecord:
         """Re-read the store (the truth shared by every replica)."""
-        self._set(await self._store.get_policy())
+        self._set(await self._read())
         return self.record
+
+    async def _read(self) -> PolicyRecord:
+        """The stored state, never behind the high-water mark: a store that went back (it lost
+        data) is restored first (``_restore``). Every read goes through here: it is what keeps
+        this replica fresh (``check_fresh``) and what catches a store that forgot."""
+        for _ in range(_CAS_ATTEMPTS):
+            started = self._clock()
+            stored = await self._store.get_policy()
+            if self.high_water.behind(stored):
+                restored = await self._restore(stored)
+                if restored is None:
+                    continue  # the store changed meanwhile (or the read was an old one)
+                stored = restored
+            self.high_water.saw(stored)
+            self.read_at = max(self.read_at, started)
+            return stored
+        raise Aborted("the policy state kept changing under concurrent updates: retry")
+
+    async def _restore(self, stored: PolicyRecord) -> PolicyRecord | None:
+        """Write the high-water state over ``stored`` by compare-and-set; None when the store
+        no longer holds ``stored``."""
+        restored = self.high_water.restoration(stored, self.record)
+        if not await self._store.restore_policy(stored, restored):
+            return None
+        self.restores += 1
+        self._restored_at = self._clock()
+        log.error(
+            "policy.version_restored", alarm=True, stored_version=stored.version,
+            stored_epoch=stored.epoch, restored_version=restored.version,
+            restored_phase=restored.phase.value, restored_target=restored.target_version,
+            restored_epoch=restored.epoch,
+            detail="the metadata store went back (data lost, or an old backup): restored the "
+            "highest policy state seen here; BeginPolicyUpdate is refused for one lease",
+        )
+        return restored
+
+    async def worker_reported(self, version: int) -> None:
+        """A worker (Register, heartbeat) has loaded ``version``. A version above every one
+        seen here is checked against the store at once, so nothing lower is answered again;
+        raises StoreUnavailable when the store cannot be read."""
+        if self.high_water.report(version):
+            log.warning("policy.version_reported_above_store", version=version,
+                        held=self.record.version)
+            await self.refresh()
+
+    def check_fresh(self) -> None:
+        """Unavailable (with a retry hint) when this replica has not read the policy state for
+        ``policy_stale_ms``: a commit may have happened that it has not seen, and a route it
+        answers could carry the old version."""
+        age = self._clock() - self.read_at
+        if age > self._config.policy_stale_s:
+            raise Unavailable(
+                f"this coordinator has not read the policy state for {age * 1000:.0f} ms "
+                f"(policy_stale_ms is {self._config.policy_stale_s * 1000:.0f}): the metadata "
+                "store is unreachable from here; retry, or another coordinator",
+                retry_after_ms=self._config.route_retry_ms,
+            )
+
+    def _check_not_restoring(self) -> None:
+        """FailedPrecondition within one lease of a restore: workers that have not reported
+        yet may hold a higher version than the restored one."""
+        if self._restored_at is None:
+            return
+        left = self._restored_at + self._config.lease_ms / 1000 - self._clock()
+        if left > 0:
+            raise FailedPrecondition(
+                f"the policy state was restored to version {self.high_water.version} after the "
+                "metadata store lost it; policy updates resume once every live worker has "
+                f"reported its version (one lease): retry in {left * 1000:.0f} ms"
+            )
 
     def servable_versions(self) -> range:
         return policy.servable_versions(self.record, self._config.max_staleness)
@@ -102,10 +180,11 @@ class PolicyUpdates:
         """Apply ``step`` to the stored record by compare-and-set, re-reading and re-validating
         on a lost race (so a stale caller gets ``Aborted`` from ``step``, never a double bump)."""
         for _ in range(_CAS_ATTEMPTS):
-            current = await self._store.get_policy()
+            current = await self._read()
             new = step(current)
             if await self._store.cas_policy(current, new):
                 written = replace(new, epoch=current.epoch + 1)
+                self.high_water.saw(written)
                 self._set(written)
                 return written
         raise Aborted("the policy state kept changing under concurrent updates: retry")
@@ -123,9 +202,12 @@ class PolicyUpdates:
     async def _begin(
         self, expected_version: int, mode: str, weights_uri: str, abort_running: bool
     ) -> PolicyRecord:
-        record = await self._cas(
-            lambda cur: policy.begin(cur, expected_version, mode, weights_uri)
-        )
+        def step(current: PolicyRecord) -> PolicyRecord:
+            self._check_not_restoring()  # checked after each read: the read may restore
+            return policy.begin(current, expected_version, mode, weights_uri)
+
+        self._check_not_restoring()
+        record = await self._cas(step)
         target = record.target_version
         assert target is not None  # begin always sets a target
         now = self._clock()
@@ -321,7 +403,7 @@ class PolicyUpdates:
         this replica's members the command their stage calls for, once each."""
         async with self._lock:
             old = self.record
-            new = await self._store.get_policy()
+            new = await self._read()
             if new.epoch < old.epoch:
                 return  # a read older than what we already hold
             self._set(new)

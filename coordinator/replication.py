@@ -378,19 +378,15 @@ class Replicator:
             self._wake.set()
 
     async def _announce_forever(self) -> None:
-        """Keep this replica listed as live, and catch policy changes whose event was lost."""
-        period = min(self._config.heartbeat_ms, self._config.policy_poll_ms) / 1000
-        next_announce = 0.0
+        """Keep this replica listed as live. (Policy changes whose event was lost are caught by
+        the service's periodic policy read, ``CoordinatorService._read_policy_forever``.)"""
+        period = self._config.heartbeat_ms / 1000
         while not self._stopping:
             await asyncio.sleep(period)
             try:
-                now = self._clock()
-                if now >= next_announce:
-                    await self._store.announce_replica(self.replica_id, self._config.lease_ms)
-                    self.live = await self._store.live_replicas()
-                    next_announce = now + self._config.heartbeat_ms / 1000
-                    await self._check_stream()
-                await self._updates.follow()
+                await self._store.announce_replica(self.replica_id, self._config.lease_ms)
+                self.live = await self._store.live_replicas()
+                await self._check_stream()
             except StoreUnavailable:
                 pass  # the tailer and publisher log the outage and recover from it
             except Exception:

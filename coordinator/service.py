@@ -18,6 +18,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.errors import NotFound
 from coordinator.fleet import Fleet, WorkerSession, WorkerStatus
 from coordinator.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig, PageHasher
+from coordinator.high_water import HighWater
 from coordinator.index import PrefixIndex
 from coordinator.policy_updates import PolicyUpdates
 from coordinator.replication import Replicator, default_replica_id
@@ -25,7 +26,7 @@ from coordinator.rollouts import RolloutLog
 from coordinator.routing import load_floor
 from coordinator.scheduling import Scheduler
 from coordinator.sessions import WorkerSessions
-from coordinator.store import MetadataStore, PolicyRecord, open_store
+from coordinator.store import MetadataStore, PolicyRecord, StoreUnavailable, open_store
 
 log = structlog.get_logger(__name__)
 
@@ -116,6 +117,9 @@ class CoordinatorService:
             weights=weights,
             max_inflight=config.max_inflight_per_worker,
         )
+        # What this process has seen of versions and incarnations: a store that forgets them
+        # (Redis without persistence, the embedded store after a restart) is caught by it.
+        high_water = HighWater()
         self.sessions = WorkerSessions(
             config=config,
             hash_config=self.hash_config,
@@ -125,10 +129,13 @@ class CoordinatorService:
             policy=lambda: self.updates.record,
             clock=clock,
             replica_id=config.replica_id or default_replica_id(),
+            high_water=high_water,
         )
         self.updates = PolicyUpdates(
-            config=config, store=store, fleet=self.fleet, sessions=self.sessions, clock=clock
+            config=config, store=store, fleet=self.fleet, sessions=self.sessions, clock=clock,
+            high_water=high_water,
         )
+        self.sessions.version_reported = self.updates.worker_reported
         self.replicator: Replicator | None = None
         if replicate:
             self.replicator = Replicator(
@@ -139,6 +146,7 @@ class CoordinatorService:
             self.updates.on_change = self.replicator.policy_changed
         self.rollouts = RolloutLog(store, maxlen=config.max_rollouts)
         self._reaper: asyncio.Task[None] | None = None
+        self._policy_reader: asyncio.Task[None] | None = None
         self._stopping = False
 
     @property
@@ -157,6 +165,13 @@ class CoordinatorService:
         kwargs.setdefault("replicate", config.redis is not None and config.replication)
         service = cls(config, store, **kwargs)  # type: ignore[arg-type]
         await service.updates.refresh()
+        if config.redis is None:
+            log.warning(
+                "coordinator.embedded_store_restarts",
+                detail="with the embedded store a restart forgets the rollout records (by "
+                "design: use --redis to keep them); the policy version and worker "
+                "incarnations are recovered from what reconnecting workers report",
+            )
         return service
 
     @property
@@ -168,6 +183,8 @@ class CoordinatorService:
         if self.replicator is not None:
             await self.replicator.start()
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvcoord-reaper")
+        self._policy_reader = asyncio.create_task(self._read_policy_forever(),
+                                                  name="kvcoord-policy-reader")
 
     async def wait_ready(self) -> None:
         """Return once this replica's index holds the other replicas' workers (or they did not
@@ -187,9 +204,11 @@ class CoordinatorService:
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.wait([self._reaper], timeout=2.0)
+        tasks = [t for t in (self._reaper, self._policy_reader) if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
         if self.replicator is not None:
             await self.replicator.flush()
             await self.replicator.stop()
@@ -204,6 +223,27 @@ class CoordinatorService:
                 await self.updates.expire()
             except Exception:  # the reaper must outlive any one bad pass
                 log.exception("reaper.failed")
+
+    async def _read_policy_forever(self) -> None:
+        """Re-read the policy state every ``policy_read_s``: changes made through other
+        replicas are followed, a store that went back is restored, and routes keep flowing
+        only while these reads succeed (``PolicyUpdates.check_fresh``)."""
+        interval = self.config.policy_read_s
+        failing = False
+        while not self._stopping:
+            await asyncio.sleep(interval)
+            try:
+                await self.updates.follow()
+                if failing:
+                    log.info("policy.read_recovered")
+                failing = False
+            except StoreUnavailable as exc:
+                if not failing:  # once per outage; routes stop after policy_stale_ms
+                    log.warning("policy.read_failed", error=str(exc),
+                                stale_after_ms=self.config.policy_stale_s * 1000)
+                failing = True
+            except Exception:  # the reader must outlive any one bad pass
+                log.exception("policy.read_crashed")
 
     async def refresh_policy(self) -> PolicyRecord:
         """Re-read the policy state from the store (the source of truth across replicas)."""

@@ -81,6 +81,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         check_protocol(request.protocol_version)
         prompt = self._prompt(request.prompt)
         await self._await_routable(request.scope, context)
+        self._service.updates.check_fresh()
         route = self._service.scheduler.route(
             prompt,
             self._scope(request.scope),
@@ -108,6 +109,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                   f"{self._config.max_batch_tokens} (max_batch_tokens)")
         prompts = [self._prompt(p, f"prompts[{i}]") for i, p in enumerate(request.prompts)]
         await self._await_routable(request.scope, context)
+        self._service.updates.check_fresh()
         batch = self._service.scheduler.route_batch(
             prompts,
             self._scope(request.scope),
@@ -320,7 +322,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.Stats:
         check_protocol(request.protocol_version)
-        return convert.stats_to_pb(self._service.stats())
+        stats = convert.stats_to_pb(self._service.stats())
+        if request.index_digest:
+            stats.index_digest = self._service.index.digest()
+        return stats
 
     async def Cordon(self, request: pb.CordonRequest, context: Context) -> pb.CordonResponse:
         check_protocol(request.protocol_version)

@@ -9,7 +9,7 @@ worker unroutable at once; its entries go after a grace period.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,6 +19,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.errors import DomainError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from coordinator.fleet import BatchVerdict, Fleet, WorkerSession
 from coordinator.hashing import HashConfig
+from coordinator.high_water import HighWater
 from coordinator.index import PrefixIndex, Tier
 from coordinator.routing import WorkerLoad
 from coordinator.store import MetadataStore, PolicyRecord, StoreUnavailable
@@ -157,6 +158,10 @@ class NoReplication:
         pass
 
 
+async def _ignore_version(version: int) -> None:
+    return None
+
+
 @dataclass(slots=True)
 class SyncCounters:
     events_applied: int = 0
@@ -184,9 +189,14 @@ class WorkerSessions:
         policy: Callable[[], PolicyRecord],
         clock: Callable[[], float],
         replica_id: str = "local",
+        high_water: HighWater | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.replication: ReplicationSink = NoReplication()
+        self.high_water = high_water or HighWater()
+        # Told the version a worker has loaded (Register, heartbeats) before it is answered:
+        # the policy side checks it against the store (``PolicyUpdates.worker_reported``).
+        self.version_reported: Callable[[int], Awaitable[None]] = _ignore_version
         self._config = config
         self._hash_config = hash_config
         self._index = index
@@ -234,6 +244,13 @@ class WorkerSessions:
             raise InvalidArgument(f"address must be HOST:PORT, got {req.address!r}")
         self._check_hash_config(req)
         cfg = self._config
+        # Before the answer: it names the version to serve, never one below what the worker
+        # already holds (the store may have forgotten it).
+        await self.version_reported(req.policy_version)
+        # Above every incarnation seen here too, should the store have lost its counter.
+        current = self._fleet.get(req.worker_id)
+        known = max(self.high_water.incarnation(req.worker_id),
+                    0 if current is None else current.incarnation)
         record = await self._store.register_worker(
             req.worker_id,
             address=req.address,
@@ -241,6 +258,7 @@ class WorkerSessions:
             external=req.external,
             lease_ms=cfg.lease_ms,
             info={"model": req.model or cfg.default_model, "total_pages": str(req.total_pages)},
+            min_incarnation=known + 1,
         )
         session = WorkerSession(
             worker_id=req.worker_id,
@@ -291,6 +309,7 @@ class WorkerSessions:
     def install(self, session: WorkerSession, reason: str) -> None:
         """Make ``session`` the worker's current one: an older incarnation's entries go, and
         its stream (if on this replica) ends with FAILED_PRECONDITION(reason)."""
+        self.high_water.saw_incarnation(session.worker_id, session.incarnation)
         if self._fleet.put(session) is not None:
             self._index.drop_worker(session.worker_id)
         self._detach(session.worker_id, reason)
@@ -331,6 +350,9 @@ class WorkerSessions:
         FAILED_PRECONDITION at once. ``close`` ends this stream the same way later; ``send``
         pushes a coordinator-initiated message (a policy command) onto it. Returns (session,
         stream id, replies)."""
+        # Kept even when refused: a worker a restarted coordinator forgot says here which
+        # incarnation it had, and its next registration must get a higher one.
+        self.high_water.saw_incarnation(worker_id, incarnation)
         session = self._fleet.require(worker_id, incarnation)
         stream_id = next(self._stream_ids)
         self._detach(worker_id, "superseded by a newer stream of the same worker")
@@ -463,6 +485,11 @@ class WorkerSessions:
                 "is gone (expired or superseded): re-register"
             )
         session.lease_deadline = self._clock() + cfg.lease_ms / 1000
+        try:
+            await self.version_reported(beat.policy_version)
+        except StoreUnavailable as exc:  # checked again at the next heartbeat or poll
+            log.warning("worker.version_not_checked", worker=session.worker_id,
+                        version=beat.policy_version, error=str(exc))
         session.report_load(beat.load, beat.completed_routes)
         if beat.policy_version != session.policy_version:
             # The worker says which weights it has loaded (after a LoadWeights, an APPLY, or a

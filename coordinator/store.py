@@ -130,10 +130,12 @@ class MetadataStore(Protocol):
         external: bool = False,
         lease_ms: int,
         info: Mapping[str, str] | None = None,
+        min_incarnation: int = 1,
     ) -> WorkerRecord:
         """Atomically: take the next incarnation (strictly larger than any before for this id,
-        even after the lease expired or a deregister), replace the worker's record, start its
-        lease of ``lease_ms`` and list it."""
+        even after the lease expired or a deregister, and at least ``min_incarnation``: the
+        caller's floor, for a store that forgot its counters), replace the worker's record,
+        start its lease of ``lease_ms`` and list it."""
         ...
 
     async def renew_lease(self, worker_id: str, incarnation: int, lease_ms: int) -> bool:
@@ -177,6 +179,12 @@ class MetadataStore(Protocol):
         ``new.epoch`` says. False, and no change, when the stored state differs. Raises
         ValueError, before touching the store, when ``new.version < expected.version``: the
         version never decreases."""
+        ...
+
+    async def restore_policy(self, expected: PolicyRecord, new: PolicyRecord) -> bool:
+        """Like ``cas_policy``, but ``new`` is written exactly, epoch included: for putting
+        back a state the store lost (``coordinator.high_water``). ValueError, before touching
+        the store, unless ``new`` is ahead of ``expected`` (version not lower, epoch higher)."""
         ...
 
     async def record_ack(self, version: int, worker_id: str, stage: str) -> None:
@@ -261,6 +269,20 @@ def check_policy_transition(expected: PolicyRecord, new: PolicyRecord) -> None:
         )
     if new.version < 0 or (new.target_version is not None and new.target_version < 0):
         raise ValueError("policy versions are non-negative")
+
+
+def check_policy_restore(expected: PolicyRecord, new: PolicyRecord) -> None:
+    check_policy_transition(expected, new)
+    if new.epoch <= expected.epoch:
+        raise ValueError(
+            f"a restored policy state must have a higher epoch: {expected.epoch} -> {new.epoch}"
+        )
+
+
+def check_min_incarnation(min_incarnation: int) -> int:
+    if min_incarnation < 1:
+        raise ValueError(f"min_incarnation must be >= 1, got {min_incarnation}")
+    return min_incarnation
 
 
 def split_worker_update(fields: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:

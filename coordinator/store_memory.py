@@ -25,7 +25,9 @@ from coordinator.store import (
     WorkerRecord,
     check_entry_fields,
     check_lease,
+    check_min_incarnation,
     check_namespace,
+    check_policy_restore,
     check_policy_transition,
     check_replica_id,
     check_stream,
@@ -105,10 +107,12 @@ class MemoryStore:
         external: bool = False,
         lease_ms: int,
         info: Mapping[str, str] | None = None,
+        min_incarnation: int = 1,
     ) -> WorkerRecord:
         check_worker_id(worker_id)
         check_lease(lease_ms)
-        incarnation = self._incarnations.get(worker_id, 0) + 1
+        check_min_incarnation(min_incarnation)
+        incarnation = max(self._incarnations.get(worker_id, 0) + 1, min_incarnation)
         self._incarnations[worker_id] = incarnation
         record = WorkerRecord(
             worker_id=worker_id,
@@ -171,6 +175,13 @@ class MemoryStore:
         if self._policy != expected:
             return False
         self._policy = dataclasses.replace(new, epoch=expected.epoch + 1)
+        return True
+
+    async def restore_policy(self, expected: PolicyRecord, new: PolicyRecord) -> bool:
+        check_policy_restore(expected, new)
+        if self._policy != expected:
+            return False
+        self._policy = new
         return True
 
     async def record_ack(self, version: int, worker_id: str, stage: str) -> None:

@@ -37,7 +37,9 @@ from coordinator.store import (
     WorkerRecord,
     check_entry_fields,
     check_lease,
+    check_min_incarnation,
     check_namespace,
+    check_policy_restore,
     check_policy_transition,
     check_replica_id,
     check_stream,
@@ -46,13 +48,18 @@ from coordinator.store import (
     split_worker_update,
 )
 
-# KEYS: incarnation counter, worker hash, workers set. ARGV: worker id, lease ms, field/value...
+# KEYS: incarnation counter, worker hash, workers set. ARGV: worker id, lease ms, minimum
+# incarnation, field/value...
 _REGISTER = """
 local incarnation = redis.call('INCR', KEYS[1])
+if incarnation < tonumber(ARGV[3]) then
+  incarnation = tonumber(ARGV[3])
+  redis.call('SET', KEYS[1], incarnation)
+end
 local now = redis.call('TIME')
 local ms = now[1] .. string.sub(string.format('%06d', tonumber(now[2])), 1, 3)
 redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], 'incarnation', incarnation, 'registered_at_ms', ms, unpack(ARGV, 3))
+redis.call('HSET', KEYS[2], 'incarnation', incarnation, 'registered_at_ms', ms, unpack(ARGV, 4))
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[1])
 return {incarnation, ms}
@@ -224,9 +231,11 @@ class RedisStore:
         external: bool = False,
         lease_ms: int,
         info: Mapping[str, str] | None = None,
+        min_incarnation: int = 1,
     ) -> WorkerRecord:
         check_worker_id(worker_id)
         check_lease(lease_ms)
+        check_min_incarnation(min_incarnation)
         fields = {
             "address": address,
             "policy_version": str(policy_version),
@@ -239,7 +248,8 @@ class RedisStore:
         ]
         with self._unavailable():
             incarnation, ms = await self._register(
-                keys=keys, args=[worker_id, str(lease_ms), *_flatten(fields)]
+                keys=keys, args=[worker_id, str(lease_ms), str(min_incarnation),
+                                 *_flatten(fields)]
             )
         stamped = {"incarnation": _str(incarnation), "registered_at_ms": _str(ms)}
         return _decode_worker(worker_id, fields | stamped)
@@ -309,7 +319,14 @@ class RedisStore:
 
     async def cas_policy(self, expected: PolicyRecord, new: PolicyRecord) -> bool:
         check_policy_transition(expected, new)
-        written = dataclasses.replace(new, epoch=expected.epoch + 1)
+        return await self._write_policy(expected, dataclasses.replace(new,
+                                                                      epoch=expected.epoch + 1))
+
+    async def restore_policy(self, expected: PolicyRecord, new: PolicyRecord) -> bool:
+        check_policy_restore(expected, new)
+        return await self._write_policy(expected, new)
+
+    async def _write_policy(self, expected: PolicyRecord, written: PolicyRecord) -> bool:
         args = [
             *_POLICY_FIELDS,
             *_encode_policy(expected),
