@@ -1,0 +1,115 @@
+"""A replica cut from Redis stops routing once it has not read the policy state for
+``policy_stale_ms``, so no route answered that long after a commit carries the old version;
+it routes again once Redis answers it (issue 14, part 3's rule).
+
+Two real coordinator replicas on one real redis-server; replica B logs in as its own Redis
+user, so disabling that user (``ACL SETUSER b off`` and ``CLIENT KILL USER b``) cuts B alone
+while the worker, replica A and the trainer keep their Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+import pytest
+import redis
+
+from coordinator.client import AsyncCoordinatorClient, KvcoordError
+from coordinator.server import RunningCoordinator
+from tests.coordinator_fixtures import eventually, running_coordinator, target
+from tests.redis_server import RedisServer, redis_server_available
+from worker.config import WorkerConfig
+from worker.server import RunningWorker, start_worker
+
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.skipif(not redis_server_available(), reason="redis-server not installed"),
+]
+
+PAGE = 4
+PROMPT = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 1, 2]
+STALE_MS = 600
+# Leases far longer than the test's cut: B's view of the worker stays routable throughout, so
+# only the staleness rule can make B refuse.
+KNOBS: dict[str, object] = {
+    "page_size": PAGE, "lease_ms": 20_000, "heartbeat_ms": 300, "policy_stale_ms": STALE_MS,
+    "barrier_timeout_ms": 5_000, "bootstrap_timeout_ms": 2_000,
+}
+
+
+@asynccontextmanager
+async def a_worker(coordinator: str) -> AsyncIterator[RunningWorker]:
+    running = await start_worker(WorkerConfig(
+        coordinator=coordinator, listen="127.0.0.1:0", pages=64, page_size=PAGE, device="cpu",
+        worker_id="w", max_new_tokens=4, backoff_max_ms=200,
+    ))
+    try:
+        await asyncio.wait_for(running.agent.synced.wait(), 10)
+        yield running
+    finally:
+        await running.stop(0.5)
+
+
+async def route_or_refusal(coordinator: RunningCoordinator) -> int | KvcoordError:
+    """The version a route is answered with, or the refusal."""
+    async with AsyncCoordinatorClient(target(coordinator), timeout=0.5) as client:
+        try:
+            return (await client.route(PROMPT)).policy_version
+        except KvcoordError as exc:
+            return exc
+
+
+def is_stale_refusal(answer: int | KvcoordError) -> bool:
+    return (isinstance(answer, KvcoordError) and answer.code == grpc.StatusCode.UNAVAILABLE
+            and "policy_stale_ms" in str(answer) and answer.retry_after_ms is not None)
+
+
+async def test_a_replica_cut_from_redis_refuses_routes_after_policy_stale_ms() -> None:
+    with RedisServer() as server, redis.Redis(port=server.port) as admin:
+        admin.execute_command("ACL", "SETUSER", "b", "on", ">b-secret", "~*", "&*", "+@all")
+        url_b = f"redis://b:b-secret@127.0.0.1:{server.port}/0"
+        async with running_coordinator(redis=server.url, replica_id="A", **KNOBS) as a, \
+                running_coordinator(redis=url_b, replica_id="B", **KNOBS) as b, \
+                a_worker(target(a)), AsyncCoordinatorClient(target(a)) as trainer:
+
+            async def b_routes_at(version: int) -> bool:
+                return await route_or_refusal(b) == version
+
+            await eventually(lambda: b_routes_at(0), timeout=10, what="B routing to A's worker")
+
+            admin.execute_command("ACL", "SETUSER", "b", "off")
+            admin.execute_command("CLIENT", "KILL", "USER", "b")
+            cut_at = time.monotonic()
+
+            async def b_refuses() -> bool:
+                return is_stale_refusal(await route_or_refusal(b))
+
+            await eventually(b_refuses, timeout=5, what="B refusing routes as stale")
+            assert time.monotonic() - cut_at < STALE_MS / 1000 + 3  # far below the lease
+            assert await route_or_refusal(a) == 0
+            async with AsyncCoordinatorClient(target(b), timeout=0.5) as client:
+                with pytest.raises(KvcoordError) as err:
+                    await client.route_batch([PROMPT, PROMPT])
+                assert is_stale_refusal(err.value)
+
+            # A sync update committed through A while B cannot read the policy state.
+            async with trainer.policy_update(0) as update:
+                pass
+            assert update.result is not None and update.result.acked_workers == ("w",)
+            committed_at = time.monotonic()
+            answers: list[tuple[float, str, int | KvcoordError]] = []
+            while time.monotonic() < committed_at + STALE_MS / 1000 + 1.0:
+                for name, replica in (("A", a), ("B", b)):
+                    answers.append((time.monotonic(), name, await route_or_refusal(replica)))
+                await asyncio.sleep(0.05)
+            late = [(name, answer) for at, name, answer in answers
+                    if at - committed_at > STALE_MS / 1000 and isinstance(answer, int)]
+            assert late and all(answer >= 1 for _, answer in late), late
+            assert all(is_stale_refusal(answer) for _, name, answer in answers if name == "B")
+
+            # Redis answers B again: it reads the committed state and routes under it.
+            admin.execute_command("ACL", "SETUSER", "b", "on")
+            await eventually(lambda: b_routes_at(1), timeout=10, what="B routing at version 1")
