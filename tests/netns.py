@@ -30,13 +30,26 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import IO
+from typing import IO, NoReturn
 
 import pytest
 
 SKIP_REASON = "network namespace tests need root and iproute2 (ip netns)"
 PREFIX = "10.251"
 STOP_GRACE_S = 5.0
+
+
+def in_ci() -> bool:
+    """True under CI (``CI=true``, as CI services and ``.ci/run``'s callers set it)."""
+    return os.environ.get("CI", "").strip().lower() in {"true", "1"}
+
+
+def unavailable(reason: str) -> NoReturn:
+    """A capability the namespace tests need is missing: skip the test, except under CI, where
+    they must run, so the missing capability fails it instead of hiding it."""
+    if in_ci():
+        pytest.fail(f"{reason} (CI=true: the namespace tests must run, not skip)")
+    pytest.skip(reason)
 
 
 class NetnsError(RuntimeError):
@@ -161,13 +174,13 @@ class Network:
 
     def open(self) -> None:
         if not sys.platform.startswith("linux") or shutil.which("ip") is None:
-            pytest.skip(f"{SKIP_REASON}: no `ip` command (apt-get install iproute2)")
+            unavailable(f"{SKIP_REASON}: no `ip` command (apt-get install iproute2)")
         if os.geteuid() != 0:
-            pytest.skip(f"{SKIP_REASON}: not running as root")
+            unavailable(f"{SKIP_REASON}: not running as root")
         probe = f"kvc-{self.uid}-probe"
         done = ip("netns", "add", probe, check=False)
         if done.returncode != 0:
-            pytest.skip(f"{SKIP_REASON}: `ip netns add` failed: {done.stderr.strip()}")
+            unavailable(f"{SKIP_REASON}: `ip netns add` failed: {done.stderr.strip()}")
         ip("netns", "del", probe, check=False)
         free = sorted(set(range(100, 250)) - _used_subnets())
         if not free:
