@@ -548,13 +548,15 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ("protocol_version",)
+    __slots__ = ("protocol_version", "index_digest")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_DIGEST_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
-    def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
+    index_digest: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., index_digest: _Optional[bool] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("protocol_version", "workers", "routable_workers", "index_keys", "index_entries", "pending_entries", "lookups", "routes", "prompt_tokens", "cached_tokens", "hit_ratio", "events_applied", "resyncs", "policy_version", "policy_phase", "store", "replica_id", "replicas", "replication_published", "replication_applied", "replication_lag_p50_ms", "replication_lag_p99_ms")
+    __slots__ = ("protocol_version", "workers", "routable_workers", "index_keys", "index_entries", "pending_entries", "lookups", "routes", "prompt_tokens", "cached_tokens", "hit_ratio", "events_applied", "resyncs", "policy_version", "policy_phase", "store", "replica_id", "replicas", "replication_published", "replication_applied", "replication_lag_p50_ms", "replication_lag_p99_ms", "index_digest")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ROUTABLE_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -577,6 +579,7 @@ class Stats(_message.Message):
     REPLICATION_APPLIED_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_LAG_P50_MS_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_LAG_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_DIGEST_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     workers: int
     routable_workers: int
@@ -599,7 +602,8 @@ class Stats(_message.Message):
     replication_applied: int
     replication_lag_p50_ms: float
     replication_lag_p99_ms: float
-    def __init__(self, protocol_version: _Optional[int] = ..., workers: _Optional[int] = ..., routable_workers: _Optional[int] = ..., index_keys: _Optional[int] = ..., index_entries: _Optional[int] = ..., pending_entries: _Optional[int] = ..., lookups: _Optional[int] = ..., routes: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., events_applied: _Optional[int] = ..., resyncs: _Optional[int] = ..., policy_version: _Optional[int] = ..., policy_phase: _Optional[_Union[PolicyPhase, str]] = ..., store: _Optional[str] = ..., replica_id: _Optional[str] = ..., replicas: _Optional[_Iterable[str]] = ..., replication_published: _Optional[int] = ..., replication_applied: _Optional[int] = ..., replication_lag_p50_ms: _Optional[float] = ..., replication_lag_p99_ms: _Optional[float] = ...) -> None: ...
+    index_digest: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., workers: _Optional[int] = ..., routable_workers: _Optional[int] = ..., index_keys: _Optional[int] = ..., index_entries: _Optional[int] = ..., pending_entries: _Optional[int] = ..., lookups: _Optional[int] = ..., routes: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., events_applied: _Optional[int] = ..., resyncs: _Optional[int] = ..., policy_version: _Optional[int] = ..., policy_phase: _Optional[_Union[PolicyPhase, str]] = ..., store: _Optional[str] = ..., replica_id: _Optional[str] = ..., replicas: _Optional[_Iterable[str]] = ..., replication_published: _Optional[int] = ..., replication_applied: _Optional[int] = ..., replication_lag_p50_ms: _Optional[float] = ..., replication_lag_p99_ms: _Optional[float] = ..., index_digest: _Optional[bytes] = ...) -> None: ...
 
 class CordonRequest(_message.Message):
     __slots__ = ("protocol_version", "worker_id", "cordoned")
