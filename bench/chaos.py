@@ -1,15 +1,24 @@
 """``make chaos``: faults injected, round after round, into the multi-host cluster of
 ``tests/multihost_cluster.py`` (Redis on ``db``, coordinator replicas ``c1`` and ``c2``, workers
-``w1``..``w3``, each in its own network namespace), and what the issue asks of each measured.
-Prints a table, each figure beside its target with a verdict, and writes
-``bench/results/chaos.json``: the definitions, every round and every raw sample. Needs root.
+``w1``..``w3``, each in its own network namespace), with generation running on every replica
+throughout, and what each fault kind does to the invariants and to availability. Prints a table,
+each figure beside its target with a verdict ("-" where nothing was at stake), and writes
+``chaos.json``: provenance, the definitions, every round and every raw sample.
 
-The faults and the rounds are ``bench/chaos_faults.py``; the thread that routes and looks up on
-every replica all along is ``bench/chaos_watch.py``. After the fault rounds, a scripted worker on
-c1 sends page events at a steady rate and c2's replication lag is read. ``DEFINITIONS`` (also in
-the JSON) says exactly what each figure is. Exit status 1 when a target is missed.
+The faults and the rounds are ``bench/chaos_faults.py`` (``chaos_round.py`` around them); the
+threads that route on each replica ``bench/chaos_watch.py``; generation and the rollout
+reconciliation ``bench/chaos_load.py``; after the rounds, ``bench/chaos_lag.py`` measures c2's
+replication lag under steady page events on c1. ``bench/chaos_report.py`` defines every figure.
 
-Run alone: ``python -m bench.chaos [--rounds N]`` from the repository root, as root.
+    python -m bench.chaos [--rounds N] [--out DIR]    # the full run (make chaos), as root
+    python -m bench.chaos --quick --out DIR           # one round of each fault, short lag phase
+
+Exit status: 1 when an invariant breaks (a stale route, a policy violation, a lost rollout
+record, replica digests differing, a round that could not finish or a crash) or, in a full run,
+a target is missed. A missing capability (not root, no ``ip``, ``redis-server`` or ``nft``) is
+a failure under CI (``CI=true``); otherwise the run is skipped with the reason printed (exit 0
+for ``--quick``, 2 for a full run, which someone asked for by name). Without ``nft`` outside
+CI, only the nftables faults are skipped.
 """
 
 from __future__ import annotations
@@ -19,7 +28,6 @@ import asyncio
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -29,162 +37,42 @@ from typing import Any
 
 import grpc
 
-from bench.chaos_faults import FAULTS, Chaos, Round, run_round, schedule
-from bench.chaos_watch import (
-    LOOKUP_EVERY_S,
-    ROUTE_EVERY_S,
-    STALE_SLACK_S,
-    Watch,
-    at_stake,
-    disagreements,
-    stale_routes,
+from bench.chaos_faults import FAULTS, nft_missing, run_round, schedule
+from bench.chaos_lag import LagProbeEnded, sustained_lag
+from bench.chaos_report import (
+    DEFINITIONS,
+    invariants_broken,
+    lag_rows,
+    summarize,
+    table_rows,
 )
+from bench.chaos_round import POLICY_STALE_S, Chaos, Round
+from bench.chaos_watch import STALE_SLACK_S
 from coordinator.client import KvcoordError
-from coordinator.hashing import DEV_HASH_KEY, HashConfig
 from coordinator.logs import configure_logging
-from coordinator.v1 import coordinator_pb2 as pb
-from kvcoord.scripted_worker import ScriptedWorker
+from kvcoord.provenance import provenance
 from kvcoord.tables import render_table
-from tests.multihost_cluster import (
-    LAG_BOUND_S,
-    LEASE_S,
-    PAGE,
-    REPLICAS,
-    Cluster,
-    running_cluster,
-)
+from tests.multihost_cluster import LAG_BOUND_S, LEASE_S, PAGE, REPLICAS, running_cluster
 
-OUT = Path(__file__).resolve().parent / "results" / "chaos.json"
+OUT_DIR = Path(__file__).resolve().parent / "results"
 LAG_RATE = 250  # page-event batches per second, from one scripted worker on c1
-LAG_KEYS = 4  # pages per batch
 LAG_SECONDS = 18.0  # at LAG_RATE, more events than c2's lag window (4096) holds
-LAG_WINDOW = 4096  # coordinator.replication._LAG_SAMPLES: the quantiles' window
-LAG_TARGET_MS = LEASE_S * 1000 / 10  # remote leases are renewed by events: stay far below one
-
-DEFINITIONS = {
-    "recovery_s": (
-        "seconds from the end of the fault (the killed worker restarted, the link healed, "
-        "Redis restarted, the killed replica started again; for kill_replica the kill itself, "
-        "since the survivor must take over unaided) to the first moment the fleet is whole: "
-        "on every serving replica all three workers READY at the current policy version and "
-        "attached to a serving replica, and Lookup of every probe prompt answering the "
-        "holdings noted before the fault (less a killed worker's pages, which died with it; "
-        "none after a policy update, whose new version no page was computed under). Every "
-        "replica answering those same holdings means they agree, too."),
-    "stale_routes": (
-        f"routes (round robin, each serving replica every {ROUTE_EVERY_S:g} s) naming a worker "
-        f"that was killed, cut off or partitioned more than its lease + {STALE_SLACK_S:g} s "
-        "(replication lag and scheduling slack) before the route was sent, and not yet "
-        "restarted or healed; 'at stake': every route answered while some worker was in that "
-        "state (0 at stake: the fault left no worker to route to wrongly)"),
-    "lost_rollouts": (
-        "rollout records read back before the fault (the round's own generations included) "
-        "missing or changed when read back after recovery; 'checked': those records, summed "
-        "over the rounds"),
-    "disagreements": (
-        f"episodes in which the serving replicas' Lookups of the probe prompts (sampled every "
-        f"{LOOKUP_EVERY_S:g} s) differed for longer than the lag bound, {LAG_BOUND_S:g} s, "
-        "outside a Redis outage (when replicas cannot hear each other)"),
-    "lag_p99_ms": (
-        "replication_lag_p99_ms (publish on c1 to apply on c2, wall clocks of one machine) "
-        "from c2's GetStats after a scripted worker on c1 sent page-event batches at a steady "
-        f"rate for long enough that c2's quantile window (its last {LAG_WINDOW} applied "
-        "events) holds that load only"),
-}
+QUICK_LAG_SECONDS = 2.0  # exercises the phase; too short to fill the window, so not judged
 
 
-# ---------------------------------------------------------------------- sustained lag
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in {"true", "1"}
 
 
-async def sustained_lag(cluster: Cluster, rate: int, seconds: float) -> dict[str, Any]:
-    """A scripted worker registers on c1 and sends ``rate`` batches/s of ``LAG_KEYS`` fresh
-    pages for ``seconds``; c2's replication stats are sampled every second."""
-    probe = ScriptedWorker(cluster.target("c1"), "lag-probe",
-                           hash_config=HashConfig(DEV_HASH_KEY, page_size=PAGE))
-    await probe.start()
-    observer = cluster.client("c2")
-    tasks: list[asyncio.Task[None]] = []
-
-    async def acks() -> None:
-        while True:
-            await probe.next_message(timeout=3600)
-
-    try:
-        tasks = [asyncio.create_task(acks())]
-        first = await asyncio.to_thread(observer.stats)
-        loop = asyncio.get_running_loop()
-        start, sent, samples, next_sample, next_beat = loop.time(), 0, [], 1.0, 0.0
-        # One writer: grpc.aio refuses a second write while one is in flight.
-        while (elapsed := loop.time() - start) < seconds:
-            if elapsed >= next_beat:
-                next_beat += 0.3  # the cluster's heartbeat period: the probe's lease holds
-                await probe.heartbeat()
-            while sent < int(elapsed * rate) + 1:
-                keys = b"".join(os.urandom(16) for _ in range(LAG_KEYS))
-                await probe.send_events([pb.PageEvent(kind=pb.PageEvent.KIND_STORED,
-                                                      page_keys=keys, tier=pb.TIER_GPU)])
-                sent += 1
-            if elapsed >= next_sample:
-                next_sample += 1.0
-                stats = await asyncio.to_thread(observer.stats)
-                samples.append({"t_s": round(elapsed, 2), "applied": stats.replication_applied,
-                                "lag_p50_ms": stats.replication_lag_p50_ms,
-                                "lag_p99_ms": stats.replication_lag_p99_ms})
-            await asyncio.sleep(1 / rate)
-        took = loop.time() - start
-        await asyncio.sleep(0.5)  # the last batches applied
-        last = await asyncio.to_thread(observer.stats)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await probe.close()
-        observer.close()
-    applied = last.replication_applied - first.replication_applied
-    return {
-        "rate_batches_per_s": rate, "pages_per_batch": LAG_KEYS, "seconds": seconds,
-        "sent_batches": sent, "sent_per_s": sent / took, "applied_on_c2": applied,
-        "window_holds_only_this_load": applied >= LAG_WINDOW,
-        "lag_p50_ms": last.replication_lag_p50_ms, "lag_p99_ms": last.replication_lag_p99_ms,
-        "lag_p99_ms_before": first.replication_lag_p99_ms, "samples": samples,
-    }
-
-
-# ---------------------------------------------------------------------- report
-
-
-def summarize(rounds: list[Round], watch: Watch, began: float) -> dict[str, dict[str, Any]]:
-    """Per fault kind, the figures of the table and the samples behind them (times in seconds
-    since the run began)."""
-    out: dict[str, dict[str, Any]] = {}
-    for kind, fault in FAULTS.items():
-        mine = [r for r in rounds if r.kind == kind]
-        if not mine:
-            continue
-        recovery = [s for r in mine if (s := r.recovery_s) is not None]
-        stale = [s for r in mine for s in stale_routes(watch.routes, watch.down, r.began, r.ended)]
-        episodes = [e for r in mine for e in disagreements(watch.lookups, watch.no_replication,
-                                                          r.began, r.ended, LAG_BOUND_S)]
-        out[kind] = {
-            "label": fault.label, "rounds": len(mine),
-            "recovered": len(recovery), "errors": [r.error for r in mine if r.error],
-            "recovery_s_p50": statistics.median(recovery) if recovery else None,
-            "recovery_s_max": max(recovery) if recovery else None,
-            "recovery_target_s": fault.recovery_target_s, "recovery_target_why": fault.why,
-            "stale_routes": len(stale),
-            "routes_at_stake": sum(len(at_stake(watch.routes, watch.down, r.began, r.ended))
-                                   for r in mine),
-            "stale_route_samples": [{**asdict(s), "sent": round(s.sent - began, 3)}
-                                    for s in stale],
-            "lost_rollouts": sum(len(r.rollouts_lost) for r in mine),
-            "checked_rollouts": sum(r.rollouts_checked for r in mine),
-            "disagreements": len(episodes),
-            "disagreement_episodes": [{**asdict(e), "since": round(e.since - began, 3)}
-                                      for e in episodes],
-            "route_errors": sum(1 for s in watch.routes if s.worker_id is None
-                                and any(r.began <= s.sent < r.ended for r in mine)),
-        }
-    return out
+def _preflight() -> str | None:
+    """Why this machine cannot run chaos at all, or None."""
+    if not sys.platform.startswith("linux") or shutil.which("ip") is None:
+        return "needs Linux with iproute2 (`ip netns`)"
+    if os.geteuid() != 0:
+        return "needs root (network namespaces): run `sudo make chaos`"
+    if shutil.which("redis-server") is None:
+        return "needs redis-server on PATH (apt-get install redis-server)"
+    return None
 
 
 def _round_json(rnd: Round, began: float) -> dict[str, Any]:
@@ -196,104 +84,93 @@ def _round_json(rnd: Round, began: float) -> dict[str, Any]:
     return out
 
 
-def _samples_json(watch: Watch, began: float) -> dict[str, Any]:
-    """Every route sample as ``[t, replica, worker or null, error]`` (t: seconds since the run
-    began, when the request was sent), every Lookup sample in which the replicas differed, and
-    how many were taken in all."""
-    differing = [{"t": round(s.sent - began, 3), "answers": s.answers} for s in watch.lookups
-                 if len({repr(a) for a in s.answers.values()}) > 1]
+def _samples_json(chaos: Chaos, began: float) -> dict[str, Any]:
+    """Every route sample as ``[t, replica, worker or null, version or null, error]`` and
+    every generation as ``[t sent, t answered, replica, rollout id, worker, route version,
+    version, error]`` (t: seconds since the run began), and every commit."""
+    def t(x: float) -> float:
+        return round(x - began, 3)
     return {
-        "routes": [[round(s.sent - began, 3), s.replica, s.worker_id, s.error]
-                   for s in watch.routes],
-        "lookup_samples": len(watch.lookups), "lookups_differing": differing,
+        "routes": [[t(s.sent), s.replica, s.worker_id, s.version, s.error]
+                   for s in chaos.watch.routes],
+        "generations": [[t(g.sent), t(g.answered), g.replica, g.rollout_id, g.worker_id,
+                         g.route_version, g.version, g.error] for g in chaos.load.generations],
+        "commits": [{**asdict(c), "begun": t(c.begun), "returned": t(c.returned)}
+                    for c in chaos.watch.commits],
     }
 
 
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
-
-
-def table_rows(summary: dict[str, dict[str, Any]], lag: dict[str, Any] | None) -> list[list[str]]:
-    rows = []
-    for kind in summary.values():
-        label, rounds = kind["label"], kind["rounds"]
-        if kind["recovered"]:
-            value = f"{kind['recovery_s_p50']:.2f} / {kind['recovery_s_max']:.2f}"
-        else:
-            value = "never"
-        recovered = kind["recovered"] == rounds and not kind["errors"]
-        rows += [
-            [label, f"recovery s, p50 / max ({kind['recovered']}/{rounds} rounds)", value,
-             f"max <= {kind['recovery_target_s']:.1f}",
-             _verdict(recovered and kind["recovery_s_max"] <= kind["recovery_target_s"])],
-            [label, "stale routes, of routes at stake",
-             f"{kind['stale_routes']} of {kind['routes_at_stake']}", "0",
-             _verdict(kind["stale_routes"] == 0)],
-            [label, "lost acked rollouts, of checked", f"{kind['lost_rollouts']} of "
-             f"{kind['checked_rollouts']}", "0", _verdict(kind["lost_rollouts"] == 0)],
-            [label, f"lookup disagreement > {LAG_BOUND_S:g} s", str(kind["disagreements"]), "0",
-             _verdict(kind["disagreements"] == 0)],
-        ]
-    if lag is not None:
-        rate = f"{lag['sent_per_s']:.0f} batches/s x {lag['pages_per_batch']} pages"
-        mixed = "" if lag["window_holds_only_this_load"] else " (window mixed: run longer)"
-        rows.append([f"steady events on c1 ({rate})", f"replication lag p99 on c2, ms{mixed}",
-                     f"{lag['lag_p99_ms']:.1f}", f"<= {LAG_TARGET_MS:.0f}",
-                     _verdict(lag["window_holds_only_this_load"]
-                              and lag["lag_p99_ms"] <= LAG_TARGET_MS)])
-        rows.append([f"steady events on c1 ({rate})", "replication lag p50 on c2, ms",
-                     f"{lag['lag_p50_ms']:.1f}", "-", "-"])
-    return rows
-
-
-def _preflight() -> str | None:
-    if not sys.platform.startswith("linux") or shutil.which("ip") is None:
-        return "needs Linux with iproute2 (`ip netns`)"
-    if os.geteuid() != 0:
-        return "needs root (network namespaces): run `sudo make chaos`"
-    if shutil.which("redis-server") is None:
-        return "needs redis-server on PATH (apt-get install redis-server)"
-    return None
+def _run_rounds(chaos: Chaos, plan: list[tuple[str, int]]) -> list[Round]:
+    rounds: list[Round] = []
+    for kind, index in plan:
+        rnd = run_round(chaos, kind, index)
+        rounds.append(rnd)
+        recovery = "-" if rnd.recovery_s is None else f"{rnd.recovery_s:.2f} s"
+        print(f"  {kind:<17} #{index} victim {rnd.victim:<3} recovery {recovery}"
+              + (f"  ERROR {rnd.error}" if rnd.error else ""), flush=True)
+        if rnd.error:
+            break  # the fleet is not whole: later rounds would measure the wreck
+    return rounds
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split(
-        "\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos",
+                                     description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each fault kind")
+    parser.add_argument("--quick", action="store_true",
+                        help="one round of each fault, a short lag phase (the CI smoke run)")
     parser.add_argument("--lag-rate", type=int, default=LAG_RATE, help="batches/s on c1")
-    parser.add_argument("--lag-seconds", type=float, default=LAG_SECONDS)
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--lag-seconds", type=float, default=None)
+    parser.add_argument("--out", type=Path, default=OUT_DIR,
+                        help="directory for chaos.json (default bench/results/), or a "
+                             "path ending in .json")
     args = parser.parse_args(argv)
-    problem = _preflight()
+    rounds_each = 1 if args.quick else args.rounds
+    lag_seconds = args.lag_seconds or (QUICK_LAG_SECONDS if args.quick else LAG_SECONDS)
+    problem = _preflight() or (nft_missing() if _in_ci() else None)
     if problem:
-        print(f"chaos: {problem}", file=sys.stderr)
-        return 2
+        if _in_ci():
+            print(f"chaos: FAILED: {problem} (CI=true: chaos must run)", file=sys.stderr)
+            return 1
+        print(f"chaos: skipped: {problem}", file=sys.stderr)
+        return 0 if args.quick else 2
+    kinds = list(FAULTS)
+    if (no_nft := nft_missing()) is not None:
+        kinds = [k for k in kinds if not FAULTS[k].needs_nft]
+        print(f"chaos: skipping the nftables faults: {no_nft}", file=sys.stderr)
+    (args.out.parent if args.out.suffix == ".json" else args.out).mkdir(parents=True,
+                                                                        exist_ok=True)
     configure_logging("error")  # the SDK's hashing warning; the fleet logs to files
     logs = Path(tempfile.mkdtemp(prefix="kvcoord-chaos-logs-"))
     began = time.monotonic()
     rounds: list[Round] = []
     lag: dict[str, Any] | None = None
+    crash: str | None = None
     with running_cluster(logs) as cluster:
         chaos = Chaos(cluster)
         chaos.watch.start()
+        chaos.load.start()
         try:
-            for kind, index in schedule(args.rounds):
-                rnd = run_round(chaos, kind, index)
-                rounds.append(rnd)
-                recovery = "-" if rnd.recovery_s is None else f"{rnd.recovery_s:.2f} s"
-                print(f"  {kind:<17} #{index} victim {rnd.victim:<3} recovery {recovery}"
-                      + (f"  ERROR {rnd.error}" if rnd.error else ""), flush=True)
-                if rnd.error:
-                    break  # the fleet is not whole: later rounds would measure the wreck
+            # One healthy update first: from then on every route is checked for its version.
+            warmup = chaos.update(0)
+            print(f"  warm-up sync update 0 -> {warmup.version}", flush=True)
+            rounds = _run_rounds(chaos, schedule(rounds_each, kinds))
+        except (KvcoordError, AssertionError) as exc:
+            crash = f"warm-up update: {type(exc).__name__}: {exc}"
         finally:
+            chaos.load.stop()
             chaos.watch.stop()
-        if not any(r.error for r in rounds):
+        if crash is None and not any(r.error for r in rounds):
             try:
-                lag = asyncio.run(sustained_lag(cluster, args.lag_rate, args.lag_seconds))
-            except (grpc.RpcError, KvcoordError, EOFError, TimeoutError) as exc:
-                print(f"  sustained lag: ERROR {type(exc).__name__}: {exc}", flush=True)
-    summary = summarize(rounds, chaos.watch, began)
-    rows = table_rows(summary, lag)
+                lag = asyncio.run(sustained_lag(cluster.target("c1"), cluster.target("c2"),
+                                                args.lag_rate, lag_seconds, page_size=PAGE))
+            except (LagProbeEnded, grpc.RpcError, KvcoordError, EOFError, TimeoutError) as exc:
+                crash = f"sustained lag: {type(exc).__name__}: {exc}"
+                print(f"  {crash}", flush=True)
+    summary = summarize(rounds, chaos.watch, chaos.load, began)
+    rows = table_rows(summary)
+    if lag is not None:
+        rows += lag_rows(lag, judged=not args.quick)
     # Redis keeps the stream across its restarts here (AOF, fsync always): a replica that
     # reports it lost re-publishes and re-asks every worker's snapshot for nothing.
     resnapshots = {r: (logs / f"{r}.log").read_text(errors="replace").count(
@@ -304,19 +181,26 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(render_table(["fault", "measure", "value", "target", "verdict"], rows))
     print("\n".join(f"\n{name}: {text}" for name, text in DEFINITIONS.items()))
+    broken = invariants_broken(summary) + ([crash] if crash else [])
     results = {
+        **provenance(),
         "definitions": DEFINITIONS, "summary": summary, "lag": lag,
-        "stream_lost_warnings": resnapshots,
+        "invariants_broken": broken, "stream_lost_warnings": resnapshots,
         "rounds": [_round_json(r, began) for r in rounds],
-        "config": {"rounds": args.rounds, "lease_s": LEASE_S, "lag_bound_s": LAG_BOUND_S,
-                   "stale_slack_s": STALE_SLACK_S, "cpus": os.cpu_count(),
-                   "wall_s": time.monotonic() - began, "logs": str(logs)},
-        "samples": _samples_json(chaos.watch, began),
+        "config": {"rounds": rounds_each, "quick": args.quick, "kinds": kinds,
+                   "lease_s": LEASE_S, "lag_bound_s": LAG_BOUND_S,
+                   "policy_stale_s": POLICY_STALE_S, "stale_slack_s": STALE_SLACK_S,
+                   "cpus": os.cpu_count(), "wall_s": time.monotonic() - began},
+        "samples": _samples_json(chaos, began),
     }
-    args.out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    print(f"\nwrote {args.out} ({time.monotonic() - began:.0f} s; fleet logs in {logs})")
-    missed = any(row[-1] == "MISSED" for row in rows) or any(r.error for r in rounds)
-    return 1 if missed or lag is None else 0
+    out = args.out if args.out.suffix == ".json" else args.out / "chaos.json"
+    out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    print(f"\nwrote {out} ({time.monotonic() - began:.0f} s; fleet logs in {logs})")
+    if broken:
+        print("chaos: invariants broken:\n  " + "\n  ".join(broken), file=sys.stderr)
+        return 1
+    missed = any(row[-1] == "MISSED" for row in rows)
+    return 1 if (missed and not args.quick) or lag is None else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
-"""The faults ``bench/chaos.py`` injects into the multi-host cluster, one ``Round`` at a time, and
-what each round observes (``Chaos``). ``DEFINITIONS`` says exactly what each figure is.
+"""The faults ``bench/chaos.py`` injects into the multi-host cluster, one ``Round`` at a time.
 
 Fault kinds (``FAULTS``); worker victims rotate over w1, w2, w3:
 
@@ -8,143 +7,39 @@ Fault kinds (``FAULTS``); worker victims rotate over w1, w2, w3:
 - ``kill_replica``: SIGKILL the replica owning most workers (the survivor must take them over);
 - ``restart_replica``: start the killed replica again under the same id (it bootstraps);
 - ``redis_restart``: SIGKILL Redis, restart it on the same data after a lease and a half second;
-- ``partition_update``: cut a worker, run a sync policy update (commit deadline 2 s), heal.
+- ``partition_update``: cut a worker, run a sync policy update (commit deadline 2 s), heal;
+- ``redis_cut_update``: nftables rules in c2 drop its traffic with Redis only (workers, c1 and
+  clients still reach it), a sync policy update runs through c1, and the cut lasts until routes
+  have been sampled past ``policy_stale_ms`` after the commit; then heal;
+- ``asymmetric``: a worker's packets to the replica holding its stream are dropped (nftables,
+  the worker's output hook); the replica's packets to it still arrive. Lease plus
+  ``PAST_LEASE_S``, then heal;
+- ``packet_loss``: ``LOSS_PERCENT`` % of the packets in and out of a worker's link dropped at
+  random (an nft ``numgen random`` rule) for two leases, then heal.
 
-A round first has every worker serve its probe prompt (two rollout records each) and notes the
-holdings the serving replicas agree on; then it injects the fault, ends it, and waits for the
-fleet to be whole again.
+A round (``run_round``) first has every worker serve its probe prompt (two rollout records each)
+and notes the holdings the serving replicas agree on; then generation starts on every replica
+(``bench/chaos_load.py``), the fault is injected and ended, the round waits for the fleet to be
+whole, pauses generation, compares the replicas' index digests and reads the rollouts back.
 """
 
 from __future__ import annotations
 
-import functools
+import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from bench.chaos_watch import Watch
-from coordinator.client import CoordinatorClient, KvcoordError, RolloutRecord
-from tests.multihost_cluster import (
-    LEASE_S,
-    REPLICAS,
-    WORKERS,
-    Cluster,
-    Holdings,
-    all_ready,
-    eventually,
-    holdings,
-    owners,
-    rollouts,
-    serve,
-    unroutable,
-)
+from bench.chaos_load import answered, reconcile
+from bench.chaos_round import POLICY_STALE_S, Chaos, Round
+from coordinator.client import KvcoordError
+from tests.multihost_cluster import LEASE_S, REPLICAS, WORKERS, Holdings, owners
+from tests.netns import NetnsError
 
 PAST_LEASE_S = 1.0  # how long a dead or cut worker stays so after its lease: routes are watched
 REDIS_DOWN_S = LEASE_S + 0.5  # longer than a lease, as in the tests
 COMMIT_DEADLINE_S = 2.0
-RECOVERY_TIMEOUT_S = 30.0
-
-
-@dataclass(slots=True)
-class Round:
-    """One fault injected and recovered from. Times are ``time.monotonic()``: ``began`` (before
-    the round's serving), ``fault_at`` (injected), ``repaired_at`` (the fault ended; None when
-    nothing is repaired), ``recovered_at`` (the fleet whole again; None if it never was within
-    ``RECOVERY_TIMEOUT_S``), ``ended``. ``error`` says why a round could not finish."""
-
-    kind: str
-    index: int
-    victim: str
-    began: float  # time.monotonic()
-    fault_at: float = 0.0
-    repaired_at: float | None = None
-    recovered_at: float | None = None
-    ended: float = 0.0
-    rollouts_checked: int = 0
-    rollouts_lost: list[str] = field(default_factory=list)
-    notes: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-
-    @property
-    def recovery_s(self) -> float | None:
-        if self.recovered_at is None:
-            return None
-        return self.recovered_at - (self.fault_at if self.repaired_at is None
-                                    else self.repaired_at)
-
-
-class Chaos:
-    """The cluster, the watch and the observations every round makes."""
-
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-        self.watch = Watch(cluster, frozenset(REPLICAS))
-
-    @property
-    def serving(self) -> list[str]:
-        return sorted(self.watch.serving)
-
-    def client(self) -> CoordinatorClient:
-        """A client of the serving replicas. Its first target is serving: the SDK's streaming
-        calls (``rollouts``) use the first target only."""
-        return self.cluster.client(*self.serving)
-
-    def prepare(self) -> tuple[int, Holdings, dict[str, RolloutRecord]]:
-        """Every worker serves its probe prompt; returns the policy version, the holdings the
-        serving replicas agree on, and the rollout records once the round's are in."""
-        with self.client() as client:
-            version = client.policy().version
-            agreed, records = serve(self.cluster, client, *WORKERS)
-            return version, agreed, records
-
-    def until_unroutable(self, worker_id: str, since: float) -> float:
-        """Seconds from ``since`` until no serving replica routes to or lists ``worker_id``."""
-        for replica in self.serving:
-            with self.cluster.client(replica, timeout=2.0) as client:
-                eventually(functools.partial(unroutable, client, worker_id),
-                           f"no route to {worker_id} on {replica}", LEASE_S + 2.0)
-        return time.monotonic() - since
-
-    def wait_whole(self, version: int, expected: Holdings) -> float:
-        """The time the fleet is whole (``bench.chaos.DEFINITIONS["recovery_s"]``) on every
-        serving replica; AssertionError with what each replica last answered if it never is."""
-        serving = self.serving
-        clients = {r: self.cluster.client(r, timeout=2.0) for r in serving}
-        seen: dict[str, object] = {}
-        whole_at: list[float] = []
-
-        def whole() -> bool:
-            for replica, client in clients.items():
-                try:
-                    state = (all_ready(client, version), owners(client), holdings(client))
-                except KvcoordError as exc:
-                    seen[replica] = exc.code.name
-                    return False
-                seen[replica] = state
-                if not (state[0] and set(state[1].values()) <= set(serving)
-                        and state[2] == expected):
-                    return False
-            whole_at.append(time.monotonic())
-            return True
-
-        try:
-            eventually(whole, "the fleet whole", RECOVERY_TIMEOUT_S)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}; expected {expected} at version {version}, "
-                                 f"last seen {seen}") from None
-        finally:
-            for client in clients.values():
-                client.close()
-        return whole_at[0]
-
-    def lost(self, before: dict[str, RolloutRecord]) -> list[str]:
-        with self.client() as client:
-            after = rollouts(client)
-        return sorted(k for k, record in before.items() if after.get(k) != record)
-
-
-# ---------------------------------------------------------------------- faults
+LOSS_PERCENT = 20
 
 Injector = Callable[[Chaos, Round, int, Holdings], tuple[int, Holdings]]
 """Inject the fault and end it; returns the policy version and holdings to recover to."""
@@ -157,6 +52,7 @@ def _hold_until(t: float) -> None:
 def kill_worker(chaos: Chaos, rnd: Round, version: int, expected: Holdings) -> tuple[int, Holdings]:
     rnd.fault_at = time.monotonic()
     chaos.cluster.kill_worker(rnd.victim)
+    chaos.watch.killed(rnd.victim, rnd.fault_at)
     chaos.watch.unreachable(rnd.victim, rnd.fault_at)
     rnd.notes["unroutable_s"] = chaos.until_unroutable(rnd.victim, rnd.fault_at)
     _hold_until(rnd.fault_at + LEASE_S + PAST_LEASE_S)
@@ -214,7 +110,6 @@ def redis_restart(chaos: Chaos, rnd: Round, version: int,
     finally:
         rnd.repaired_at = time.monotonic()
         chaos.cluster.redis.start()  # returns once it answers
-        chaos.watch.replication_down(rnd.fault_at, time.monotonic())
     return version, expected
 
 
@@ -225,9 +120,7 @@ def partition_update(chaos: Chaos, rnd: Round, version: int,
     host.link_down()
     chaos.watch.unreachable(rnd.victim, rnd.fault_at)
     try:
-        with chaos.client() as trainer:
-            trainer.begin_policy_update(version)
-            result = trainer.commit_policy_update(version + 1, timeout=COMMIT_DEADLINE_S)
+        result = chaos.update(version, deadline_s=COMMIT_DEADLINE_S)
         rnd.notes.update(acked=list(result.acked_workers), fenced=list(result.fenced_workers))
         others = tuple(w for w in WORKERS if w != rnd.victim)
         if (result.version, result.acked_workers, result.fenced_workers) != (
@@ -242,11 +135,68 @@ def partition_update(chaos: Chaos, rnd: Round, version: int,
     return version + 1, {p: {} for p in expected}
 
 
+def redis_cut_update(chaos: Chaos, rnd: Round, version: int,
+                     expected: Holdings) -> tuple[int, Holdings]:
+    with chaos.client() as client:
+        owned = list(owners(client).values())
+    # The replica holding the fewest streams is cut: it keeps answering routes from what it
+    # last read, the case policy_stale_ms exists for; the trainer and most workers are on the
+    # other one, so the update can commit.
+    cut = min(chaos.serving, key=lambda r: (owned.count(r), r != "c2"))
+    trainer = next(r for r in chaos.serving if r != cut)
+    rnd.victim = cut
+    db = chaos.cluster.redis.host.ip
+    host = chaos.cluster.net.hosts[cut]
+    rnd.fault_at = time.monotonic()
+    host.add_rules(inbound=[f"ip saddr {db} drop"], outbound=[f"ip daddr {db} drop"])
+    try:
+        result = chaos.update(version, trainer, deadline_s=COMMIT_DEADLINE_S)
+        rnd.notes.update(acked=list(result.acked_workers), fenced=list(result.fenced_workers))
+        if result.version != version + 1:
+            raise AssertionError(f"update to {version + 1} committed as {result}")
+        # Routes on the cut replica are sampled well past policy_stale_ms after the commit.
+        _hold_until(time.monotonic() + POLICY_STALE_S + PAST_LEASE_S)
+    finally:
+        rnd.repaired_at = time.monotonic()
+        host.clear_rules()
+    return version + 1, {p: {} for p in expected}
+
+
+def asymmetric(chaos: Chaos, rnd: Round, version: int, expected: Holdings) -> tuple[int, Holdings]:
+    with chaos.client() as client:
+        owner = owners(client)[rnd.victim]
+    host = chaos.cluster.workers[rnd.victim][0]
+    rnd.notes["dropped"] = f"{rnd.victim} -> {owner}"
+    rnd.fault_at = time.monotonic()
+    host.add_rules(outbound=[f"ip daddr {chaos.cluster.net.hosts[owner].ip} drop"])
+    try:
+        _hold_until(rnd.fault_at + LEASE_S + PAST_LEASE_S)
+    finally:
+        rnd.repaired_at = time.monotonic()
+        host.clear_rules()
+    return version, expected
+
+
+def packet_loss(chaos: Chaos, rnd: Round, version: int,
+                expected: Holdings) -> tuple[int, Holdings]:
+    host = chaos.cluster.workers[rnd.victim][0]
+    drop = f"numgen random mod 100 < {LOSS_PERCENT} drop"
+    rnd.fault_at = time.monotonic()
+    host.add_rules(inbound=[f'iifname "eth0" {drop}'], outbound=[f'oifname "eth0" {drop}'])
+    try:
+        _hold_until(rnd.fault_at + 2 * LEASE_S)
+    finally:
+        rnd.repaired_at = time.monotonic()
+        host.clear_rules()
+    return version, expected
+
+
 class Fault(NamedTuple):
     label: str
     inject: Injector
     recovery_target_s: float
     why: str  # where the target comes from
+    needs_nft: bool = False
 
 
 FAULTS = {
@@ -262,19 +212,39 @@ FAULTS = {
                            "re-register and re-publish within a lease after Redis is back"),
     "partition_update": Fault("worker partitioned in sync update", partition_update,
                               2 * LEASE_S, "re-register at the new version after the heal"),
+    "redis_cut_update": Fault("replica cut from Redis in sync update", redis_cut_update,
+                              2 * LEASE_S, "re-read the policy and re-attach within a lease",
+                              needs_nft=True),
+    "asymmetric": Fault("worker->owner packets dropped", asymmetric, 2 * LEASE_S,
+                        "re-attach within a lease after the heal", needs_nft=True),
+    "packet_loss": Fault(f"{LOSS_PERCENT}% packet loss on worker link", packet_loss,
+                         2 * LEASE_S, "TCP retransmits; a lapsed lease re-registers",
+                         needs_nft=True),
 }
 
 
-def schedule(rounds: int) -> list[tuple[str, int]]:
-    kinds = ["kill_worker"] * rounds + ["cut_worker"] * rounds
-    kinds += ["kill_replica", "restart_replica"] * rounds
-    kinds += ["redis_restart"] * rounds + ["partition_update"] * rounds
+def schedule(rounds: int, kinds: list[str] | None = None) -> list[tuple[str, int]]:
+    """``rounds`` of each kind, kind by kind (kill_replica and restart_replica alternate, as
+    the second restarts what the first killed)."""
+    order: list[str] = []
+    for kind in kinds or list(FAULTS):
+        if kind == "restart_replica":
+            continue
+        if kind == "kill_replica":
+            order += ["kill_replica", "restart_replica"] * rounds
+        else:
+            order += [kind] * rounds
     seen: dict[str, int] = {}
     out = []
-    for kind in kinds:
+    for kind in order:
         out.append((kind, seen.get(kind, 0)))
         seen[kind] = seen.get(kind, 0) + 1
     return out
+
+
+def nft_missing() -> str | None:
+    """Why the nftables faults cannot run here, or None."""
+    return None if shutil.which("nft") else "no `nft` command (apt-get install nftables)"
 
 
 def run_round(chaos: Chaos, kind: str, index: int) -> Round:
@@ -282,10 +252,20 @@ def run_round(chaos: Chaos, kind: str, index: int) -> Round:
     try:
         version, expected, before = chaos.prepare()
         rnd.rollouts_checked = len(before)
+        chaos.load.running.set()
         version, expected = FAULTS[kind].inject(chaos, rnd, version, expected)
         rnd.recovered_at = chaos.wait_whole(version, expected)
-        rnd.rollouts_lost = chaos.lost(before)
-    except (AssertionError, KvcoordError, TimeoutError, RuntimeError) as exc:
+        chaos.compare_digests(rnd)  # pauses generation
+        done = answered(chaos.load.generations, rnd.began, time.monotonic())
+        after = chaos.read_rollouts({g.rollout_id for g in done} | set(before))
+        rnd.rollouts_lost = sorted(k for k, r in before.items() if after.get(k) != r)
+        found = reconcile(done, after, chaos.watch.kills, rnd.began, time.monotonic())
+        rnd.rollouts_checked += found.checked
+        rnd.rollouts_lost += found.lost
+        rnd.died_with_worker = found.died_with_worker
+    except (AssertionError, KvcoordError, TimeoutError, RuntimeError, NetnsError) as exc:
         rnd.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        chaos.load.pause()
     rnd.ended = time.monotonic()
     return rnd

@@ -47,6 +47,9 @@ ENV = {
     "OMP_NUM_THREADS": "1",
 }
 COORDINATOR_PORT, WORKER_PORT, REDIS_PORT = 50051, 50061, 6379  # each host has its own ports
+# Room for a chaos round's generations (a few hundred pages) beside the probe prompts, so the
+# probe prompts' pages are not evicted before the round checks them.
+WORKER_PAGES = 1024
 REPLICAS = ("c1", "c2")
 WORKERS = ("w1", "w2", "w3")
 # A worker attaches to its first target: c1 owns w1 and w3 at the start, c2 owns w2.
@@ -172,7 +175,8 @@ class Cluster:
         process = self.spawn(host, worker_id, [
             "worker", "--coordinator", self.targets(WORKER_TARGETS[worker_id]),
             "--listen", f"0.0.0.0:{WORKER_PORT}", "--advertise", f"{host.ip}:{WORKER_PORT}",
-            "--worker-id", worker_id, "--pages", "64", "--device", "cpu", "--log-level", "info"])
+            "--worker-id", worker_id, "--pages", str(WORKER_PAGES), "--device", "cpu",
+            "--log-level", "info"])
         self.workers[worker_id] = (host, process)
 
     def kill_worker(self, worker_id: str) -> None:

@@ -37,6 +37,7 @@ import pytest
 SKIP_REASON = "network namespace tests need root and iproute2 (ip netns)"
 PREFIX = "10.251"
 STOP_GRACE_S = 5.0
+FAULT_TABLE = "kvcoord_faults"  # the nftables table ``Host.add_rules`` writes in a namespace
 
 
 def in_ci() -> bool:
@@ -127,6 +128,31 @@ class Host:
 
     def link_up(self) -> None:
         ip("link", "set", self.bridge_port, "up")
+
+    def add_rules(self, *, inbound: Sequence[str] = (), outbound: Sequence[str] = ()) -> None:
+        """nftables rules inside this host (``inet`` table ``FAULT_TABLE``, created on first
+        use): ``inbound`` on its input hook, ``outbound`` on its output hook, each an nft rule
+        statement such as ``ip daddr 10.251.7.11 drop``. NetnsError (with nft's stderr) when
+        ``nft`` refuses them or is missing."""
+        table = f"inet {FAULT_TABLE}"
+        script = [f"add table {table}",
+                  f"add chain {table} input {{ type filter hook input priority 0; }}",
+                  f"add chain {table} output {{ type filter hook output priority 0; }}"]
+        script += [f"add rule {table} input {rule}" for rule in inbound]
+        script += [f"add rule {table} output {rule}" for rule in outbound]
+        self._nft("\n".join(script) + "\n")
+
+    def clear_rules(self) -> None:
+        """Remove every rule ``add_rules`` made here (the whole table); a no-op without one."""
+        self._nft(f"add table inet {FAULT_TABLE}\ndelete table inet {FAULT_TABLE}\n")
+
+    def _nft(self, script: str) -> None:
+        if shutil.which("nft") is None:
+            raise NetnsError("no `nft` command (apt-get install nftables)")
+        done = subprocess.run(["ip", "netns", "exec", self.namespace, "nft", "-f", "-"],
+                              input=script, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise NetnsError(f"nft in {self.name}: {done.stderr.strip()}\n{script}")
 
     def stop_all(self) -> None:
         """SIGTERM every process group ``run`` started, SIGKILL what outlives the grace, then

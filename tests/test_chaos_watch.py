@@ -1,38 +1,46 @@
-"""The chaos bench's judgement of its samples (``bench/chaos_watch.py``): which routes were stale
-and which Lookup disagreements outlasted the lag bound. Pure functions over synthetic samples, so
-a bench reporting zero is known to be able to report more."""
+"""The chaos bench's judgement of its samples (``bench/chaos_watch.py``, ``bench/chaos_load.py``,
+``bench/chaos_report.py``): stale routes, version violations, what was at stake, availability,
+the rollout reconciliation and generations overlapping an update. Pure functions over synthetic
+samples, so a bench reporting zero is known to be able to report more, and "-" where nothing
+was at stake."""
 
 from __future__ import annotations
 
+import pytest
+
+from bench.chaos_load import ANSWER_SLACK_S, Generation, overlaps, reconcile
+from bench.chaos_report import verdict
 from bench.chaos_watch import (
     STALE_SLACK_S,
-    Episode,
-    LookupSample,
+    UNSERVED_GAP_S,
+    Availability,
+    Commit,
     RouteSample,
     Window,
     at_stake,
-    disagreements,
+    availability,
     stale_routes,
+    version_violations,
 )
-from tests.multihost_cluster import LEASE_S, Holdings
+from coordinator.client import RolloutRecord
+from tests.multihost_cluster import LEASE_S
 
 LATE = LEASE_S + STALE_SLACK_S  # from the fault to the first moment a route to it is stale
-SAME: Holdings = {"w1": {"w1": 12}}
-OTHER: Holdings = {"w1": {}}
+STALE = 1.5  # policy_stale_s in these tests
 
 
 def test_a_route_is_stale_only_past_the_lease_and_before_the_repair() -> None:
     down = {"w1": [Window(10.0, 15.0)]}
     routes = [
-        RouteSample(10.0 + LATE - 0.01, "c1", "w1"),  # within the lease (and slack): fine
-        RouteSample(10.0 + LATE, "c1", "w1"),  # stale
-        RouteSample(10.0 + LATE + 0.5, "c2", "w1"),  # stale, on the other replica too
-        RouteSample(10.0 + LATE + 0.5, "c1", "w2"),  # another worker
-        RouteSample(10.0 + LATE + 0.6, "c1", None, "UNAVAILABLE"),  # refused: no worker named
-        RouteSample(15.0, "c1", "w1"),  # repaired
+        RouteSample(10.0 + LATE - 0.01, "c1", "w1", 0),  # within the lease (and slack): fine
+        RouteSample(10.0 + LATE, "c1", "w1", 0),  # stale
+        RouteSample(10.0 + LATE + 0.5, "c2", "w1", 0),  # stale, on the other replica too
+        RouteSample(10.0 + LATE + 0.5, "c1", "w2", 0),  # another worker
+        RouteSample(10.0 + LATE + 0.6, "c1", None, None, "UNAVAILABLE"),  # refused: no worker
+        RouteSample(15.0, "c1", "w1", 0),  # repaired
     ]
     assert stale_routes(routes, down, 0.0, 100.0) == routes[1:3]
-    assert at_stake(routes, down, 0.0, 100.0) == routes[1:4]  # answered while w1 was stale
+    assert at_stake(routes, down, [], STALE, 0.0, 100.0) == routes[1:4]
     assert stale_routes(routes, down, 0.0, 10.0 + LATE + 0.1) == routes[1:2]  # the round's own
 
 
@@ -43,21 +51,67 @@ def test_an_unrepaired_worker_stays_stale_and_each_spell_counts_from_its_own_fau
     assert stale_routes(routes, down, 0.0, 100.0) == [routes[3]]
 
 
-def lookups(*spec: tuple[float, bool]) -> list[LookupSample]:
-    """Samples at the given times; True where the two replicas differ."""
-    return [LookupSample(t, {"c1": SAME, "c2": OTHER if differ else SAME}) for t, differ in spec]
+def test_a_route_under_the_old_version_past_policy_stale_after_the_commit_violates() -> None:
+    commits = [Commit(version=2, begun=9.0, returned=10.0)]
+    routes = [
+        RouteSample(10.0 + STALE - 0.01, "c2", "w1", 1),  # within policy_stale: allowed
+        RouteSample(10.0 + STALE + 0.01, "c2", "w1", 1),  # violation
+        RouteSample(10.0 + STALE + 0.02, "c1", "w2", 2),  # the new version: fine
+        RouteSample(10.0 + STALE + 0.03, "c2", None, None, "UNAVAILABLE"),  # refused: fine
+    ]
+    assert version_violations(routes, commits, STALE, 0.0, 100.0) == routes[1:2]
+    # Both answered routes past policy_stale were at stake; the one before it was not.
+    assert at_stake(routes, {}, commits, STALE, 0.0, 100.0) == routes[1:3]
+    assert at_stake(routes, {}, [], STALE, 0.0, 100.0) == []
 
 
-def test_disagreement_counts_once_per_episode_longer_than_the_bound() -> None:
-    samples = lookups((0.0, False), (1.0, True), (2.5, True), (3.0, False),  # 1.5 s: fine
-                      (4.0, True), (5.0, True), (6.5, True), (7.0, True), (8.0, False))
-    episodes = disagreements(samples, [], 0.0, 100.0, bound=2.0)
-    assert episodes == [Episode(since=4.0, lasted_s=3.0, answers={"c1": SAME, "c2": OTHER})]
+def test_availability_counts_errors_and_stretches_without_any_replicas_answer() -> None:
+    ok = [RouteSample(t, "c1", "w1", 0) for t in (10.0, 10.1, 10.2, 11.5, 11.6)]
+    refused = [RouteSample(t, "c2", None, None, "UNAVAILABLE") for t in (10.5, 11.0)]
+    got = availability(ok + refused, 10.0, 12.0)
+    assert got.errors == 2
+    assert got.unserved_s == pytest.approx(1.3)  # 10.2 -> 11.5; 11.6 -> 12.0 is under the gap
+    assert availability([], 10.0, 12.0) == Availability(0, 2.0)  # no answer at all
+    assert UNSERVED_GAP_S < 0.6
 
 
-def test_disagreement_during_a_replication_outage_is_not_counted_and_restarts_the_clock() -> None:
-    samples = lookups((1.0, True), (2.0, True), (4.0, True), (5.0, True), (6.5, True))
-    outage = [Window(1.5, 4.5)]
-    # 1.0 alone before the outage; after it, 5.0 .. 6.5 is 1.5 s: below the bound.
-    assert disagreements(samples, outage, 0.0, 100.0, bound=2.0) == []
-    assert [e.since for e in disagreements(samples, outage, 0.0, 100.0, bound=1.0)] == [5.0]
+def gen(rollout_id: str, worker: str, version: int, sent: float, answered: float,
+        route_version: int | None = None) -> Generation:
+    return Generation(sent, answered, "c1", rollout_id, worker,
+                      version if route_version is None else route_version, version)
+
+
+def record(rollout_id: str, worker: str, version: int) -> RolloutRecord:
+    return RolloutRecord(rollout_id, version, worker, 5, 0, 2, "")
+
+
+def test_reconcile_finds_missing_and_changed_records_and_sets_apart_a_killed_workers() -> None:
+    gens = [gen("a", "w1", 1, 1.0, 1.1), gen("b", "w1", 1, 2.0, 2.1), gen("c", "w2", 1, 2.0, 2.2),
+            gen("d", "w2", 1, 3.0, 3.1), gen("e", "w3", 1, 3.0, 3.5),
+            Generation(3.0, 3.2, "c2", "f", error="route UNAVAILABLE")]  # never answered
+    records = {"a": record("a", "w1", 1), "c": record("c", "w2", 0), "d": record("d", "w2", 1)}
+    kills = [("w1", 2.5), ("w3", 9.0)]  # b died with w1 (0.4 s later); e was long reported
+    found = reconcile(gens, records, kills, 0.0, 100.0)
+    assert found.checked == 5
+    assert found.lost == ["c", "e"]  # c read back under another version; e missing
+    assert found.died_with_worker == ["b"]
+
+
+def test_a_generation_under_the_old_version_overlapping_the_update_violates() -> None:
+    commit = Commit(version=2, begun=9.0, returned=10.0, fenced=("w3",))
+    gens = [
+        gen("ok-before", "w1", 1, 8.0, 9.5),  # drained before the commit
+        gen("late-answer", "w1", 1, 8.0, 10.0 + ANSWER_SLACK_S + 0.1),  # ran across it
+        gen("late-route", "w2", 1, 10.0 + STALE + 0.1, 11.7),  # routed to old weights
+        gen("new", "w2", 2, 10.0 + STALE + 0.1, 11.7),
+        gen("fenced", "w3", 1, 12.0, 12.1),  # took no part in the update
+    ]
+    assert [g.rollout_id for g in overlaps(gens, [commit], STALE, 0.0, 100.0)] == [
+        "late-answer", "late-route"]
+
+
+def test_nothing_at_stake_reads_a_dash_never_met() -> None:
+    assert verdict(True, at_stake=0) == "-"
+    assert verdict(False, at_stake=0) == "-"
+    assert verdict(True, at_stake=3) == "met"
+    assert verdict(False, at_stake=3) == "MISSED"
