@@ -39,11 +39,10 @@ def test_json_has_the_contract_shape_with_the_seed_keys_beside_it(
 ) -> None:
     out = json.loads(json.dumps(to_json(report)))
     assert set(out) == {"trace", "workers", "capacity_tokens", "bounds", "policies",
-                        "trace_sha256", "requests", "page_size", "seeds", "arrival_jitter_ms",
-                        "differences"}
+                        "requests", "page_size", "seeds", "arrival_jitter_ms", "differences"}
     assert (out["workers"], out["capacity_tokens"]) == (4, 200_000)
-    assert out["trace"] == "mooncake_300.jsonl"  # a name, not a path
-    assert out["trace_sha256"] == hashlib.sha256(TRACE.read_bytes()).hexdigest()
+    assert out["trace"] == {  # by name and content, never a path
+        "name": "mooncake_300.jsonl", "sha256": hashlib.sha256(TRACE.read_bytes()).hexdigest()}
     assert (out["seeds"], out["arrival_jitter_ms"], out["requests"]) == ([7, 8, 9], 250.0, 300)
     assert set(out["bounds"]) == {"infinite", "pooled"}
     assert list(out["policies"]) == list(ROUTERS)
@@ -141,7 +140,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_cli_prints_the_table_and_writes_the_json(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    result = run_cli("--trace", str(TRACE), "--workers", "4", "--json", str(out))
+    result = run_cli("--trace", str(TRACE), "--workers", "4", "--json", str(out), "--limit", "100")
     assert result.returncode == 0, result.stderr
     assert "kv_aware" in result.stdout and "infinite cache" in result.stdout
     assert "seeds 0, 1, 2" in result.stdout  # three seeds by default
@@ -149,6 +148,8 @@ def test_cli_prints_the_table_and_writes_the_json(tmp_path: Path) -> None:
     written = json.loads(out.read_text())
     assert written["workers"] == 4 and written["capacity_tokens"] == 500_000
     assert written["seeds"] == [0, 1, 2]
+    assert written["trace"]["name"] == "mooncake_300.jsonl"
+    assert {"commit", "dirty"} <= set(written)  # the provenance every result file carries
     assert set(written["policies"]) == set(ROUTERS)
     assert "100%" in result.stderr  # the progress bar, on stderr only
 

@@ -5,10 +5,11 @@ JSON (DESIGN.md "simulate --json", binding): ``{"trace", "workers", "capacity_to
 "cached_tokens", "ttft_p50_ms", "ttft_p99_ms", "load_imbalance"}}}``; each of those
 per-policy values is now the **mean over the seeds** (token counts rounded to integers), and
 beside each sits ``<field>_min`` and ``<field>_max`` over the seeds. Added beside the contract's
-top-level keys: ``trace_sha256``, ``requests``, ``page_size``, ``seeds`` (the list run),
-``arrival_jitter_ms``, and ``differences``: for each policy other than ``kv_aware``, per
-compared field, ``kv_aware``'s verdict against it ("better", "worse", "no difference": see
-``summary``). ``trace`` is the trace's file name. Nothing of the contract is nested or renamed.
+top-level keys: ``requests``, ``page_size``, ``seeds`` (the list run), ``arrival_jitter_ms``,
+and ``differences``: for each policy other than ``kv_aware``, per compared field,
+``kv_aware``'s verdict against it ("better", "worse", "no difference": see ``summary``).
+``trace`` is the trace by content, ``{"name", "sha256"}``, as in every result file
+(``kvcoord.provenance``), and :func:`write_json` adds that module's ``commit`` and ``dirty``.
 matplotlib is optional (``pip install 'kvcoord[plot]'``) and imported only by
 :func:`write_plot`.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcoord.provenance import provenance
 from kvcoord.simulate.engine import PolicyRun
 from kvcoord.simulate.summary import FIELDS, Spread, spreads, verdict
 from kvcoord.tables import render_table
@@ -78,8 +80,7 @@ def _policy_json(spread: Mapping[str, Spread]) -> dict[str, float | int]:
 def to_json(report: SimulationReport) -> dict[str, Any]:
     """The contract's object, with the added keys the module docstring lists."""
     return {
-        "trace": Path(report.trace).name,
-        "trace_sha256": report.trace_sha256,
+        "trace": {"name": Path(report.trace).name, "sha256": report.trace_sha256},
         "workers": report.workers,
         "capacity_tokens": report.capacity_tokens,
         "requests": report.requests,
@@ -93,7 +94,9 @@ def to_json(report: SimulationReport) -> dict[str, Any]:
 
 
 def write_json(report: SimulationReport, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(to_json(report), indent=2) + "\n", encoding="utf-8")
+    """:func:`to_json` plus the provenance every result file carries (commit, dirty tree)."""
+    out = {**to_json(report), **provenance(report.trace)}
+    Path(path).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
 
 
 def _cell(s: Spread, fmt: str) -> str:

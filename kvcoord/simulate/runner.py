@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from coordinator.hashing import HashConfig, Namespace, PageHasher
+from kvcoord.provenance import trace_identity
 from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS
 from kvcoord.simulate.bounds import infinite_bound, pooled_bound
 from kvcoord.simulate.engine import ROUTERS, SimConfig, check_policies, run_policy
@@ -74,16 +74,9 @@ def simulate(
         for name in names
     }
     return SimulationReport(
-        trace=str(trace), trace_sha256=_sha256(trace), workers=workers,
+        trace=str(trace), trace_sha256=trace_identity(trace)["sha256"], workers=workers,
         capacity_tokens=capacity_tokens, page_size=page_size, requests=len(requests),
         seeds=run_seeds, arrival_jitter_ms=arrival_jitter_ms, infinite=infinite,
         pooled=pooled, runs=runs, elapsed_s=time.monotonic() - started,
     )
 
-
-def _sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
