@@ -190,11 +190,6 @@ class SimWorker:
         )
         return load, completed
 
-    @property
-    def cached_pages(self) -> int:
-        """Pages holding a cached prefix (referenced or not)."""
-        return len(self.cache)
-
     # ---- page events ----------------------------------------------------------------------
 
     def _stored(self, keys: list[bytes]) -> None:
