@@ -2,7 +2,9 @@
 the coordinator's index, against the same pages hashed and sent by a worker on its own Sync
 stream (the path a reference worker takes, one acked batch per prompt), measured in the same
 run; publisher, bridge and coordinator share this process; and the bridge's own work per block
-(decode + chain hashing) without any network.
+(decode + chain hashing) without any network. ``wrong_keys`` (must be 0): pages missing from,
+or extra in, what the bridge mapped (and what the index holds for its engine) against our own
+keys of the same tokens.
 
 Run alone: ``python -m bench.bench_bridge``; ``kvcoord bench bridge`` prints the table and
 writes bench/results/bridge.json.
@@ -32,11 +34,26 @@ BLOCKS_PER_BATCH = 32
 HASH = HashConfig(key=DEV_HASH_KEY, page_size=PAGE)
 
 
+END_TO_END_DEADLINE_S = 60.0
+"""How long the index may take to hold every bridged block before the run counts them lost."""
+
+
+def _prompt(b: int) -> list[int]:
+    return [(b * 7919 + i) % 50_000 for i in range(BLOCKS_PER_BATCH * PAGE)]
+
+
+def _expected_keys(n_batches: int) -> set[bytes]:
+    """Our page keys of every batch's tokens: what the bridge must map the engine's blocks to."""
+    hasher = PageHasher(HASH)
+    return {k for b in range(n_batches)
+            for k in hasher.page_keys(_prompt(b), Namespace(page_size=PAGE))}
+
+
 def _batches(n_batches: int) -> list[bytes]:
     """Payloads of chained BlockStored events (current vLLM map encoding), one prompt each."""
     payloads = []
     for b in range(n_batches):
-        tokens = [(b * 7919 + i) % 50_000 for i in range(BLOCKS_PER_BATCH * PAGE)]
+        tokens = _prompt(b)
         events, parent = [], None
         for i in range(BLOCKS_PER_BATCH):
             block_hash = b * 1_000 + i
@@ -59,7 +76,9 @@ def bench_decode_and_map(n_batches: int = 300) -> dict[str, float]:
             blocks.stored(event)
     elapsed = time.perf_counter() - started
     n = n_batches * BLOCKS_PER_BATCH
-    return {"blocks_per_s": n / elapsed, "us_per_block": elapsed / n * 1e6}
+    mapped = {k for keys in blocks.inventory().values() for k in keys}
+    return {"blocks_per_s": n / elapsed, "us_per_block": elapsed / n * 1e6,
+            "wrong_keys": len(mapped ^ _expected_keys(n_batches))}
 
 
 async def _end_to_end(n_batches: int) -> dict[str, float]:
@@ -74,8 +93,7 @@ async def _end_to_end(n_batches: int) -> dict[str, float]:
         worker = ScriptedWorker(target, "direct", hash_config=HASH)
         await worker.start()
         hasher = PageHasher(HASH)
-        prompts = [[(b * 7919 + i) % 50_000 for i in range(BLOCKS_PER_BATCH * PAGE)]
-                   for b in range(n_batches)]
+        prompts = [_prompt(b) for b in range(n_batches)]
         started = time.perf_counter()
         for prompt in prompts:  # a worker hashes its pages too (its prefix cache does)
             await worker.store(hasher.page_keys(prompt, Namespace(page_size=PAGE)))
@@ -93,14 +111,17 @@ async def _end_to_end(n_batches: int) -> dict[str, float]:
         started = time.perf_counter()
         for seq, payload in enumerate(payloads):
             await pub.send_multipart([b"kv-events", struct.pack(">q", seq), payload])
-        while len(index.worker_keys("engine")) < total:
+        deadline = started + END_TO_END_DEADLINE_S
+        while len(index.worker_keys("engine")) < total and time.perf_counter() < deadline:
             await asyncio.sleep(0.001)
         bridged = total / (time.perf_counter() - started)
+        held = index.worker_keys("engine")  # before the bridge stops: it deregisters
         await bridge.stop()
         pub.close(linger=0)
         ctx.term()
+        wrong = len(held ^ _expected_keys(n_batches))
         return {"blocks_per_s.bridge": bridged, "blocks_per_s.worker_sync": direct,
-                "ratio.bridge_vs_worker": bridged / direct}
+                "ratio.bridge_vs_worker": bridged / direct, "wrong_keys": wrong}
     finally:
         await coordinator.stop(grace=0.1)
 
@@ -110,6 +131,6 @@ def bench_end_to_end(n_batches: int = 300) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from kvcoord.bench_runner import run_suite
+    from bench.runner import run_suite
 
     raise SystemExit(run_suite("bridge"))

@@ -61,7 +61,9 @@ def conversation(seed: int = 1) -> list[list[int]]:
 
 
 def bench_hashing(repeats: int = 7) -> dict[str, float]:
-    """Per-4,096-token cost cold and warm, and a 10-turn conversation, per algorithm.
+    """Per-4,096-token cost cold and warm, and a 10-turn conversation, per algorithm;
+    ``<algorithm>_cache_mismatches``: prompts whose keys through the chain cache differ from an
+    uncached hasher's (must be 0).
 
     ``conv_cached_us``: every turn hashed in full through one cached hasher (what the
     coordinator does); ``conv_uncached_us``: the same without a cache; ``conv_new_pages_us``:
@@ -89,7 +91,13 @@ def _bench_algorithm(config: HashConfig, repeats: int) -> dict[str, float]:
         for turn in turns:
             h.page_keys(turn, ns)
 
+    # The chain cache must change nothing but the time: every key as an uncached hasher's.
+    uncached = PageHasher(config, cache_pages=0)
+    mismatches = sum(hasher.page_keys(p, ns) != uncached.page_keys(p, ns) for p in prompts)
+    cached = PageHasher(config, cache_pages=262_144)
+    mismatches += sum(cached.page_keys(t, ns) != uncached.page_keys(t, ns) for t in turns)
     return {
+        "cache_mismatches": mismatches,
         "4096_cold_us": statistics.median(cold) / 1e3,
         "4096_warm_us": statistics.median(warm) / 1e3,
         "conv_cached_us": _median_us(lambda: whole_conversation(262_144), repeats),
@@ -101,7 +109,8 @@ def _bench_algorithm(config: HashConfig, repeats: int) -> dict[str, float]:
 
 
 def bench_index(workers: int, prompts_per_worker: int = 8, repeats: int = 3) -> dict[str, float]:
-    """Store throughput and match latency for 256-page prompts over ``workers`` workers."""
+    """Store throughput and match latency for 256-page prompts over ``workers`` workers;
+    ``owner_misses``: stored prompts that do not match in full on their owner (must be 0)."""
     load = make_workload(workers, prompts_per_worker)
     hasher = PageHasher(HashConfig(_KEY))
     keys = [hasher.page_keys(p, Namespace()) for p in load.prompts]
@@ -122,7 +131,11 @@ def _bench_prefix_index(load: Workload, keys: list[list[bytes]], repeats: int) -
     queries = random.Random(3).choices(keys, k=2000)
     match = _latencies_us(index.match, queries, repeats)
     detail = _latencies_us(lambda q: index.match_detail(q, include_pending=True), queries, repeats)
+    # Every stored prompt must match in full on the worker that stored it.
+    owner_misses = sum(index.match(k).get(names[owner], 0) != len(k)
+                       for owner, k in zip(load.owners, keys, strict=True))
     return {
+        "owner_misses": owner_misses,
         "pages": pages,
         "store_pages_per_s": pages / statistics.median(store_s),
         "match_p50_us": match[0],

@@ -34,7 +34,7 @@ def _us_per_call(fn: Any, number: int) -> float:
 
 
 def bench_guard(quick: bool = False) -> dict[str, Any]:
-    number = 20_000 if quick else 200_000
+    number = 2_000 if quick else 200_000
     identities = IdentityTable.from_entries(
         [{"name": f"id-{i}", "role": "scheduler", "token": f"{TOKEN}-{i}"} for i in range(999)]
         + [{"name": "bench", "role": "scheduler", "token": TOKEN}])

@@ -9,21 +9,22 @@ waiting when the acks arrive, as it is in a real update).
   writes it) to ``CommitPolicyUpdate`` returning to the trainer, with 1, 8 and 64 workers;
   p50/max over several updates. Target: <= 20 ms at 64 workers. The baseline, measured in the
   same run, is one ``GetPolicy`` round trip (``rpc_ms_p50``): the floor any answer pays.
+  ``commits_before_last_apply`` (must be 0): commits that returned before the last ack.
 - ``bench_routes_during_async``: routes/s from concurrent SDK callers while an async update
   moves the workers one by one, against the same callers with no update (same run).
+  ``stale_routes`` (must be 0): answers during the updates naming a version other than the old
+  or the new one, or the new one from a worker that had not applied it yet.
 
-Run alone: ``python -m bench.bench_policy`` (prints a table, writes bench/results/policy.json).
+Run alone: ``python -m bench.bench_policy`` (= ``kvcoord bench policy``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from coordinator.client import AsyncCoordinatorClient
@@ -33,7 +34,6 @@ from coordinator.logs import configure_logging
 from coordinator.server import RunningCoordinator, start_coordinator
 from coordinator.v1 import coordinator_pb2 as pb
 from kvcoord.scripted_worker import ScriptedWorker
-from kvcoord.tables import render_table
 
 APPLY_S = 0.02
 ROUTE_CALLERS = 16
@@ -127,7 +127,11 @@ async def _barrier(workers: int, updates: int, redis_url: str | None) -> dict[st
     finally:
         await _close(running, agents)
     p50, worst = _ms(costs)
-    return {"barrier_ms_p50": p50, "barrier_ms_max": worst, "rpc_ms_p50": _ms(rpcs)[0]}
+    # A commit that returned before the last APPLIED ack was written did not wait for the
+    # barrier: weights and generation could have overlapped.
+    early = sum(cost < 0 for cost in costs)
+    return {"barrier_ms_p50": p50, "barrier_ms_max": worst, "rpc_ms_p50": _ms(rpcs)[0],
+            "commits_before_last_apply": early}
 
 
 def bench_barrier(
@@ -143,16 +147,23 @@ def bench_barrier(
     return out
 
 
+Answer = tuple[str, int, float]
+"""A route's (worker id, policy version, ``perf_counter`` time the answer arrived)."""
+
+
 async def _routes_for(client: AsyncCoordinatorClient, prompts: list[list[int]],
-                      seconds: float) -> float:
-    """Routes/s from ROUTE_CALLERS concurrent callers over ``seconds``."""
+                      seconds: float, answers: list[Answer] | None = None) -> float:
+    """Routes/s from ROUTE_CALLERS concurrent callers over ``seconds``; each answer appended
+    to ``answers`` when given."""
     deadline = time.perf_counter() + seconds
     counts = [0] * ROUTE_CALLERS
 
     async def caller(lane: int) -> None:
         i = lane
         while time.perf_counter() < deadline:
-            await client.route(prompts[i % len(prompts)])
+            route = await client.route(prompts[i % len(prompts)])
+            if answers is not None:
+                answers.append((route.worker_id, route.policy_version, time.perf_counter()))
             counts[lane] += 1
             i += ROUTE_CALLERS
 
@@ -161,12 +172,23 @@ async def _routes_for(client: AsyncCoordinatorClient, prompts: list[list[int]],
     return sum(counts) / (time.perf_counter() - started)
 
 
+def _stale(answers: list[Answer], agents: list[AckingWorker], version: int) -> int:
+    """Answers during the update from ``version`` that no worker could serve: a version other
+    than ``version`` or the next, or the next from a worker that had not yet applied it."""
+    applied = {a.worker_id: a.applied_at for a in agents}
+    return sum(served not in (version, version + 1)
+               or (served == version + 1 and applied[worker].get(served, float("inf")) > at)
+               for worker, served, at in answers)
+
+
 async def _async_update(client: AsyncCoordinatorClient, agents: list[AckingWorker],
-                        measure: float, prompts: list[list[int]]) -> float:
-    """One async update from the current version; routes/s measured while it rolls."""
+                        measure: float, prompts: list[list[int]]) -> tuple[float, int]:
+    """One async update from the current version: routes/s measured while it rolls, and the
+    stale answers among them (``_stale``)."""
     version = (await client.policy()).version
     await client.begin_policy_update(version, mode="async")
-    during = await _routes_for(client, prompts, measure)
+    answers: list[Answer] = []
+    during = await _routes_for(client, prompts, measure, answers)
     moved = sum(1 for a in agents if version + 1 in a.applied_at)
     state = await client.commit_policy_update(version + 1, timeout=30)
     if state.version != version + 1 or state.fenced_workers:
@@ -174,7 +196,7 @@ async def _async_update(client: AsyncCoordinatorClient, agents: list[AckingWorke
     if not 0 < moved < len(agents):
         raise RuntimeError(f"{moved} of {len(agents)} workers moved while measuring: the "
                            "update did not span the measure")
-    return during
+    return during, _stale(answers, agents, version)
 
 
 async def _routes(workers: int, seconds: float, max_staleness: int) -> dict[str, float]:
@@ -187,13 +209,14 @@ async def _routes(workers: int, seconds: float, max_staleness: int) -> dict[str,
         async with AsyncCoordinatorClient(f"127.0.0.1:{running.port}") as client:
             # A first update (routes warm channels and caches meanwhile): the baseline is then
             # the steady state between updates, with max_staleness old versions servable.
-            await _async_update(client, agents, seconds / 4, prompts)
+            _, stale_warm = await _async_update(client, agents, seconds / 4, prompts)
             idle = await _routes_for(client, prompts, seconds)
-            during = await _async_update(client, agents, seconds, prompts)
+            during, stale = await _async_update(client, agents, seconds, prompts)
     finally:
         await _close(running, agents)
     return {"routes_per_s.no_update": idle, "routes_per_s.async_update": during,
-            "speedup.routes_async_update_vs_none": during / idle}
+            "speedup.routes_async_update_vs_none": during / idle,
+            "stale_routes": stale_warm + stale}
 
 
 def bench_routes_during_async(
@@ -209,16 +232,7 @@ def bench_routes_during_async(
     return out
 
 
-def main() -> None:
-    results = {"barrier": bench_barrier(), "routes_during_async": bench_routes_during_async()}
-    for name, section in results.items():
-        print(f"\n{name}")
-        print(render_table(["measure", "value"],
-                           [[key, f"{value:,.2f}"] for key, value in section.items()]))
-    out = Path(__file__).resolve().parent / "results" / "policy.json"
-    out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    print(f"\nwrote {out}")
-
-
 if __name__ == "__main__":
-    main()
+    from bench.runner import run_suite
+
+    raise SystemExit(run_suite("policy"))

@@ -12,8 +12,12 @@ with scripted workers speaking the real Sync stream over gRPC:
   everything — on a 2-core machine the peer and Redis then share the second core with the
   owner's workers, so that figure measures the machine as much as the owner.
 - ``bench_lag``: publish-to-apply lag on the peer (its ``Replicator.lags_ms`` samples) while the
-  owner takes a steady ``rate`` batches/s; p50/p99/max, and whether the peer's index matched
-  the owner's right after the run (within the lag bound).
+  owner takes a steady ``rate`` batches/s; p50/p99/max, and how soon after the run the peer's
+  index equals the owner's (``PrefixIndex.digest``: every confirmed (worker, key, tier)).
+
+Invariants (must hold, bench/invariants.py): no acked page missing from the owner's index
+(``lost_pages``), the peer's index equal to the owner's within 2 s of the last batch
+(``indexes_equal``), and the new replica's index complete (``index_complete``).
 - ``bench_bootstrap``: time for a new replica to report SERVING (snapshots of every worker
   taken) while the others hold 16 workers x 4,096 pages.
 
@@ -93,7 +97,9 @@ async def _peer_process(url: str) -> AsyncIterator[None]:
         proc.wait(10)
 
 
-async def _ingest(url: str, replication: bool, seconds: float, *, peer: bool = False) -> float:
+async def _ingest(url: str, replication: bool, seconds: float, *,
+                  peer: bool = False) -> tuple[float, int]:
+    """(acked batches/s, pages acked but missing from the owner's index afterwards)."""
     async with AsyncExitStack() as stack:
         if peer:
             await stack.enter_async_context(_peer_process(url))
@@ -112,18 +118,20 @@ async def _ingest(url: str, replication: bool, seconds: float, *, peer: bool = F
         started = time.perf_counter()
         await asyncio.gather(*(pump(i, w) for i, w in enumerate(workers)))
         elapsed = time.perf_counter() - started
+        lost = sum(counts) * 64 - owner.service.index.stats().holdings
         for worker in workers:
             await worker.close()
-        return sum(counts) / elapsed
+        return sum(counts) / elapsed, lost
 
 
 def bench_ingest(seconds: float = 2.0) -> dict[str, float]:
     async def run() -> dict[str, float]:
         with RedisServer() as server:
-            off = await _ingest(server.url, False, seconds)
-            alone = await _ingest(server.url, True, seconds)
-            with_peer = await _ingest(server.url, True, seconds, peer=True)
-        return {"batches_per_s.replication_off": off,
+            off, lost_off = await _ingest(server.url, False, seconds)
+            alone, lost_alone = await _ingest(server.url, True, seconds)
+            with_peer, lost_peer = await _ingest(server.url, True, seconds, peer=True)
+        return {"lost_pages": lost_off + lost_alone + lost_peer,
+                "batches_per_s.replication_off": off,
                 "batches_per_s.replication_on": alone,
                 "batches_per_s.replication_on_with_peer_process": with_peer,
                 "ratio.on_vs_off": alone / off, "ratio.on_with_peer_vs_off": with_peer / off}
@@ -158,11 +166,11 @@ def bench_lag(rate: int = 500, seconds: float = 3.0) -> dict[str, Any]:
                 await asyncio.gather(*(paced(w) for w in workers))
                 elapsed = time.perf_counter() - started
                 settle = time.perf_counter()
-                while (peer.service.index.stats().holdings
-                       != owner.service.index.stats().holdings
-                       and time.perf_counter() - settle < 2.0):
+                while not (equal := peer.service.index.digest() == owner.service.index.digest()
+                           ) and time.perf_counter() - settle < 2.0:
                     await asyncio.sleep(0.005)
                 agreed_after_ms = (time.perf_counter() - settle) * 1000
+                lost = sent[0] * 16 - owner.service.index.stats().holdings
                 lags = sorted(replicator.lags_ms)
                 for worker in workers:
                     await worker.close()
@@ -175,6 +183,8 @@ def bench_lag(rate: int = 500, seconds: float = 3.0) -> dict[str, Any]:
                     "lag_ms.max": lags[-1],
                     "samples": len(lags),
                     "indexes_equal_after_ms": agreed_after_ms,
+                    "indexes_equal": equal,
+                    "lost_pages": lost,
                 }
 
     return asyncio.run(run())
@@ -203,7 +213,7 @@ def bench_bootstrap(workers: int = 16, pages: int = 4096) -> dict[str, float]:
 
 
 def main() -> None:
-    from kvcoord.bench_runner import run_suite
+    from bench.runner import run_suite
 
     raise SystemExit(run_suite("replication"))
 

@@ -6,7 +6,7 @@ client-side protobuf work) from ``CONCURRENCY`` in-flight calls. Server and clie
 machine's cores unpinned (pinning the server to one core was tried: gRPC's own threads then
 compete with the handler for that core and inflate every extra microsecond of handler work).
 Reported per case: requests/s and the server process's CPU time per request (from /proc, all
-threads).
+threads). ``wrong_routes.<mode>`` (must be 0): answers checked against a Lookup after the measure.
 """
 
 from __future__ import annotations
@@ -127,10 +127,43 @@ def _measure(server: ServerProcess, method: str, payloads: Sequence[bytes], tota
     }
 
 
+LOOKUP = "/coordinator.v1.Coordinator/Lookup"
+CHECKED_PER_SHAPE = 8
+
+
+def _wrong_answers(server: ServerProcess, payloads: dict[str, list[bytes]], workers: int) -> int:
+    """Route a few prompts of each shape once more, each followed by a Lookup of the same
+    prompt, and count the wrong answers: a worker the fleet does not have, a version other than
+    0, a prompt that is not 256 pages, or ``matched_pages`` other than that worker's depth in
+    the Lookup (nothing changes the index's confirmed entries in between: no worker streams)."""
+    fleet = {f"worker-{i:04d}" for i in range(workers)}
+    auth = server.mode.startswith("coordinator_auth")
+    metadata = (("authorization", f"Bearer {BENCH_TOKEN}"),) if auth else ()
+    channel = (grpc.secure_channel(server.target, grpc.ssl_channel_credentials(server.ca))
+               if server.ca else grpc.insecure_channel(server.target))
+    wrong = 0
+    with channel:
+        route = channel.unary_unary(ROUTE, response_deserializer=pb.RouteResponse.FromString)
+        lookup = channel.unary_unary(LOOKUP, response_deserializer=pb.LookupResponse.FromString)
+        for name, requests in payloads.items():
+            if auth and name != "token_bytes":
+                continue  # a scheduler may not send page keys; the measure skips them too
+            for payload in requests[:CHECKED_PER_SHAPE]:
+                answer = route(payload, metadata=metadata, timeout=30)
+                prompt = pb.RouteRequest.FromString(payload).prompt
+                found = lookup(pb.LookupRequest(prompt=prompt).SerializeToString(),
+                               metadata=metadata, timeout=30)
+                depth = {m.worker_id: m.matched_pages for m in found.matches}
+                wrong += (answer.worker_id not in fleet or answer.policy_version != 0
+                          or answer.prompt_pages != 256
+                          or answer.matched_pages != depth.get(answer.worker_id, 0))
+    return wrong
+
+
 def _route_payloads(quick: bool) -> dict[str, list[bytes]]:
     pool = conversation_pool(64 if quick else 256)
     hasher = PageHasher(HashConfig(key=DEV_HASH_KEY))
-    fresh = fresh_prompts(200 if quick else 2000)
+    fresh = fresh_prompts(100 if quick else 2000)
     return {
         "page_keys": [
             pb.RouteRequest(prompt=pb.Prompt(
@@ -172,8 +205,8 @@ def bench_rpc(workers: int = 64, quick: bool = False) -> dict[str, Any]:
     """Route and RouteBatch throughput, coordinator vs echo, 4,096-token prompts."""
     payloads = _route_payloads(quick)
     batches = {name: _batch_payloads(quick, *shape) for name, shape in BATCH_SHAPES.items()}
-    total = 1_000 if quick else 6_000
-    batch_calls = 30 if quick else 200
+    total = 300 if quick else 6_000
+    batch_calls = 10 if quick else 200
     out: dict[str, Any] = {"workers": workers, "concurrency": CONCURRENCY, "prompt_tokens": 4096,
                            "batch_prompts": 64}
     for mode in ("echo", "coordinator", "coordinator_auth", "coordinator_auth_tls"):
@@ -188,6 +221,8 @@ def bench_rpc(workers: int = 64, quick: bool = False) -> dict[str, Any]:
                 out[f"{mode}.route_batch.{name}"] = _measure(
                     server, ROUTE_BATCH, requests, batch_calls, items_per_call=64
                 )
+            if mode != "echo":
+                out[f"wrong_routes.{mode}"] = _wrong_answers(server, payloads, workers)
         finally:
             server.stop()
     for name in payloads:

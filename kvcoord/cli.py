@@ -10,6 +10,7 @@ import random
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.sdk_types import KvcoordError
@@ -153,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="coordinator, worker, policy, replication, bridge, security or all "
                        "(default)")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    bench.add_argument("--out", type=Path, metavar="DIR",
+                       help="write <suite>.json here (default: bench/results/ in the checkout)")
 
     up = sub.add_parser("up", help="a local fleet (coordinator + workers), a demo workload "
                         "under kv_aware and round_robin, and a report")
@@ -376,9 +379,9 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvcoord.bench_runner import run_suite
+    from kvcoord.bench_runner import run
 
-    return run_suite(args.suite, quick=args.quick)
+    return run(args.suite, quick=args.quick, out=args.out)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from bench.targets import SECURITY_RSS_BOUND_MIB
 from coordinator.auth import COORDINATOR_PERMISSIONS, WORKER_PERMISSIONS, Role
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from kvcoord.bench_runner import SECURITY_RSS_BOUND_MIB
 from tests.fuzz_campaign import Campaign, Endpoint, Report, rss_mib
 from tests.fuzz_fleet import REAL_WORKER, FuzzFleet
 from tests.fuzz_wire import HOSTILE_CLASSES

@@ -1,0 +1,88 @@
+"""What each suite measured that must hold on any machine, at any size: one function per suite
+taking its results and returning what broke, one line each (empty: everything held).
+
+A broken invariant fails the run (exit 1; bench/runner.py). Checks a step can only make while
+it runs (the allocator's ``check_integrity``, the engine's cached-token count, the slot tables
+being equal, a barrier that did not pass) raise inside the step instead: a crash, also exit 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Results = dict[str, Any]
+
+
+def _nonzero(section: Results | None, name: str, what: str) -> list[str]:
+    """``what`` for every count in ``section`` whose key contains ``name`` and is not 0."""
+    if section is None:
+        return []
+    return [f"{key} = {value}: {what}" for key, value in section.items()
+            if name in key and value]
+
+
+def coordinator(results: Results) -> list[str]:
+    broken = _nonzero(results["hashing"], "cache_mismatches",
+                      "the chain cache changed page keys")
+    for name in ("index_64_workers", "index_1024_workers"):
+        broken += [f"{name}.{line}" for line in _nonzero(
+            results[name], "owner_misses", "stored prompts not matched in full on their owner")]
+    for name in ("route_work_64_workers", "route_work_1024_workers"):
+        broken += [f"{name}.{line}" for line in _nonzero(
+            results[name], "wrong_routes",
+            "routes to a worker not READY or with a matched depth the index does not hold")]
+    broken += _nonzero(results["rpc"], "wrong_routes.",
+                            "answers over gRPC that disagree with the fleet or with Lookup")
+    return broken
+
+
+def worker(results: Results) -> list[str]:
+    # allocator.check_integrity, identical slot tables and the engine's cached-token counts are
+    # checked inside the steps (they raise).
+    return []
+
+
+def policy(results: Results) -> list[str]:
+    return (_nonzero(results["barrier"], "commits_before_last_apply",
+                          "CommitPolicyUpdate returned before the last APPLIED ack")
+            + _nonzero(results["routes_during_async"], "stale_routes",
+                            "routes during an async update to a version the worker did "
+                            "not serve"))
+
+
+def replication(results: Results) -> list[str]:
+    broken = [f"ingest.{line}" for line in _nonzero(
+        results["ingest"], "lost_pages", "acked pages missing from the owner's index")]
+    lag = results["lag"]
+    broken += [f"lag.{line}" for line in _nonzero(
+        lag, "lost_pages", "acked pages missing from the owner's index")]
+    if not lag["indexes_equal"]:
+        broken.append("lag.indexes_equal = False: the peer's index still differed from the "
+                      "owner's 2 s after the last batch")
+    if results["bootstrap"]["index_complete"] != 1.0:
+        broken.append("bootstrap.index_complete = 0: the new replica served without every "
+                      "worker's pages")
+    return broken
+
+
+def bridge(results: Results) -> list[str]:
+    return [f"{step}.{line}" for step in ("decode_and_map", "end_to_end")
+            for line in _nonzero(results[step], "wrong_keys",
+                                 "bridged pages missing or not ours for the engine's tokens")]
+
+
+def security(results: Results) -> list[str]:
+    c = results["campaign"]
+    broken = [f"campaign.{key} = {c[key]}: {what}" for key, what in (
+        ("crashes", "a server died on hostile input"),
+        ("internal", "INTERNAL for a parseable request"),
+        ("unknown", "UNKNOWN not from a parse failure"),
+        ("oversized_details", "refusal details over the client's metadata limit"),
+    ) if c[key]]
+    if not c["servers_alive_after"]:
+        broken.append("campaign.servers_alive_after = False: a server died")
+    for who, auth in results["auth"].items():
+        if auth["leaks"] or auth["bugs"]:
+            broken.append(f"auth.{who}: {auth['leaks']} leaks, {auth['bugs']} bugs: calls not "
+                          "refused as they must be")
+    return broken

@@ -1,0 +1,125 @@
+"""Run benchmark suites: print each suite's tables, check its invariants, write its JSON.
+
+``kvcoord bench SUITE [--quick] [--out DIR]`` lands here (through ``kvcoord.bench_runner``). A
+suite (``bench.suites.SUITES``) is a list of steps, a targets table and its invariants:
+
+- a **target** is a performance bar (met / MISSED): a miss is reported, never an error, since
+  a noisy or small machine misses bars without anything being wrong;
+- an **invariant** is something the run measured that must hold whatever the machine (a route
+  to a worker that does not hold what the answer claims, a lost page or record, a crash): a
+  broken one makes the run exit 1, after its JSON is written so the evidence is kept;
+- a step that raises is a crash: its traceback is printed, the suite writes no JSON (a partial
+  result must not replace a whole one), the remaining suites still run, and the exit is 1.
+
+Every JSON carries ``kvcoord.provenance.provenance()`` (commit, dirty tree, trace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from bench.suites import SUITES, Suite
+from kvcoord.provenance import provenance
+from kvcoord.tables import render_table
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+class StepFailed(Exception):
+    """A step raised: the suite crashed (its traceback has been printed)."""
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def _flat_rows(section: dict[str, Any], prefix: str = "") -> list[list[str]]:
+    rows: list[list[str]] = []
+    for key, value in section.items():
+        if isinstance(value, dict):
+            rows.extend(_flat_rows(value, f"{prefix}{key}."))
+        else:
+            rows.append([f"{prefix}{key}", _fmt(value)])
+    return rows
+
+
+def _run_steps(suite: Suite, quick: bool) -> dict[str, Any]:
+    """Every step's result by name; StepFailed when one raises."""
+    results: dict[str, Any] = {}
+    steps = suite.steps(quick)
+    for i, (name, step) in enumerate(steps, 1):
+        print(f"[{i}/{len(steps)}] {name} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        try:
+            results[name] = step()
+        except Exception as exc:
+            traceback.print_exc()
+            raise StepFailed(f"step {name} raised {type(exc).__name__}: {exc}") from exc
+        print(f"      done in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+    return results
+
+
+def run_suite(suite: str, *, quick: bool = False, out: Path = RESULTS,
+              suites: Mapping[str, Suite] = SUITES) -> int:
+    """Run one suite of ``suites``, or every one for ``all``: 0 when every step ran and every
+    invariant held, 1 otherwise, 2 for an unknown suite. JSON goes to ``out/<suite>.json``.
+    Run it from the checkout's root: steps start ``python -m bench.…`` servers."""
+    names = list(suites) if suite == "all" else [suite]
+    if any(n not in suites for n in names):
+        known = ", ".join([*suites, "all"])
+        print(f"kvcoord bench: unknown suite {suite!r}; known: {known}", file=sys.stderr)
+        return 2
+    failures: list[str] = []
+    took: list[str] = []
+    for name in names:
+        print(f"== suite {name}", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        try:
+            results = _run_steps(suites[name], quick)
+        except StepFailed as exc:
+            failures.append(f"{name}: {exc}")
+            continue
+        finally:
+            took.append(f"{name} {time.perf_counter() - started:.0f}s")
+        broken = suites[name].invariants(results)
+        _report(name, results, suites[name].targets(results), broken, quick, out)
+        failures.extend(f"{name}: invariant broken: {b}" for b in broken)
+    print(f"kvcoord bench: {', '.join(took)}", file=sys.stderr)
+    for failure in failures:
+        print(f"kvcoord bench: FAILED {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _report(suite: str, results: dict[str, Any], targets: list[list[str]], broken: list[str],
+            quick: bool, out: Path) -> None:
+    for name, section in results.items():
+        if section is None:
+            print(f"\n{name}: not measured (optional peer package not installed)")
+            continue
+        print(f"\n{name}")
+        print(render_table(["measure", "value"], _flat_rows(section)))
+    print(f"\ntargets ({suite})")
+    print(render_table(["what", "target", "measured", "verdict"], targets))
+    print(f"\ninvariants ({suite}): " + ("all held" if not broken else
+                                         f"{len(broken)} BROKEN: " + "; ".join(broken)))
+    report = {
+        "suite": suite, "quick": quick, "python": platform.python_version(),
+        "machine": platform.machine(), "cpus": os.cpu_count(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **provenance(), "invariants_broken": broken, "results": results,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{suite}.json"
+    path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    print(f"\nwrote {path}")

@@ -1,0 +1,101 @@
+"""The suites ``kvcoord bench`` runs: for each, its steps (quick or full sizes), its targets
+table (bench/targets.py) and its invariants (bench/invariants.py).
+
+A step is ``(name, thunk)``; the thunk returns that step's results (a dict, or None for an
+optional peer that is not installed). Step modules are imported when a suite runs, so one suite's
+optional dependencies (torch, pyzmq) are not needed by another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bench import invariants, targets
+
+Step = tuple[str, Callable[[], Any]]
+Results = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Suite:
+    steps: Callable[[bool], list[Step]]
+    """``steps(quick)``: the steps in order."""
+    targets: Callable[[Results], list[list[str]]]
+    invariants: Callable[[Results], list[str]]
+    """What broke, one line each; empty when everything held."""
+
+
+def coordinator_steps(quick: bool) -> list[Step]:
+    from bench.bench_core import bench_dynamo_peer, bench_hashing, bench_index
+    from bench.bench_route import bench_route_work
+    from bench.bench_rpc import bench_rpc
+
+    return [
+        ("hashing", bench_hashing),
+        ("index_64_workers", lambda: bench_index(64, repeats=1 if quick else 3)),
+        ("index_1024_workers", lambda: bench_index(1024, prompts_per_worker=1 if quick else 8,
+                                                   repeats=1 if quick else 3)),
+        ("dynamo", bench_dynamo_peer),
+        ("route_work_64_workers", lambda: bench_route_work(64, quick=quick)),
+        ("route_work_1024_workers", lambda: bench_route_work(1024, quick=quick)),
+        ("rpc", lambda: bench_rpc(64, quick=quick)),
+    ]
+
+
+def worker_steps(quick: bool) -> list[Step]:
+    from bench.bench_engine import bench_engine
+    from bench.bench_worker_core import bench_allocator, bench_index_write
+
+    return [
+        ("allocator", lambda: bench_allocator(2**16, pairs=20_000, seed_pairs=500, repeats=3)
+         if quick else bench_allocator(2**20)),
+        ("index_write", bench_index_write),
+        ("engine", lambda: bench_engine(repeats=2 if quick else 5)),
+    ]
+
+
+def policy_steps(quick: bool) -> list[Step]:
+    from bench.bench_policy import bench_barrier, bench_routes_during_async
+
+    return [
+        ("barrier", lambda: bench_barrier(updates=3 if quick else 15)),
+        ("routes_during_async", lambda: bench_routes_during_async(seconds=0.5 if quick else 2.0)),
+    ]
+
+
+def replication_steps(quick: bool) -> list[Step]:
+    from bench.bench_replication import bench_bootstrap, bench_ingest, bench_lag
+
+    return [
+        ("ingest", lambda: bench_ingest(seconds=0.5 if quick else 2.0)),
+        ("lag", lambda: bench_lag(rate=500, seconds=0.5 if quick else 3.0)),
+        ("bootstrap", lambda: bench_bootstrap(pages=1024 if quick else 4096)),
+    ]
+
+
+def bridge_steps(quick: bool) -> list[Step]:
+    from bench.bench_bridge import bench_decode_and_map, bench_end_to_end
+
+    n = 100 if quick else 300
+    return [("decode_and_map", lambda: bench_decode_and_map(n)),
+            ("end_to_end", lambda: bench_end_to_end(n))]
+
+
+def security_steps(quick: bool) -> list[Step]:
+    from bench.bench_guard import bench_guard
+    from bench.bench_security import bench_auth, bench_campaign
+
+    return [("guard", lambda: bench_guard(quick)), ("campaign", lambda: bench_campaign(quick)),
+            ("auth", lambda: bench_auth(quick))]
+
+
+SUITES: dict[str, Suite] = {
+    "coordinator": Suite(coordinator_steps, targets.coordinator_targets, invariants.coordinator),
+    "worker": Suite(worker_steps, targets.worker_targets, invariants.worker),
+    "policy": Suite(policy_steps, targets.policy_targets, invariants.policy),
+    "replication": Suite(replication_steps, targets.replication_targets, invariants.replication),
+    "bridge": Suite(bridge_steps, targets.bridge_targets, invariants.bridge),
+    "security": Suite(security_steps, targets.security_targets, invariants.security),
+}
