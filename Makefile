@@ -10,7 +10,7 @@ LISTEN ?= 127.0.0.1:50051
 GEN_DIRS := coordinator/v1 $(wildcard worker/v1)
 
 .DEFAULT_GOAL := help
-.PHONY: help install proto proto-check lint test bench chaos run demo clean
+.PHONY: help install proto proto-check lint test smoke bench chaos run demo clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -39,8 +39,25 @@ lint: $(STAMP) ## ruff and mypy (strict)
 	$(VENV)/bin/ruff check coordinator worker kvcoord tests bench
 	$(VENV)/bin/mypy coordinator worker kvcoord
 
-test: $(STAMP) proto-check ## run the whole test suite (starts its own redis-server)
+test: $(STAMP) proto-check lint ## lint, the whole test suite (starts its own redis-server), smoke
 	$(VENV)/bin/pytest tests
+	@$(MAKE) --no-print-directory smoke
+
+# Every `kvcoord bench` suite at its quick sizes, then one chaos round of each fault, all writing
+# under a temporary directory (bench/results/ is for full runs). Fails when a suite crashes or an
+# invariant it measures breaks. Chaos needs root and `ip netns`: without them it is skipped with
+# its reason, except under CI=true, where it must run.
+smoke: $(STAMP) ## quick bench suites + one chaos round, into a temp dir; fails on a broken invariant
+	@tmp=$$(mktemp -d -t kvcoord-smoke-XXXXXX); status=0; began=$$SECONDS; \
+	$(VENV)/bin/kvcoord bench all --quick --out $$tmp || status=1; \
+	bench_s=$$((SECONDS - began)); began=$$SECONDS; \
+	$(PY) -m bench.chaos --rounds 1 --lag-seconds 2 --out $$tmp/chaos.json; chaos=$$?; \
+	if [ $$chaos = 2 ] && [ "$${CI:-}" != true ]; then \
+	  echo "smoke: chaos skipped (its reason above; under CI=true this fails)"; \
+	elif [ $$chaos != 0 ]; then status=1; fi; \
+	echo "smoke: bench suites $${bench_s}s, chaos $$((SECONDS - began))s"; \
+	if [ $$status = 0 ]; then rm -rf $$tmp; else echo "smoke: FAILED (results in $$tmp)"; fi; \
+	exit $$status
 
 bench: $(STAMP) ## run the benchmarks; tables printed, JSON in bench/results/
 	$(VENV)/bin/kvcoord bench
