@@ -128,7 +128,8 @@ class PolicyUpdates:
             return None
         self.restores += 1
         self._restored_at = self._clock()
-        log.error(
+        # A fresh logger: a rare alarm, and log capture (tests) must see it whatever is cached.
+        structlog.get_logger(__name__).error(
             "policy.version_restored", alarm=True, stored_version=stored.version,
             stored_epoch=stored.epoch, restored_version=restored.version,
             restored_phase=restored.phase.value, restored_target=restored.target_version,

@@ -165,8 +165,8 @@ class CoordinatorService:
         kwargs.setdefault("replicate", config.redis is not None and config.replication)
         service = cls(config, store, **kwargs)  # type: ignore[arg-type]
         await service.updates.refresh()
-        if config.redis is None:
-            log.warning(
+        if config.redis is None:  # a fresh logger, as MemoryStore's own warning
+            structlog.get_logger(__name__).warning(
                 "coordinator.embedded_store_restarts",
                 detail="with the embedded store a restart forgets the rollout records (by "
                 "design: use --redis to keep them); the policy version and worker "

@@ -9,6 +9,7 @@ refused for one lease after the restore."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -16,10 +17,13 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from coordinator.client import AsyncCoordinatorClient, KvcoordError
 from coordinator.config import CoordinatorConfig
+from coordinator.high_water import HighWater
 from coordinator.server import RunningCoordinator, start_coordinator
+from coordinator.store import MetadataStore, PolicyPhase, PolicyRecord
 from kvcoord.scripted_worker import ScriptedWorker
 from tests.coordinator_fixtures import DEV_HASH, FAST_KNOBS, eventually, running_coordinator, target
 from tests.redis_server import RedisServer, redis_server_available
@@ -161,8 +165,9 @@ async def test_an_embedded_store_coordinator_restarted_keeps_version_and_incarna
         for w in workers:
             await w.disconnect()
 
-    async with coordinator_at(port) as second:
-        async with AsyncCoordinatorClient(target(second)) as client:
+    with capture_logs() as logs:
+        async with coordinator_at(port) as second, \
+                AsyncCoordinatorClient(target(second)) as client:
             for w in workers:
                 # The stream comes back to a coordinator that forgot the worker: it says which
                 # incarnation it had, and must register again.
@@ -176,10 +181,92 @@ async def test_an_embedded_store_coordinator_restarted_keeps_version_and_incarna
                 await w.heartbeat()
             state = await client.policy()
             assert state.version >= 3
-            with pytest.raises(KvcoordError) as err:
+            with pytest.raises(KvcoordError) as refused:
                 await client.begin_policy_update(0)
-            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
             route = await client.route(list(range(32)))
             assert route.policy_version == 3
+            assert second.service.updates.restores == 1
         for w in workers:
             await w.close()
+    # Said at start: the embedded store keeps no rollout records across restarts.
+    [starting] = [e for e in logs if e["event"] == "coordinator.embedded_store_restarts"]
+    assert "rollout records" in starting["detail"]
+    [alarm] = [e for e in logs if e["event"] == "policy.version_restored"]
+    assert (alarm["log_level"], alarm["stored_version"], alarm["restored_version"]) == (
+        "error", 0, 3)
+
+
+# ---------------------------------------------------------------------- the pure core
+
+def test_high_water_takes_a_store_that_went_back_as_behind_and_restores_what_it_held() -> None:
+    high = HighWater()
+    held = PolicyRecord(version=4, phase=PolicyPhase.DRAINING, target_version=5, epoch=9,
+                        weights_uri="s3://w/4", target_weights_uri="s3://w/5")
+    high.saw(held)
+    assert not high.behind(held)
+    empty = PolicyRecord()  # Redis restarted without persistence
+    assert high.behind(empty)
+    # Same version, older epoch: an update in progress was lost with the data.
+    assert high.behind(PolicyRecord(version=4, epoch=3))
+    restored = high.restoration(empty, held)
+    assert restored == dataclasses.replace(held, epoch=10)
+
+
+def test_a_worker_version_above_everything_seen_raises_the_floor_but_an_aborted_target_not() -> (
+        None):
+    high = HighWater()
+    high.saw(PolicyRecord(version=2, epoch=3))
+    high.saw(PolicyRecord(version=2, target_version=3, epoch=4))  # begun, then aborted
+    aborted = PolicyRecord(version=2, epoch=5)
+    high.saw(aborted)
+    assert high.report(3) is False  # a worker still on the aborted target: never served
+    assert not high.behind(aborted)
+    assert high.report(7) is True  # a version this process never saw: the store forgot it
+    assert high.behind(aborted)
+    assert high.restoration(aborted, aborted) == PolicyRecord(version=7, epoch=6)
+    # An update to the reported version in progress explains it: not behind.
+    assert not high.behind(PolicyRecord(version=6, target_version=7, epoch=6))
+
+
+def test_incarnations_seen_are_kept_bounded_and_only_rise() -> None:
+    high = HighWater(max_workers=2)
+    high.saw_incarnation("a", 5)
+    high.saw_incarnation("a", 3)
+    high.saw_incarnation("b", 1)
+    high.saw_incarnation("x", 2**60)  # no store hands that out: ignored
+    assert (high.incarnation("a"), high.incarnation("b"), high.incarnation("x")) == (5, 1, 0)
+    high.saw_incarnation("c", 1)
+    assert (high.incarnation("a"), high.incarnation("c")) == (0, 1)  # oldest news dropped
+
+
+# ---------------------------------------------------------------------- the store contract
+
+async def test_register_takes_the_callers_incarnation_floor_and_keeps_counting_from_it(
+    store: MetadataStore,
+) -> None:
+    first = await store.register_worker("w", address="h:1", policy_version=0, lease_ms=5_000)
+    assert first.incarnation == 1
+    floored = await store.register_worker("w", address="h:1", policy_version=0, lease_ms=5_000,
+                                          min_incarnation=8)
+    assert floored.incarnation == 8
+    assert await store.current_incarnation("w") == 8
+    after = await store.register_worker("w", address="h:1", policy_version=0, lease_ms=5_000,
+                                        min_incarnation=2)
+    assert after.incarnation == 9
+    with pytest.raises(ValueError, match="min_incarnation"):
+        await store.register_worker("w", address="h:1", policy_version=0, lease_ms=5_000,
+                                    min_incarnation=0)
+
+
+async def test_restore_policy_writes_the_record_exactly_when_the_store_holds_the_expected(
+    store: MetadataStore,
+) -> None:
+    restored = PolicyRecord(version=5, epoch=12, weights_uri="s3://w/5")
+    assert await store.restore_policy(PolicyRecord(version=1), restored) is False
+    assert await store.restore_policy(PolicyRecord(), restored) is True
+    assert await store.get_policy() == restored
+    with pytest.raises(ValueError, match="higher epoch"):
+        await store.restore_policy(restored, dataclasses.replace(restored, version=6))
+    with pytest.raises(ValueError, match="never decreases"):
+        await store.restore_policy(restored, PolicyRecord(version=4, epoch=13))

@@ -9,6 +9,9 @@ while the worker, replica A and the trainer keep their Redis."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +21,7 @@ import pytest
 import redis
 
 from coordinator.client import AsyncCoordinatorClient, KvcoordError
+from coordinator.config import CoordinatorConfig
 from coordinator.server import RunningCoordinator
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from tests.redis_server import RedisServer, redis_server_available
@@ -113,3 +117,26 @@ async def test_a_replica_cut_from_redis_refuses_routes_after_policy_stale_ms() -
             # Redis answers B again: it reads the committed state and routes under it.
             admin.execute_command("ACL", "SETUSER", "b", "on")
             await eventually(lambda: b_routes_at(1), timeout=10, what="B routing at version 1")
+
+
+@pytest.mark.parametrize(("value", "needle"), [
+    ("0", "policy_stale_ms must be > 0, got 0"),
+    ("soon", "KVCOORD_POLICY_STALE_MS='soon' is not a valid int"),
+])
+def test_a_bad_policy_stale_ms_stops_the_coordinator_at_start_naming_it(
+    value: str, needle: str,
+) -> None:
+    env = {**os.environ, "KVCOORD_POLICY_STALE_MS": value}
+    done = subprocess.run([sys.executable, "-m", "kvcoord.cli", "coordinator", "--listen",
+                           "127.0.0.1:0"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert needle in done.stderr
+
+
+def test_policy_stale_ms_defaults_to_one_lease_and_reads_run_four_times_within_it() -> None:
+    config = CoordinatorConfig.from_sources({}, {"KVCOORD_LEASE_MS": "800",
+                                                 "KVCOORD_HEARTBEAT_MS": "200"})
+    assert (config.policy_stale_ms, config.policy_stale_s, config.policy_read_s) == (
+        None, 0.8, 0.2)
+    config = CoordinatorConfig.from_sources({}, {"KVCOORD_POLICY_STALE_MS": "5000"})
+    assert (config.policy_stale_s, config.policy_read_s) == (5.0, 0.25)  # policy_poll_ms
