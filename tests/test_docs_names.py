@@ -108,7 +108,7 @@ def test_every_kvcoord_command_line_in_the_docs_parses(doc: Path) -> None:
 def test_the_guides_own_overlay_example_renders_with_the_image_and_key_it_sets(
     tmp_path: Path,
 ) -> None:
-    from tests import kustomize_lite
+    from tests import k8s_render
 
     guide = (ROOT / "docs" / "OPERATIONS.md").read_text()
     blocks = {}
@@ -123,9 +123,10 @@ def test_the_guides_own_overlay_example_renders_with_the_image_and_key_it_sets(
     (tmp_path / "my-cluster").mkdir()
     for name, text in blocks.items():
         (tmp_path / name).write_text(text)
-    resources = kustomize_lite.build(tmp_path / "my-cluster")
-    secret = next(r for r in resources if r["kind"] == "Secret")
+    resources = k8s_render.render(tmp_path / "my-cluster", k8s_render.wheel_kubectl())
+    (secret,) = [r for r in resources
+                 if r["kind"] == "Secret" and r["metadata"]["name"] == "kvcoord-secrets"]
     assert secret["stringData"]["KVCOORD_HASH_KEY"].startswith("3f9c")
-    images = {c["image"] for r in resources if (spec := kustomize_lite.pod_spec(r))
+    images = {c["image"] for r in resources if (spec := k8s_render.pod_spec(r))
               for c in spec["containers"] if "kvcoord" in c["image"]}
     assert images == {"registry.example.com/ml/kvcoord:0.1.0-cuda"}
