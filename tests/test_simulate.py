@@ -38,11 +38,13 @@ def test_json_has_the_contract_shape_with_the_seed_keys_beside_it(
     report: SimulationReport,
 ) -> None:
     out = json.loads(json.dumps(to_json(report)))
-    assert set(out) == {"trace", "workers", "capacity_tokens", "bounds", "policies",
-                        "requests", "page_size", "seeds", "arrival_jitter_ms", "differences"}
+    assert set(out) == {"trace", "trace_sha256", "workers", "capacity_tokens", "bounds",
+                        "policies", "requests", "page_size", "seeds", "arrival_jitter_ms",
+                        "differences"}
     assert (out["workers"], out["capacity_tokens"]) == (4, 200_000)
-    assert out["trace"] == {  # by name and content, never a path
-        "name": "mooncake_300.jsonl", "sha256": hashlib.sha256(TRACE.read_bytes()).hexdigest()}
+    # The contract's string, a name and never a path; the content beside it.
+    assert out["trace"] == "mooncake_300.jsonl"
+    assert out["trace_sha256"] == hashlib.sha256(TRACE.read_bytes()).hexdigest()
     assert (out["seeds"], out["arrival_jitter_ms"], out["requests"]) == ([7, 8, 9], 250.0, 300)
     assert set(out["bounds"]) == {"infinite", "pooled"}
     assert list(out["policies"]) == list(ROUTERS)
@@ -148,7 +150,7 @@ def test_cli_prints_the_table_and_writes_the_json(tmp_path: Path) -> None:
     written = json.loads(out.read_text())
     assert written["workers"] == 4 and written["capacity_tokens"] == 500_000
     assert written["seeds"] == [0, 1, 2]
-    assert written["trace"]["name"] == "mooncake_300.jsonl"
+    assert written["trace"] == "mooncake_300.jsonl"
     assert {"commit", "dirty"} <= set(written)  # the provenance every result file carries
     assert set(written["policies"]) == set(ROUTERS)
     assert "100%" in result.stderr  # the progress bar, on stderr only

@@ -1,6 +1,6 @@
 """What ``kvcoord simulate`` prints and writes: the table, the JSON contract, the PNG plot.
 
-JSON (DESIGN.md "simulate --json", binding): ``{"trace", "workers", "capacity_tokens",
+JSON (ARCHITECTURE §0 "simulate --json", binding): ``{"trace", "workers", "capacity_tokens",
 "bounds": {"infinite", "pooled"}, "policies": {NAME: {"hit_ratio", "prefill_tokens",
 "cached_tokens", "ttft_p50_ms", "ttft_p99_ms", "load_imbalance"}}}``; each of those
 per-policy values is now the **mean over the seeds** (token counts rounded to integers), and
@@ -8,8 +8,9 @@ beside each sits ``<field>_min`` and ``<field>_max`` over the seeds. Added besid
 top-level keys: ``requests``, ``page_size``, ``seeds`` (the list run), ``arrival_jitter_ms``,
 and ``differences``: for each policy other than ``kv_aware``, per compared field,
 ``kv_aware``'s verdict against it ("better", "worse", "no difference": see ``summary``).
-``trace`` is the trace by content, ``{"name", "sha256"}``, as in every result file
-(``kvcoord.provenance``), and :func:`write_json` adds that module's ``commit`` and ``dirty``.
+``trace`` stays a string, as the contract has it: the trace's file name, never a path; its
+content is ``trace_sha256`` beside it. :func:`write_json` adds ``kvcoord.provenance``'s
+``commit`` and ``dirty`` (not its ``trace`` object, which would change the contract's key).
 matplotlib is optional (``pip install 'kvcoord[plot]'``) and imported only by
 :func:`write_plot`.
 """
@@ -80,7 +81,8 @@ def _policy_json(spread: Mapping[str, Spread]) -> dict[str, float | int]:
 def to_json(report: SimulationReport) -> dict[str, Any]:
     """The contract's object, with the added keys the module docstring lists."""
     return {
-        "trace": {"name": Path(report.trace).name, "sha256": report.trace_sha256},
+        "trace": Path(report.trace).name,
+        "trace_sha256": report.trace_sha256,
         "workers": report.workers,
         "capacity_tokens": report.capacity_tokens,
         "requests": report.requests,
@@ -95,7 +97,8 @@ def to_json(report: SimulationReport) -> dict[str, Any]:
 
 def write_json(report: SimulationReport, path: str | Path) -> None:
     """:func:`to_json` plus the provenance every result file carries (commit, dirty tree)."""
-    out = {**to_json(report), **provenance(report.trace)}
+    source = provenance()
+    out = {**to_json(report), "commit": source["commit"], "dirty": source["dirty"]}
     Path(path).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
 
 
