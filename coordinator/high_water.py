@@ -46,6 +46,10 @@ class HighWater:
         if record.target_version is not None:
             self.target = max(self.target, record.target_version)
 
+    def saw_target(self, version: int) -> None:
+        """The store knows ``version`` as the target of an update (its acknowledgements)."""
+        self.target = max(self.target, version)
+
     def report(self, version: int) -> bool:
         """A worker has loaded ``version``. True when that is news: above every version and
         target seen so far (the caller then re-reads the store, which may be behind)."""

@@ -143,10 +143,16 @@ class PolicyUpdates:
         """A worker (Register, heartbeat) has loaded ``version``. A version above every one
         seen here is checked against the store at once, so nothing lower is answered again;
         raises StoreUnavailable when the store cannot be read."""
-        if self.high_water.report(version):
+        if not self.high_water.report(version):
+            return
+        if await self._store.get_acks(version):
+            # An update to it was begun in this store (since aborted, or followed here
+            # late): the worker holds a target's weights, not a version the store forgot.
+            self.high_water.saw_target(version)
+        else:
             log.warning("policy.version_reported_above_store", version=version,
                         held=self.record.version)
-            await self.refresh()
+        await self.refresh()
 
     def check_fresh(self) -> None:
         """Unavailable (with a retry hint) when this replica has not read the policy state for

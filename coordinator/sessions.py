@@ -245,8 +245,10 @@ class WorkerSessions:
         self._check_hash_config(req)
         cfg = self._config
         # Before the answer: it names the version to serve, never one below what the worker
-        # already holds (the store may have forgotten it).
-        await self.version_reported(req.policy_version)
+        # already holds (the store may have forgotten it). Not an external worker's: a bridge
+        # serves the version its operator gave it, which is no evidence of what was served.
+        if not req.external:
+            await self.version_reported(req.policy_version)
         # Above every incarnation seen here too, should the store have lost its counter.
         current = self._fleet.get(req.worker_id)
         known = max(self.high_water.incarnation(req.worker_id),
@@ -486,7 +488,8 @@ class WorkerSessions:
             )
         session.lease_deadline = self._clock() + cfg.lease_ms / 1000
         try:
-            await self.version_reported(beat.policy_version)
+            if not session.external:
+                await self.version_reported(beat.policy_version)
         except StoreUnavailable as exc:  # checked again at the next heartbeat or poll
             log.warning("worker.version_not_checked", worker=session.worker_id,
                         version=beat.policy_version, error=str(exc))

@@ -270,3 +270,26 @@ async def test_restore_policy_writes_the_record_exactly_when_the_store_holds_the
         await store.restore_policy(restored, dataclasses.replace(restored, version=6))
     with pytest.raises(ValueError, match="never decreases"):
         await store.restore_policy(restored, PolicyRecord(version=4, epoch=13))
+
+
+@pytest.mark.redis
+async def test_a_worker_on_an_aborted_target_is_no_evidence_of_a_lost_version(
+    redis_url: str,
+) -> None:
+    async with running_coordinator(redis=redis_url, replica_id="A") as first, \
+            AsyncCoordinatorClient(target(first)) as client:
+        member = ScriptedWorker(target(first), "m", hash_config=DEV_HASH)
+        await member.start()
+        await member.heartbeat()
+        await client.begin_policy_update(0)  # m is a member: its ack is in the store
+        await client.abort_policy_update(1)
+        await member.close()
+    # A coordinator that never saw that update meets a worker still holding version 1.
+    async with running_coordinator(redis=redis_url, replica_id="B") as second, \
+            AsyncCoordinatorClient(target(second)) as client:
+        late = ScriptedWorker(target(second), "late", hash_config=DEV_HASH, policy_version=1)
+        answer = await late.register()
+        assert answer.policy_version == 0
+        assert (await client.policy()).version == 0
+        assert second.service.updates.restores == 0
+        await late.close()
