@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="one round of each fault, a short lag phase (the CI smoke run)")
     parser.add_argument("--lag-rate", type=int, default=LAG_RATE, help="batches/s on c1")
     parser.add_argument("--lag-seconds", type=float, default=None)
+    parser.add_argument("--faults", default=",".join(FAULTS),
+                        help=f"comma-separated fault kinds (default all: {','.join(FAULTS)})")
     parser.add_argument("--out", type=Path, default=OUT_DIR,
                         help="directory for chaos.json (default bench/results/), or a "
                              "path ending in .json")
@@ -134,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"chaos: skipped: {problem}", file=sys.stderr)
         return 0 if args.quick else 2
-    kinds = list(FAULTS)
+    kinds = [k for k in args.faults.split(",") if k]
+    if unknown := sorted(set(kinds) - set(FAULTS)):
+        parser.error(f"--faults: unknown fault kinds {unknown}; known: {', '.join(FAULTS)}")
     if (no_nft := nft_missing()) is not None:
         kinds = [k for k in kinds if not FAULTS[k].needs_nft]
         print(f"chaos: skipping the nftables faults: {no_nft}", file=sys.stderr)

@@ -254,7 +254,9 @@ def run_round(chaos: Chaos, kind: str, index: int) -> Round:
         rnd.rollouts_checked = len(before)
         chaos.load.running.set()
         version, expected = FAULTS[kind].inject(chaos, rnd, version, expected)
+        chaos.waited_on = {}
         rnd.recovered_at = chaos.wait_whole(version, expected)
+        rnd.notes["last_not_whole"] = chaos.waited_on  # why recovery took as long as it did
         chaos.compare_digests(rnd)  # pauses generation
         done = answered(chaos.load.generations, rnd.began, time.monotonic())
         after = chaos.read_rollouts({g.rollout_id for g in done} | set(before))

@@ -24,10 +24,9 @@ from tests.multihost_cluster import (
     WORKERS,
     Cluster,
     Holdings,
-    all_ready,
     eventually,
     holdings,
-    owners,
+    infos,
     rollouts,
     serve,
     unroutable,
@@ -86,6 +85,7 @@ class Chaos:
         self.cluster = cluster
         self.watch = Watch(cluster, frozenset(REPLICAS))
         self.load = Load(cluster, self.watch)
+        self.waited_on: dict[str, str] = {}  # what each replica answered when last not whole
 
     @property
     def serving(self) -> list[str]:
@@ -135,13 +135,17 @@ class Chaos:
         def whole() -> bool:
             for replica, client in clients.items():
                 try:
-                    state = (all_ready(client, version), owners(client), holdings(client))
+                    listed = infos(client)
+                    found = holdings(client)
                 except KvcoordError as exc:
                     seen[replica] = exc.code.name
                     return False
-                seen[replica] = state
-                if not (state[0] and set(state[1].values()) <= set(serving)
-                        and state[2] == expected):
+                states = {w: (i.policy_version, i.state) for w, i in listed.items()}
+                seen[replica] = (states, {w: i.owner_replica for w, i in listed.items()}, found)
+                if not (states == {w: (version, "ready") for w in WORKERS}
+                        and {i.owner_replica for i in listed.values()} <= set(serving)
+                        and found == expected):
+                    self.waited_on = {r: repr(s) for r, s in seen.items()}
                     return False
             whole_at.append(time.monotonic())
             return True
