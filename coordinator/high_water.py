@@ -69,13 +69,13 @@ class HighWater:
         one served, or a lower epoch than one read (the store went back in time)."""
         return stored.version < self.floor(stored) or stored.epoch < self.epoch
 
-    def restoration(self, stored: PolicyRecord, held: PolicyRecord) -> PolicyRecord:
-        """What to write over ``stored`` (which is ``behind``), given ``held``, the state this
-        process holds: ``held`` itself when it is at the floor (an update in progress is kept,
-        with its target and weights), else the stored state when it is at the floor, else
-        SERVING at the floor (a version only workers reported: its weights URI is unknown
-        here, so empty). The epoch is lifted above every epoch seen, so every reader takes the
-        restored state as the newest."""
+    def restoration(self, stored: PolicyRecord, held: PolicyRecord, now_ms: int) -> PolicyRecord:
+        """What to write over ``stored`` (which is ``behind``) at Unix time ``now_ms``, given
+        ``held``, the state this process holds: ``held`` itself when it is at the floor (an
+        update in progress is kept, with its target and weights), else the stored state when
+        it is at the floor, else SERVING at the floor (a version only workers reported: its
+        weights URI is unknown here, so empty). The epoch is lifted above every epoch seen, so
+        every reader takes the restored state as the newest; ``restored_at_ms`` is ``now_ms``."""
         version = max(stored.version, self.floor(stored))
         epoch = max(self.epoch, stored.epoch, held.epoch) + 1
         if held.version == version:
@@ -84,7 +84,7 @@ class HighWater:
             base = stored
         else:
             base = PolicyRecord(version=version, phase=PolicyPhase.SERVING, mode=held.mode)
-        return dataclasses.replace(base, epoch=epoch)
+        return dataclasses.replace(base, epoch=epoch, restored_at_ms=now_ms)
 
     # ------------------------------------------------------------------ incarnations
 

@@ -57,7 +57,7 @@ class PolicyUpdates:
     def __init__(
         self, *, config: CoordinatorConfig, store: MetadataStore, fleet: Fleet,
         sessions: WorkerSessions, clock: Callable[[], float] = time.monotonic,
-        high_water: HighWater | None = None,
+        high_water: HighWater | None = None, wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
         self._store = store
@@ -67,7 +67,7 @@ class PolicyUpdates:
         self.record = PolicyRecord()
         self.high_water = high_water or HighWater()
         self.restores = 0  # times the store was found behind the high-water mark and restored
-        self._restored_at: float | None = None  # clock of the last restore
+        self._wall_clock = wall_clock  # restored_at_ms is compared across replicas
         # Clock at the start of the newest successful read of the stored state: routes are
         # refused once it is older than policy_stale_ms (see ``check_fresh``).
         self.read_at = clock()
@@ -123,11 +123,11 @@ class PolicyUpdates:
     async def _restore(self, stored: PolicyRecord) -> PolicyRecord | None:
         """Write the high-water state over ``stored`` by compare-and-set; None when the store
         no longer holds ``stored``."""
-        restored = self.high_water.restoration(stored, self.record)
+        now_ms = int(self._wall_clock() * 1000)
+        restored = self.high_water.restoration(stored, self.record, now_ms)
         if not await self._store.restore_policy(stored, restored):
             return None
         self.restores += 1
-        self._restored_at = self._clock()
         # A fresh logger: a rare alarm, and log capture (tests) must see it whatever is cached.
         structlog.get_logger(__name__).error(
             "policy.version_restored", alarm=True, stored_version=stored.version,
@@ -167,17 +167,17 @@ class PolicyUpdates:
                 retry_after_ms=self._config.route_retry_ms,
             )
 
-    def _check_not_restoring(self) -> None:
-        """FailedPrecondition within one lease of a restore: workers that have not reported
-        yet may hold a higher version than the restored one."""
-        if self._restored_at is None:
+    def _check_not_restoring(self, current: PolicyRecord) -> None:
+        """FailedPrecondition within one lease of a restore (by any replica: the time is in
+        the record): workers that have not reported yet may hold a higher version."""
+        if not current.restored_at_ms:
             return
-        left = self._restored_at + self._config.lease_ms / 1000 - self._clock()
-        if left > 0:
+        left_ms = current.restored_at_ms + self._config.lease_ms - self._wall_clock() * 1000
+        if left_ms > 0:
             raise FailedPrecondition(
-                f"the policy state was restored to version {self.high_water.version} after the "
+                f"the policy state was restored to version {current.version} after the "
                 "metadata store lost it; policy updates resume once every live worker has "
-                f"reported its version (one lease): retry in {left * 1000:.0f} ms"
+                f"reported its version (one lease): retry in {left_ms:.0f} ms"
             )
 
     def servable_versions(self) -> range:
@@ -210,10 +210,9 @@ class PolicyUpdates:
         self, expected_version: int, mode: str, weights_uri: str, abort_running: bool
     ) -> PolicyRecord:
         def step(current: PolicyRecord) -> PolicyRecord:
-            self._check_not_restoring()  # checked after each read: the read may restore
+            self._check_not_restoring(current)  # on the state read: the read may restore
             return policy.begin(current, expected_version, mode, weights_uri)
 
-        self._check_not_restoring()
         record = await self._cas(step)
         target = record.target_version
         assert target is not None  # begin always sets a target

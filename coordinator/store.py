@@ -64,6 +64,10 @@ class PolicyRecord:
     ``weights_uri`` is where ``version``'s weights load from and ``target_weights_uri`` where
     ``target_version``'s do; empty means the weights are seeded by the version. Both are kept so
     an abort can return to the current version's weights without remembering anything else.
+
+    ``restored_at_ms`` (Unix ms, 0 = never) is when a coordinator last put back a state the
+    store had lost (``coordinator.high_water``): every replica refuses BeginPolicyUpdate for
+    one lease after it, until every live worker has reported its version.
     """
 
     version: int = 0
@@ -73,6 +77,7 @@ class PolicyRecord:
     epoch: int = 0
     weights_uri: str = ""
     target_weights_uri: str = ""
+    restored_at_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -315,6 +315,7 @@ class RedisStore:
             epoch=int(raw["epoch"]),
             weights_uri=raw.get("weights_uri", ""),
             target_weights_uri=raw.get("target_weights_uri", ""),
+            restored_at_ms=int(raw.get("restored_at_ms", "0")),
         )
 
     async def cas_policy(self, expected: PolicyRecord, new: PolicyRecord) -> bool:

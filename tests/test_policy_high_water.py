@@ -82,6 +82,15 @@ async def test_redis_losing_its_data_under_a_live_fleet_never_takes_versions_bac
             with pytest.raises(KvcoordError) as err:
                 await client.begin_policy_update(2)
             assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            # So does every replica, even one that never saw version 2 itself.
+            async with running_coordinator(redis=server.url, page_size=PAGE, lease_ms=LEASE_MS,
+                                           heartbeat_ms=150, replica_id="late") as late, \
+                    AsyncCoordinatorClient(target(late)) as late_client:
+                assert (await late_client.policy()).version == 2
+                with pytest.raises(KvcoordError) as err:
+                    await late_client.begin_policy_update(2)
+                assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+                assert late.service.updates.restores == 0
 
             # The workers' leases went with the data: they register again, under
             # incarnations above every one handed out before.
@@ -209,8 +218,8 @@ def test_high_water_takes_a_store_that_went_back_as_behind_and_restores_what_it_
     assert high.behind(empty)
     # Same version, older epoch: an update in progress was lost with the data.
     assert high.behind(PolicyRecord(version=4, epoch=3))
-    restored = high.restoration(empty, held)
-    assert restored == dataclasses.replace(held, epoch=10)
+    restored = high.restoration(empty, held, now_ms=123)
+    assert restored == dataclasses.replace(held, epoch=10, restored_at_ms=123)
 
 
 def test_a_worker_version_above_everything_seen_raises_the_floor_but_an_aborted_target_not() -> (
@@ -224,7 +233,8 @@ def test_a_worker_version_above_everything_seen_raises_the_floor_but_an_aborted_
     assert not high.behind(aborted)
     assert high.report(7) is True  # a version this process never saw: the store forgot it
     assert high.behind(aborted)
-    assert high.restoration(aborted, aborted) == PolicyRecord(version=7, epoch=6)
+    assert high.restoration(aborted, aborted, now_ms=5) == PolicyRecord(
+        version=7, epoch=6, restored_at_ms=5)
     # An update to the reported version in progress explains it: not behind.
     assert not high.behind(PolicyRecord(version=6, target_version=7, epoch=6))
 
