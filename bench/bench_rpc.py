@@ -51,7 +51,7 @@ class ServerProcess:
     """``mode``: echo, coordinator, coordinator_auth, or coordinator_auth_tls (auth over TLS:
     a throwaway CA and server certificate written to a temporary directory)."""
 
-    def __init__(self, mode: str, workers: int) -> None:
+    def __init__(self, mode: str, workers: int, conversations: int) -> None:
         self.mode = mode
         self.port = _free_port()
         self.ca: bytes | None = None
@@ -64,7 +64,7 @@ class ServerProcess:
             extra = [str(Path(pki.server.cert).parent)]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "bench.rpc_server", mode, str(self.port), str(workers),
-             *extra],
+             str(conversations), *extra],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
         assert self.process.stdout is not None
@@ -160,8 +160,13 @@ def _wrong_answers(server: ServerProcess, payloads: dict[str, list[bytes]], work
     return wrong
 
 
+def _conversations(quick: bool) -> int:
+    """The pool the servers index and the clients send (every pool prompt is a cache hit)."""
+    return 32 if quick else 256
+
+
 def _route_payloads(quick: bool) -> dict[str, list[bytes]]:
-    pool = conversation_pool(64 if quick else 256)
+    pool = conversation_pool(_conversations(quick))
     hasher = PageHasher(HashConfig(key=DEV_HASH_KEY))
     fresh = fresh_prompts(100 if quick else 2000)
     return {
@@ -186,7 +191,7 @@ def _route_payloads(quick: bool) -> dict[str, list[bytes]]:
 
 
 def _batch_payloads(quick: bool, prompts: int = 16, samples: int = 4) -> list[bytes]:
-    pool = conversation_pool(64 if quick else 256)
+    pool = conversation_pool(_conversations(quick))
     batches = []
     for start in range(0, len(pool), prompts):
         group = pool[start:start + prompts]
@@ -210,7 +215,7 @@ def bench_rpc(workers: int = 64, quick: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"workers": workers, "concurrency": CONCURRENCY, "prompt_tokens": 4096,
                            "batch_prompts": 64}
     for mode in ("echo", "coordinator", "coordinator_auth", "coordinator_auth_tls"):
-        server = ServerProcess(mode, workers)
+        server = ServerProcess(mode, workers, _conversations(quick))
         try:
             for name, requests in payloads.items():
                 if mode.startswith("coordinator_auth") and name != "token_bytes":

@@ -2,7 +2,8 @@
 
 Both use the same grpc.aio server settings and the same generated stubs, so the difference in
 Route throughput between them is the coordinator's own work (conversion, hashing, index walk,
-routing, pending entries, interceptor). Run: ``python -m bench.rpc_server MODE PORT WORKERS``.
+routing, pending entries, interceptor). Run: ``python -m bench.rpc_server MODE PORT WORKERS
+CONVERSATIONS [TLS_DIR]``.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _identities_file() -> str:
     return path
 
 
-async def serve_coordinator(port: int, workers: int, *, auth: bool = False,
+async def serve_coordinator(port: int, workers: int, conversations: int, *, auth: bool = False,
                             tls_dir: str | None = None) -> None:
     """``auth``: every call authenticates and is authorized, and the rate limiter runs (at a
     limit the bench never reaches, so its cost is measured, not its refusals). ``tls_dir``:
@@ -81,19 +82,19 @@ async def serve_coordinator(port: int, workers: int, *, auth: bool = False,
     running = await start_coordinator(
         CoordinatorConfig(listen=f"127.0.0.1:{port}", log_level="error", **security)  # type: ignore[arg-type]
     )
-    populate(running.service, workers)
+    populate(running.service, workers, conversations)
     print("ready", flush=True)
     await running.server.wait_for_termination()
 
 
 def main() -> None:
-    mode, port, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    tls_dir = sys.argv[4] if len(sys.argv) > 4 else None
+    mode, port, workers, conversations = sys.argv[1], *map(int, sys.argv[2:5])
+    tls_dir = sys.argv[5] if len(sys.argv) > 5 else None
     configure_logging("error")
     if mode == "echo":
         asyncio.run(serve_echo(port))
     else:
-        asyncio.run(serve_coordinator(port, workers, auth=mode != "coordinator",
+        asyncio.run(serve_coordinator(port, workers, conversations, auth=mode != "coordinator",
                                       tls_dir=tls_dir))
 
 
