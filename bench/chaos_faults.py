@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+import grpc
+
 from bench.chaos_load import answered, reconcile
 from bench.chaos_round import POLICY_STALE_S, Chaos, Round
 from coordinator.client import KvcoordError
@@ -265,7 +267,8 @@ def run_round(chaos: Chaos, kind: str, index: int) -> Round:
         rnd.rollouts_checked += found.checked
         rnd.rollouts_lost += found.lost
         rnd.died_with_worker = found.died_with_worker
-    except (AssertionError, KvcoordError, TimeoutError, RuntimeError, NetnsError) as exc:
+    except (AssertionError, KvcoordError, grpc.RpcError, TimeoutError, RuntimeError,
+            NetnsError) as exc:
         rnd.error = f"{type(exc).__name__}: {exc}"
     finally:
         chaos.load.pause()
