@@ -3,6 +3,7 @@ says so in one line (exit 2); a crashed step or a broken invariant fails the run
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -48,6 +49,20 @@ def test_from_another_directory_bench_finds_the_checkout(tmp_path: Path) -> None
     assert done.returncode == 2
     assert done.stderr == ("kvcoord bench: unknown suite 'no-such-suite'; known: coordinator, "
                            "worker, policy, replication, bridge, security, all\n")
+
+
+def test_no_installed_package_imports_bench() -> None:
+    # bench/ imports kvcoord; the reverse would be an import circle (and fail in a wheel).
+    # kvcoord/bench_runner.py reaches bench through importlib, at call time only.
+    found = []
+    for package in WHEEL_PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                found += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                          if n == "bench" or n.startswith("bench.")]
+    assert found == []
 
 
 def suite(step: object, broken: list[str]) -> Suite:
