@@ -33,9 +33,9 @@ from typing import NamedTuple
 import grpc
 
 from bench.chaos_load import answered, reconcile
-from bench.chaos_round import POLICY_STALE_S, Chaos, Round
+from bench.chaos_round import POLICY_STALE_S, RECOVERY_TIMEOUT_S, Chaos, Round
 from coordinator.client import KvcoordError
-from tests.multihost_cluster import LEASE_S, REPLICAS, WORKERS, Holdings, owners
+from tests.multihost_cluster import LEASE_S, REPLICAS, WORKERS, Holdings, eventually, owners
 from tests.netns import NetnsError
 
 PAST_LEASE_S = 1.0  # how long a dead or cut worker stays so after its lease: routes are watched
@@ -61,8 +61,24 @@ def kill_worker(chaos: Chaos, rnd: Round, version: int, expected: Holdings) -> t
     rnd.repaired_at = time.monotonic()
     chaos.cluster.start_worker(rnd.victim)
     chaos.watch.repaired(rnd.victim, rnd.repaired_at)
+    # Most of this fault's recovery is the new process starting (interpreter, torch, model):
+    # noted apart, so a slow machine is told from a slow rejoin.
+    rnd.notes["process_start_s"] = _answering(chaos, rnd.victim) - rnd.repaired_at
     return version, {p: {w: n for w, n in m.items() if w != rnd.victim}
                      for p, m in expected.items()}
+
+
+def _answering(chaos: Chaos, worker_id: str) -> float:
+    """The time ``worker_id``'s own gRPC server first answers (its process has started)."""
+    with chaos.cluster.worker(worker_id) as worker:
+        def answers() -> bool:
+            try:
+                worker.stats()
+            except KvcoordError:
+                return False
+            return True
+        eventually(answers, f"{worker_id} to answer", RECOVERY_TIMEOUT_S)
+    return time.monotonic()
 
 
 def cut_worker(chaos: Chaos, rnd: Round, version: int, expected: Holdings) -> tuple[int, Holdings]:

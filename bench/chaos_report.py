@@ -37,7 +37,9 @@ DEFINITIONS = {
         "moment the fleet is whole: on every serving replica all three workers READY at the "
         "current policy version and attached to a serving replica, and Lookup of every probe "
         "prompt answering the holdings noted before the fault (less a killed worker's pages; "
-        "none after a policy update, whose new version no page was computed under)"),
+        "none after a policy update, whose new version no page was computed under). For "
+        "kill_worker the table also shows, in brackets, the median seconds from the restart "
+        "to the new process's own gRPC answering (process start: interpreter, torch, model)"),
     "stale_routes": (
         f"routes (round robin, one thread per replica, every {ROUTE_EVERY_S:g} s) naming a "
         f"worker that was killed, cut off or partitioned more than its lease + "
@@ -108,6 +110,8 @@ def summarize(rounds: list[Round], watch: Watch, load: Load,
             "recovery_s_p50": statistics.median(recovery) if recovery else None,
             "recovery_s_max": max(recovery) if recovery else None,
             "recovery_target_s": fault.recovery_target_s, "recovery_target_why": fault.why,
+            "process_start_s": [r.notes["process_start_s"] for r in mine
+                                if "process_start_s" in r.notes],
             "stale_routes": len(stale),
             "routes_at_stake": sum(len(at_stake(watch.routes, watch.down, watch.commits,
                                                 POLICY_STALE_S, r.began, r.ended))
@@ -148,6 +152,8 @@ def table_rows(summary: dict[str, dict[str, Any]]) -> list[list[str]]:
             value = f"{kind['recovery_s_p50']:.2f} / {kind['recovery_s_max']:.2f}"
         else:
             value = "never"
+        if kind["process_start_s"]:
+            value += f" (process start {statistics.median(kind['process_start_s']):.1f})"
         recovered = kind["recovered"] == rounds and not kind["errors"]
         stake = kind["routes_at_stake"]
         rows += [

@@ -115,3 +115,13 @@ def test_nothing_at_stake_reads_a_dash_never_met() -> None:
     assert verdict(False, at_stake=0) == "-"
     assert verdict(True, at_stake=3) == "met"
     assert verdict(False, at_stake=3) == "MISSED"
+
+
+def test_the_schedule_runs_each_kind_in_turn_and_restarts_each_killed_replica() -> None:
+    from bench.chaos_faults import FAULTS, schedule
+
+    plan = schedule(2, ["kill_worker", "kill_replica", "restart_replica", "packet_loss"])
+    assert plan == [("kill_worker", 0), ("kill_worker", 1), ("kill_replica", 0),
+                    ("restart_replica", 0), ("kill_replica", 1), ("restart_replica", 1),
+                    ("packet_loss", 0), ("packet_loss", 1)]
+    assert {kind for kind, _ in schedule(1)} == set(FAULTS)  # one round of each: --quick
