@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.chaos_faults import FAULTS, schedule
 from bench.chaos_load import ANSWER_SLACK_S, Generation, overlaps, reconcile
 from bench.chaos_report import verdict
 from bench.chaos_watch import (
@@ -118,8 +119,6 @@ def test_nothing_at_stake_reads_a_dash_never_met() -> None:
 
 
 def test_the_schedule_runs_each_kind_in_turn_and_restarts_each_killed_replica() -> None:
-    from bench.chaos_faults import FAULTS, schedule
-
     plan = schedule(2, ["kill_worker", "kill_replica", "restart_replica", "packet_loss"])
     assert plan == [("kill_worker", 0), ("kill_worker", 1), ("kill_replica", 0),
                     ("restart_replica", 0), ("kill_replica", 1), ("restart_replica", 1),
