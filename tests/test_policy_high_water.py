@@ -286,7 +286,7 @@ async def test_restore_policy_writes_the_record_exactly_when_the_store_holds_the
 async def test_a_worker_on_an_aborted_target_is_no_evidence_of_a_lost_version(
     redis_url: str,
 ) -> None:
-    async with running_coordinator(redis=redis_url, replica_id="A") as first, \
+    async with running_coordinator(redis=redis_url, replication=False) as first, \
             AsyncCoordinatorClient(target(first)) as client:
         member = ScriptedWorker(target(first), "m", hash_config=DEV_HASH)
         await member.start()
@@ -295,7 +295,7 @@ async def test_a_worker_on_an_aborted_target_is_no_evidence_of_a_lost_version(
         await client.abort_policy_update(1)
         await member.close()
     # A coordinator that never saw that update meets a worker still holding version 1.
-    async with running_coordinator(redis=redis_url, replica_id="B") as second, \
+    async with running_coordinator(redis=redis_url, replication=False) as second, \
             AsyncCoordinatorClient(target(second)) as client:
         late = ScriptedWorker(target(second), "late", hash_config=DEV_HASH, policy_version=1)
         answer = await late.register()
