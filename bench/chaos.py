@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="directory for chaos.json (default bench/results/), or a "
                              "path ending in .json")
     args = parser.parse_args(argv)
+    kinds = [k for k in args.faults.split(",") if k]
+    if unknown := sorted(set(kinds) - set(FAULTS)):
+        parser.error(f"--faults: unknown fault kinds {unknown}; known: {', '.join(FAULTS)}")
     rounds_each = 1 if args.quick else args.rounds
     lag_seconds = args.lag_seconds or (QUICK_LAG_SECONDS if args.quick else LAG_SECONDS)
     problem = _preflight() or (nft_missing() if _in_ci() else None)
@@ -136,9 +139,6 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"chaos: skipped: {problem}", file=sys.stderr)
         return 0 if args.quick else 2
-    kinds = [k for k in args.faults.split(",") if k]
-    if unknown := sorted(set(kinds) - set(FAULTS)):
-        parser.error(f"--faults: unknown fault kinds {unknown}; known: {', '.join(FAULTS)}")
     if (no_nft := nft_missing()) is not None:
         kinds = [k for k in kinds if not FAULTS[k].needs_nft]
         print(f"chaos: skipping the nftables faults: {no_nft}", file=sys.stderr)
