@@ -144,7 +144,7 @@ def visible_workers(identity: Identity, worker_ids: Iterable[str]) -> set[str]:
 
 def may_send_page_keys(identity: Identity, trust_schedulers: bool) -> bool:
     """Page keys bypass the tenant salt (they are already hashed): only callers that hold the
-    hash key may send them (DESIGN: Who holds the key)."""
+    hash key may send them (ARCHITECTURE §0, "Who holds the key")."""
     if identity.role in (Role.WORKER, Role.ADMIN):
         return True
     return trust_schedulers and identity.role is Role.SCHEDULER

@@ -1,4 +1,4 @@
-"""Rollout attribution (DESIGN.md "Policy version", invariant 4): which policy version, on
+"""Rollout attribution (ARCHITECTURE §0, invariant 4): which policy version, on
 which worker, produced each generation.
 
 Workers report what they generated, under their own identity; ``RolloutLog.append`` checks a

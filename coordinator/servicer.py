@@ -50,7 +50,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     @staticmethod
     def _scope(scope: pb.Scope) -> Scope:
-        """The request's scope under the caller's tenant (DESIGN: Who holds the key)."""
+        """The request's scope under the caller's tenant (ARCHITECTURE §0, "Who holds the key")."""
         return scope_from(scope, caller().tenant)
 
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
@@ -130,8 +130,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         return pb.RegisterResponse(
             protocol_version=PROTOCOL_VERSION,
             incarnation=registration.incarnation,
-            # The version to load: the target while an update is in progress (DESIGN: a worker
-            # registering mid-update or fenced learns it here and is unroutable until it serves it).
+            # The version to load: the target while an update is in progress (ARCHITECTURE §0:
+            # a worker registering mid-update or fenced learns it here and is unroutable until
+            # it serves it).
             policy_version=(
                 registration.policy.target_version
                 if registration.policy.target_version is not None

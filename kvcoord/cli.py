@@ -1,4 +1,4 @@
-"""The ``kvcoord`` command line (contract in DESIGN.md "CLI")."""
+"""The ``kvcoord`` command line. Its commands and flags are a contract (ARCHITECTURE §0)."""
 
 from __future__ import annotations
 

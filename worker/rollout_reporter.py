@@ -1,4 +1,4 @@
-"""The worker reports what it generated (DESIGN.md "Policy version", invariant 4).
+"""The worker reports what it generated (ARCHITECTURE §0, invariant 4).
 
 ``RolloutReporter.add`` queues one rollout record per answered Generate; a background task sends
 them to the coordinator's ``ReportRollouts`` in batches (every ``flush_ms``, or at once when

@@ -4,7 +4,7 @@ No decisions here: input checks the proto alone can settle (one token body, whol
 protocol version) raise ``coordinator.errors`` domain errors; the runtime raises
 ``InvalidRequest`` / ``PoolExhausted``; ``coordinator.interceptor.ErrorMappingInterceptor``
 (with ``worker.server.EXPECTED_ERRORS``) turns all of them into status codes in one place.
-Each answered Generate is handed to ``report`` as a rollout record (DESIGN.md invariant 4).
+Each answered Generate is handed to ``report`` as a rollout record (ARCHITECTURE §0, invariant 4).
 """
 
 from __future__ import annotations

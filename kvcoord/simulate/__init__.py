@@ -15,6 +15,6 @@ Modules, in data-flow order:
 - ``peers``: ``sglang_like`` and ``dynamo_like``, re-stated from the peers' sources.
 - ``engine``: the event loop of one (policy, seed) run.
 - ``summary``: per-seed numbers, mean and min-max over seeds, when a difference counts.
-- ``report``: the table, the JSON contract (DESIGN.md), the optional PNG.
+- ``report``: the table, the JSON contract (ARCHITECTURE §0), the optional PNG.
 - ``runner`` / ``cli``: ``simulate()`` and the ``kvcoord simulate`` subcommand.
 """

@@ -25,7 +25,7 @@ def add_simulate_parser(sub: Any) -> None:
     sim.add_argument("--policy", action="extend", nargs="+", metavar="NAME",
                      help="round_robin, least_loaded, kv_aware, sglang_like, dynamo_like "
                      "(default: all)")
-    sim.add_argument("--json", metavar="FILE", help="write the results as JSON (DESIGN.md)")
+    sim.add_argument("--json", metavar="FILE", help="write the results as JSON")
     sim.add_argument("--plot", metavar="FILE", help="write a PNG (needs matplotlib)")
     sim.add_argument("--limit", type=int, metavar="N", help="only the first N requests")
     sim.add_argument("--seed", type=int, default=0,
