@@ -94,7 +94,8 @@ class Chaos:
     def client(self) -> CoordinatorClient:
         """A client of the serving replicas. Its first target is serving: the SDK's streaming
         calls (``rollouts``) use the first target only."""
-        return self.cluster.client(*self.serving)
+        client: CoordinatorClient = self.cluster.client(*self.serving)
+        return client
 
     def prepare(self) -> tuple[int, Holdings, dict[str, RolloutRecord]]:
         """Every worker serves its probe prompt; returns the policy version, the holdings the
@@ -179,7 +180,7 @@ class Chaos:
         deadline = time.monotonic() + REPORT_WAIT_S
         with self.client() as client:
             while True:
-                records = rollouts(client)
+                records: dict[str, RolloutRecord] = rollouts(client)
                 if expected <= records.keys() or time.monotonic() >= deadline:
                     return records
                 time.sleep(0.1)
