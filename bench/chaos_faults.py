@@ -8,9 +8,10 @@ Fault kinds (``FAULTS``); worker victims rotate over w1, w2, w3:
 - ``restart_replica``: start the killed replica again under the same id (it bootstraps);
 - ``redis_restart``: SIGKILL Redis, restart it on the same data after a lease and a half second;
 - ``partition_update``: cut a worker, run a sync policy update (commit deadline 2 s), heal;
-- ``redis_cut_update``: nftables rules in c2 drop its traffic with Redis only (workers, c1 and
-  clients still reach it), a sync policy update runs through c1, and the cut lasts until routes
-  have been sampled past ``policy_stale_ms`` after the commit; then heal;
+- ``redis_cut_update``: nftables rules in the replica holding the fewest worker streams drop
+  its traffic with Redis only (workers, the other replica and clients still reach it), a sync
+  policy update runs through the other replica, and the cut lasts until routes have been
+  sampled a second past ``policy_stale_ms`` after the commit; then heal;
 - ``asymmetric``: a worker's packets to the replica holding its stream are dropped (nftables,
   the worker's output hook); the replica's packets to it still arrive. Lease plus
   ``PAST_LEASE_S``, then heal;
