@@ -2,11 +2,12 @@
 ``tests.fuzz_campaign`` at a larger size than the test's, on one fleet with auth on.
 
 - ``campaign``: every hostile class against every method of both services, as admin (the role
-  that reaches deepest), twice (warm-up, then measured; once with --quick). Per class: cases
-  tried, the statuses returned, grpcio's own answers to unparseable bytes, bugs (INTERNAL for a
-  parseable request, UNKNOWN not from a parse failure), crashes, RSS growth over the measured
-  pass and the peak above the class's start. The baseline, measured in the same run before the
-  campaign: RSS growth of the same servers over as many well-formed requests.
+  that reaches deepest), twice (warm-up, then measured; once with --quick). Per class: the
+  distinct inputs and the sends (the warm-up pass sends each input again), the statuses
+  returned, grpcio's own answers to unparseable bytes, bugs (INTERNAL for a parseable request,
+  UNKNOWN not from a parse failure), crashes, RSS growth over the measured pass and the peak
+  above the class's start. The baseline, measured in the same run before the campaign: RSS
+  growth of the same servers over as many well-formed requests.
 - ``auth``: the same kinds of garbage without a token and with a scheduler's token, per
   method: anything but UNAUTHENTICATED / PERMISSION_DENIED (grpcio's parse failures aside) is
   counted as a leak through the guard.
@@ -52,7 +53,8 @@ def bench_campaign(quick: bool = False) -> dict[str, Any]:
         report = Campaign(fleet.endpoints(), examples=_examples(quick),
                           metadata=fleet.metadata("admin"), warmup=not quick).run()
         alive = fleet.alive("coordinator") and fleet.alive("worker")
-    print(render_table(["hostile class", "statuses returned", "tried", "crashes", "bugs",
+    print(render_table(["hostile class", "statuses returned", "distinct inputs",
+                        "sends (warm-up incl.)", "crashes", "bugs",
                         "RSS growth MiB (coord/worker)", "peak MiB (coord/worker)"],
                        _class_rows(report)))
     for failure in report.failures():
@@ -75,7 +77,7 @@ def _pair(by_server: dict[str, float]) -> str:
 
 def _class_rows(report: Report) -> list[list[str]]:
     return [[kind, ", ".join(f"{code} {n}" for code, n in t.statuses.most_common()),
-             str(t.tried), str(t.crashes), str(t.internal + t.unknown),
+             str(t.distinct), str(t.tried), str(t.crashes), str(t.internal + t.unknown),
              _pair(t.rss_growth_mib), _pair(t.peak_mib)]
             for kind, t in report.classes.items()]
 
@@ -83,7 +85,8 @@ def _class_rows(report: Report) -> list[list[str]]:
 def _campaign_results(report: Report, baseline: dict[str, float], alive: bool) -> dict[str, Any]:
     classes = {
         kind: {
-            "tried": t.tried, "crashes": t.crashes, "bugs": t.internal + t.unknown,
+            "distinct": t.distinct, "sends": t.tried, "crashes": t.crashes,
+            "bugs": t.internal + t.unknown,
             "statuses": ", ".join(f"{code} {n}" for code, n in t.statuses.most_common()),
             "rss_growth_mib": _pair(t.rss_growth_mib), "peak_mib": _pair(t.peak_mib),
         }
@@ -91,8 +94,8 @@ def _campaign_results(report: Report, baseline: dict[str, float], alive: bool) -
     }
     growth = report.rss_growth_mib()
     return {
-        "cases": report.cases, "wall_s": round(report.wall_s, 1),
-        "cases_per_s": round(report.cases / report.wall_s, 1),
+        "cases": report.cases, "distinct_inputs": report.distinct,
+        "wall_s": round(report.wall_s, 1), "cases_per_s": round(report.cases / report.wall_s, 1),
         "methods_fuzzed": len(report.methods),
         "crashes": report.total("crashes"), "internal": report.total("internal"),
         "unknown": report.total("unknown"),

@@ -126,7 +126,8 @@ def security_targets(results: dict[str, Any]) -> list[list[str]]:
     c = results["campaign"]
     growth, base = c["rss_growth_mib"], c["rss_growth_mib.well_formed_baseline"]
     rows: list[tuple[str, str, str, bool | None]] = [
-        (f"crashes over {c['cases']:,} hostile cases", "0", str(c["crashes"]),
+        (f"crashes over {c['distinct_inputs']:,} distinct hostile inputs "
+         f"({c['cases']:,} sends)", "0", str(c["crashes"]),
          c["crashes"] == 0 and c["servers_alive_after"]),
         ("INTERNAL for a parseable request", "0", str(c["internal"]), c["internal"] == 0),
         ("UNKNOWN not from a parse failure", "0", str(c["unknown"]), c["unknown"] == 0),
