@@ -40,7 +40,7 @@ lint: $(STAMP) ## ruff and mypy (strict)
 	$(VENV)/bin/mypy coordinator worker kvcoord
 
 test: $(STAMP) proto-check lint ## lint, the whole test suite (starts its own redis-server), smoke
-	$(VENV)/bin/pytest tests
+	$(VENV)/bin/pytest tests --durations=15
 	@$(MAKE) --no-print-directory smoke
 
 # Every `kvcoord bench` suite at its quick sizes, then one chaos round of each fault, all writing
