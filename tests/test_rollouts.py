@@ -1,14 +1,15 @@
 """Attribution (ARCHITECTURE §0, invariant 4): ``RolloutLog`` against both stores (append and
 read exact records in order, cursor semantics, follow, every refusal appending nothing, the
-maxlen bound); the worker's ``RolloutReporter`` against a fake coordinator (batching, retry
-across disconnects and errors, refusals dropped, the queue bound, flush on stop); and the
-worker servicer handing each answered Generate to the reporter."""
+maxlen bound); the worker's ``RolloutReporter`` against a real coordinator server, what it sent
+read back with ReadRollouts (batching, flush on stop, records kept across a missing link, a
+stopped coordinator and a restarted one that does not know the worker yet, refusals dropped,
+the queue bound); and the worker servicer handing each answered Generate to the reporter."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
@@ -16,12 +17,16 @@ import pytest
 from coordinator.auth import ANONYMOUS
 from coordinator.auth_grpc import acting_as
 from coordinator.client import AsyncCoordinatorClient
+from coordinator.config import CoordinatorConfig
 from coordinator.errors import FailedPrecondition, InvalidArgument
 from coordinator.rollouts import MAX_RECORDS_PER_CALL, Rollout, RolloutLog
+from coordinator.server import RunningCoordinator, start_coordinator
 from coordinator.store import MemoryStore, MetadataStore, parse_entry_id
 from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from kvcoord import cli
-from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
+from kvcoord.scripted_worker import ScriptedWorker
+from tests.coordinator_fixtures import DEV_HASH, FAST_KNOBS, running_coordinator, target
 from worker.config import WorkerConfig
 from worker.engine import ModelConfig
 from worker.gate import GenerationGate
@@ -202,120 +207,228 @@ async def test_an_empty_reporting_worker_id_is_refused(store: MetadataStore) -> 
 
 
 # ---------------------------------------------------------------- worker: RolloutReporter
+#
+# The reporter talks to a real coordinator over a real channel. ``ReportLog`` only watches that
+# channel (each ReportRollouts call's rollout ids and the code the coordinator answered); what
+# arrived is read back with ReadRollouts.
+
+FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+                  ("grpc.max_reconnect_backoff_ms", 100)]
+OK, UNAVAILABLE = grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE
+FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
 
-class FakeCoordinator:
-    """Answers ReportRollouts, raising the queued status codes first; records every call."""
+class ReportLog(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Records every ReportRollouts call on the channel and its status code; answers nothing."""
 
     def __init__(self) -> None:
         self.calls: list[list[str]] = []
-        self.fail: list[tuple[grpc.StatusCode, str]] = []  # (code, details) to raise next
-        self._called = asyncio.Condition()
+        self.codes: list[grpc.StatusCode] = []
+        self._changed = asyncio.Condition()
 
-    async def ReportRollouts(
-        self, request: pb.ReportRolloutsRequest, *, timeout: float
-    ) -> pb.ReportRolloutsResponse:
-        async with self._called:
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Awaitable[grpc.aio.UnaryUnaryCall]],
+        details: grpc.aio.ClientCallDetails, request: pb.ReportRolloutsRequest,
+    ) -> grpc.aio.UnaryUnaryCall:
+        call = await continuation(details, request)
+        code = await call.code()  # the call has ended: answered, refused or unreachable
+        async with self._changed:
             self.calls.append([r.rollout_id for r in request.records])
-            self._called.notify_all()
-        if self.fail:
-            code, details = self.fail.pop(0)
-            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       details=details)
-        return pb.ReportRolloutsResponse(accepted=len(request.records))
+            self.codes.append(code)
+            self._changed.notify_all()
+        return call
+
+    async def wait_for(self, condition: Callable[[], bool], what: str) -> None:
+        try:
+            async with asyncio.timeout(WAIT_S), self._changed:
+                await self._changed.wait_for(condition)
+        except TimeoutError:
+            raise AssertionError(f"timed out waiting for {what}; calls {self.calls}, "
+                                 f"codes {self.codes}") from None
 
     async def wait_calls(self, n: int) -> None:
-        async with asyncio.timeout(WAIT_S), self._called:
-            await self._called.wait_for(lambda: len(self.calls) >= n)
+        await self.wait_for(lambda: len(self.calls) >= n, f"{n} ReportRollouts calls")
 
 
-def link(fake: FakeCoordinator, up: list[bool]) -> Callable[[], FakeCoordinator | None]:
-    return lambda: fake if up[0] else None
+class Link:
+    """The reporter's stub callable: a stub on a real channel to ``address``, or None while
+    ``up`` is False. ``asked`` counts the reporter's looks at the link."""
+
+    def __init__(self, address: str, *, up: bool = True) -> None:
+        self.wire = ReportLog()
+        self.channel = grpc.aio.insecure_channel(address, options=FAST_RECONNECT,
+                                                 interceptors=[self.wire])
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.up = up
+        self.asked = 0
+        self._asked = asyncio.Event()
+
+    def __call__(self) -> pb_grpc.CoordinatorStub | None:
+        self.asked += 1
+        self._asked.set()
+        return self.stub if self.up else None
+
+    async def wait_asked(self, n: int) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while self.asked < n:
+                self._asked.clear()
+                await self._asked.wait()
 
 
-def reporter_for(fake: FakeCoordinator, up: list[bool], **kwargs: int) -> RolloutReporter:
-    reporter = RolloutReporter(link(fake, up), worker_id="w1", **kwargs)
+async def register_w1(coord: RunningCoordinator, version: int = 3) -> ScriptedWorker:
+    """Registers worker ``w1`` serving ``version``: the coordinator accepts its records of it."""
+    worker = ScriptedWorker(target(coord), "w1", hash_config=DEV_HASH, policy_version=version)
+    await worker.register()
+    return worker
+
+
+async def arrived(coord: RunningCoordinator) -> list[str]:
+    """The rollout ids the coordinator holds, oldest first (ReadRollouts)."""
+    async with AsyncCoordinatorClient(target(coord)) as client:
+        return [r.rollout_id async for r in client.rollouts()]
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[RunningCoordinator, Link]]:
+    """A coordinator where ``w1`` is registered at version 3, and a link to it."""
+    async with running_coordinator() as coord:
+        worker = await register_w1(coord)
+        link = Link(target(coord))
+        try:
+            yield coord, link
+        finally:
+            await link.channel.close()
+            await worker.close()
+
+
+def started(link: Link, **kwargs: int) -> RolloutReporter:
+    reporter = RolloutReporter(link, worker_id="w1", **kwargs)
     reporter.start()
     return reporter
 
 
-async def test_full_batches_go_at_once_and_a_partial_one_waits_for_stop() -> None:
-    fake = FakeCoordinator()
-    reporter = reporter_for(fake, [True], batch_size=3, flush_ms=60_000)
+async def test_full_batches_go_at_once_and_a_partial_one_waits_for_stop(
+    served: tuple[RunningCoordinator, Link],
+) -> None:
+    coord, link = served
+    reporter = started(link, batch_size=3, flush_ms=60_000)
     for i in range(2):
         reporter.add(rollout(str(i)))
-    await asyncio.sleep(0.05)  # nothing due: under a batch and long before the flush timer
-    assert fake.calls == []
+    await asyncio.sleep(0.05)  # an absence cannot be awaited: under a batch, long before a flush
+    assert link.wire.calls == [] and await arrived(coord) == []
     for i in range(2, 7):
         reporter.add(rollout(str(i)))
-    await fake.wait_calls(3)
-    assert fake.calls == [["0", "1", "2"], ["3", "4", "5"], ["6"]]
+    await link.wire.wait_calls(3)
+    assert link.wire.calls == [["0", "1", "2"], ["3", "4", "5"], ["6"]]
+    assert link.wire.codes == [OK] * 3
+    assert await arrived(coord) == [str(i) for i in range(7)]
     reporter.add(rollout("7"))
     await reporter.stop()
-    assert fake.calls[3:] == [["7"]]
+    assert link.wire.calls[3:] == [["7"]]
+    assert await arrived(coord) == [str(i) for i in range(8)]
     assert (reporter.sent, reporter.pending) == (8, 0)
 
 
-async def test_a_partial_batch_is_sent_when_the_flush_timer_fires() -> None:
-    fake = FakeCoordinator()
-    reporter = reporter_for(fake, [True], flush_ms=20)
+async def test_a_partial_batch_is_sent_when_the_flush_timer_fires(
+    served: tuple[RunningCoordinator, Link],
+) -> None:
+    coord, link = served
+    reporter = started(link, flush_ms=20)
     reporter.add(rollout("a"))
-    await fake.wait_calls(1)
-    assert fake.calls == [["a"]]
+    await link.wire.wait_calls(1)
+    assert link.wire.calls == [["a"]]
+    assert await arrived(coord) == ["a"]
+    assert (reporter.sent, reporter.pending) == (1, 0)
     await reporter.stop()
 
 
-async def test_records_wait_while_disconnected_and_go_after_the_reconnect() -> None:
-    fake, up = FakeCoordinator(), [False]
-    reporter = reporter_for(fake, up, flush_ms=10)
+async def test_records_wait_while_disconnected_and_go_after_the_reconnect(
+    served: tuple[RunningCoordinator, Link],
+) -> None:
+    coord, link = served
+    link.up = False
+    reporter = started(link, flush_ms=10)
     reporter.add(rollout("a"))
     reporter.add(rollout("b"))
-    await asyncio.sleep(0.05)  # several flush ticks with no link
-    assert fake.calls == [] and reporter.pending == 2
-    up[0] = True
-    await fake.wait_calls(1)
-    assert fake.calls == [["a", "b"]]
+    await link.wait_asked(5)  # several flush ticks found no link
+    assert link.wire.calls == [] and reporter.pending == 2
+    assert await arrived(coord) == []
+    link.up = True
+    await link.wire.wait_calls(1)
+    assert link.wire.calls == [["a", "b"]]
+    assert await arrived(coord) == ["a", "b"]
     await reporter.stop()
     assert reporter.sent == 2
 
 
 async def test_a_transient_error_keeps_the_batch_and_sends_it_again() -> None:
-    fake = FakeCoordinator()
-    fake.fail = [(grpc.StatusCode.UNAVAILABLE, "connection refused"),
-                 (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"),
-                 # A restarted coordinator that has not seen the re-registration yet.
-                 (grpc.StatusCode.FAILED_PRECONDITION, "unknown worker 'w1': register first")]
-    reporter = reporter_for(fake, [True], flush_ms=10)
-    reporter.add(rollout("a"))
-    await fake.wait_calls(4)
-    assert fake.calls == [["a"], ["a"], ["a"], ["a"]]
-    await reporter.stop()
+    """The coordinator goes down (UNAVAILABLE), comes back without knowing the worker
+    (FAILED_PRECONDITION "unknown worker"), then the worker registers: the record waited through
+    both and lands exactly once."""
+    first = await start_coordinator(CoordinatorConfig(listen="127.0.0.1:0", **FAST_KNOBS))
+    address = target(first)
+    await (await register_w1(first)).close()
+    link = Link(address)
+    reporter = started(link, flush_ms=10)
+    worker: ScriptedWorker | None = None
+    try:
+        await first.stop(grace=0.2)
+        reporter.add(rollout("a"))
+        await link.wire.wait_for(lambda: UNAVAILABLE in link.wire.codes, "UNAVAILABLE")
+        assert reporter.pending == 1
+        # A restart on the same address; the embedded store forgot w1 (and every record).
+        async with running_coordinator(listen=address) as second:
+            await link.wire.wait_for(lambda: FAILED_PRECONDITION in link.wire.codes,
+                                     "FAILED_PRECONDITION")
+            assert reporter.pending == 1 and await arrived(second) == []
+            worker = await register_w1(second)
+            await link.wire.wait_for(lambda: OK in link.wire.codes, "the batch accepted")
+            assert await arrived(second) == ["a"]
+            await reporter.stop()
+            assert await arrived(second) == ["a"]
+    finally:
+        await reporter.stop()
+        await link.channel.close()
+        if worker is not None:
+            await worker.close()
+    assert set(map(tuple, link.wire.calls)) == {("a",)}
+    # Every attempt carried the same batch, in this order of answers, accepted once.
+    assert [code for i, code in enumerate(link.wire.codes)
+            if i == 0 or link.wire.codes[i - 1] != code] == [UNAVAILABLE, FAILED_PRECONDITION, OK]
+    assert link.wire.codes.count(OK) == 1
     assert (reporter.sent, reporter.refused, reporter.pending) == (1, 0, 0)
 
 
-async def test_a_refused_batch_is_dropped_and_batches_never_mix_versions() -> None:
-    fake = FakeCoordinator()
-    fake.fail = [(grpc.StatusCode.FAILED_PRECONDITION,
-                  "records[0]: worker 'w1' was not serving version 3")]
-    reporter = RolloutReporter(link(fake, [True]), worker_id="w1", flush_ms=60_000)
-    for rollout_id, version in [("a", 3), ("b", 3), ("c", 4), ("d", 3)]:
+async def test_a_refused_batch_is_dropped_and_batches_never_mix_versions(
+    served: tuple[RunningCoordinator, Link],
+) -> None:
+    coord, link = served  # w1 serves version 3 only
+    reporter = RolloutReporter(link, worker_id="w1", flush_ms=60_000)
+    for rollout_id, version in [("a", 3), ("b", 3), ("c", 7), ("d", 3)]:
         reporter.add(rollout(rollout_id, version))
     await reporter.stop()  # not started: stop alone flushes
-    assert fake.calls == [["a", "b"], ["c"], ["d"]]
-    assert (reporter.sent, reporter.refused, reporter.pending) == (2, 2, 0)
+    assert link.wire.calls == [["a", "b"], ["c"], ["d"]]
+    assert link.wire.codes == [OK, FAILED_PRECONDITION, OK]
+    assert await arrived(coord) == ["a", "b", "d"]
+    assert (reporter.sent, reporter.refused, reporter.pending) == (3, 1, 0)
 
 
-async def test_the_queue_is_bounded_and_drops_the_oldest() -> None:
-    fake, up = FakeCoordinator(), [False]
-    reporter = RolloutReporter(link(fake, up), worker_id="w1", batch_size=2, max_pending=3)
+async def test_the_queue_is_bounded_and_drops_the_oldest(
+    served: tuple[RunningCoordinator, Link],
+) -> None:
+    coord, link = served
+    link.up = False
+    reporter = RolloutReporter(link, worker_id="w1", batch_size=2, max_pending=3)
     for i in range(5):
         reporter.add(rollout(str(i)))
     assert (reporter.dropped, reporter.pending) == (2, 3)
     await reporter.stop()  # no link: nothing can go, and stop does not wait for one
-    assert fake.calls == []
-    up[0] = True
+    assert link.wire.calls == [] and reporter.pending == 3
+    link.up = True
     await reporter.stop()
-    assert fake.calls == [["2", "3"], ["4"]]
+    assert link.wire.calls == [["2", "3"], ["4"]]
+    assert await arrived(coord) == ["2", "3", "4"]
+    assert (reporter.sent, reporter.dropped, reporter.pending) == (3, 2, 0)
 
 
 # ---------------------------------------------------------------- worker: servicer -> reporter
