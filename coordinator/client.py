@@ -1,8 +1,11 @@
 """The scheduler/operator SDK: ``CoordinatorClient`` (blocking) and ``AsyncCoordinatorClient``.
 
 Both take TARGETS: ``host:port``, a comma-separated list of them, or a gRPC name such as
-``dns:///name:port``. With a list, a call that cannot reach its target (UNAVAILABLE from the
-transport, not from the coordinator) moves on to the next one. Client-side validation raises
+``dns:///name:port``. With a list, a unary call answered UNAVAILABLE (the target unreachable,
+or a replica that cannot serve now: its policy state stale, its store down, the fleet
+draining) moves on to the next target at once; once every target refused, it waits out the
+coordinator's ``retry-after-ms`` and goes round again, within its deadline. Server streams
+move on only when the transport fails. Client-side validation raises
 ``ValueError``; a refused call raises ``KvcoordError`` whose ``.code`` is the gRPC status.
 ``token`` goes out as ``authorization: Bearer`` metadata on every call; ``tls`` (a ``ClientTls``)
 makes every channel TLS, mutual when it carries a client certificate.
@@ -32,6 +35,7 @@ from coordinator.sdk_types import (
     Stats,
     Targets,
     WorkerInfo,
+    another_target_may_serve,
     batch_from,
     batch_request,
     begin_request,
@@ -99,9 +103,10 @@ class CoordinatorClient:
             channel.close()
 
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        """One call, failing over across targets on transport errors and retrying, within the
-        call's deadline, when the coordinator answers with ``retry-after-ms`` (UNAVAILABLE: an
-        update draining the fleet, no worker yet; RESOURCE_EXHAUSTED: over the rate limit)."""
+        """One call, failing over across targets on UNAVAILABLE (module docstring) and
+        retrying, within the call's deadline, when the coordinator answers with
+        ``retry-after-ms`` (UNAVAILABLE from every target: an update draining the fleet, no
+        worker yet, stale policy state; RESOURCE_EXHAUSTED: over the rate limit)."""
         deadline = time.monotonic() + (timeout or self._timeout)
         while True:
             try:
@@ -119,7 +124,7 @@ class CoordinatorClient:
                 return getattr(stub, method)(request, timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
                 error = KvcoordError.from_rpc(exc)
-                if not is_transport_failure(error):
+                if not another_target_may_serve(error):
                     raise error from None
                 self._targets.failed()
                 last = error
@@ -301,7 +306,7 @@ class AsyncCoordinatorClient:
                 )
             except grpc.RpcError as exc:
                 error = KvcoordError.from_rpc(exc)
-                if not is_transport_failure(error):
+                if not another_target_may_serve(error):
                     raise error from None
                 self._targets.failed()
                 last = error

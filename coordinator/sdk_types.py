@@ -67,6 +67,14 @@ def is_transport_failure(error: KvcoordError) -> bool:
     return error.code == grpc.StatusCode.UNAVAILABLE and error.retry_after_ms is None
 
 
+def another_target_may_serve(error: KvcoordError) -> bool:
+    """UNAVAILABLE, from the transport or from the coordinator: this replica cannot serve the
+    call now (unreachable; its policy state older than ``policy_stale_ms``, its store down, no
+    routable worker, the fleet draining), and another replica may. A unary call tries the next
+    target at once rather than waiting out ``retry-after-ms`` on this one."""
+    return bool(error.code == grpc.StatusCode.UNAVAILABLE)
+
+
 class Targets(Sequence[str]):
     """TARGETS: ``host:port``, a comma-separated list, or one gRPC name (``dns:///...``)."""
 

@@ -20,7 +20,7 @@ import grpc
 import pytest
 import redis
 
-from coordinator.client import AsyncCoordinatorClient, KvcoordError
+from coordinator.client import AsyncCoordinatorClient, CoordinatorClient, KvcoordError
 from coordinator.config import CoordinatorConfig
 from coordinator.server import RunningCoordinator
 from tests.coordinator_fixtures import eventually, running_coordinator, target
@@ -76,7 +76,8 @@ async def test_a_replica_cut_from_redis_refuses_routes_after_policy_stale_ms() -
         admin.execute_command("ACL", "SETUSER", "b", "on", ">b-secret", "~*", "&*", "+@all")
         url_b = f"redis://b:b-secret@127.0.0.1:{server.port}/0"
         async with running_coordinator(redis=server.url, replica_id="A", **KNOBS) as a, \
-                running_coordinator(redis=url_b, replica_id="B", **KNOBS) as b, \
+                running_coordinator(redis=url_b, replica_id="B", route_retry_ms=2_000,
+                                    **KNOBS) as b, \
                 a_worker(target(a)), AsyncCoordinatorClient(target(a)) as trainer:
 
             async def b_routes_at(version: int) -> bool:
@@ -98,6 +99,19 @@ async def test_a_replica_cut_from_redis_refuses_routes_after_policy_stale_ms() -
                 with pytest.raises(KvcoordError) as err:
                     await client.route_batch([PROMPT, PROMPT])
                 assert is_stale_refusal(err.value)
+
+            # A client given both replicas, the stale one first, is served by A at once: it
+            # does not wait out B's retry-after-ms (2 s, longer than its whole deadline).
+            both = f"{target(b)},{target(a)}"
+            async with AsyncCoordinatorClient(both, timeout=1.5) as failover:
+                assert (await failover.route(PROMPT)).policy_version == 0
+                assert len((await failover.route_batch([PROMPT, PROMPT])).routes) == 2
+
+            def route_blocking() -> int:  # the blocking client, off the servers' event loop
+                with CoordinatorClient(both, timeout=1.5) as blocking:
+                    return blocking.route(PROMPT).policy_version
+
+            assert await asyncio.to_thread(route_blocking) == 0
 
             # A sync update committed through A while B cannot read the policy state.
             async with trainer.policy_update(0) as update:
