@@ -104,3 +104,15 @@ def test_a_step_that_raises_fails_the_run_writes_no_json_and_the_next_suite_runs
     err = capsys.readouterr().err
     assert "Traceback" in err
     assert "FAILED crash: step only raised RuntimeError: RPC already finished" in err
+
+
+def test_an_out_that_cannot_be_a_directory_exits_2_naming_it_before_any_suite_runs(
+    tmp_path: Path,
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    done = kvcoord("bench", "all", "--quick", "--out", str(blocker / "results"), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines() == [
+        f"kvcoord bench: --out {blocker / 'results'}: cannot create the directory "
+        "(Not a directory)"]
