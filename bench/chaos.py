@@ -130,8 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [k for k in args.faults.split(",") if k]
     if unknown := sorted(set(kinds) - set(FAULTS)):
         parser.error(f"--faults: unknown fault kinds {unknown}; known: {', '.join(FAULTS)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     rounds_each = 1 if args.quick else args.rounds
     lag_seconds = args.lag_seconds or (QUICK_LAG_SECONDS if args.quick else LAG_SECONDS)
+    out_dir = args.out.parent if args.out.suffix == ".json" else args.out
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {args.out}: cannot create {out_dir} ({exc.strerror})")
     problem = _preflight() or (nft_missing() if _in_ci() else None)
     if problem:
         if _in_ci():
@@ -142,8 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     if (no_nft := nft_missing()) is not None:
         kinds = [k for k in kinds if not FAULTS[k].needs_nft]
         print(f"chaos: skipping the nftables faults: {no_nft}", file=sys.stderr)
-    (args.out.parent if args.out.suffix == ".json" else args.out).mkdir(parents=True,
-                                                                        exist_ok=True)
     configure_logging("error")  # the SDK's hashing warning; the fleet logs to files
     logs = Path(tempfile.mkdtemp(prefix="kvcoord-chaos-logs-"))
     began = time.monotonic()

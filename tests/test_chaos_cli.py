@@ -45,3 +45,15 @@ def test_an_unknown_fault_kind_is_refused_naming_the_known_ones(tmp_path: Path) 
     done = chaos("--quick", "--faults", "kill_worker,flood", ci=False, tmp=tmp_path)
     assert done.returncode == 2
     assert "unknown fault kinds ['flood']" in done.stderr and "packet_loss" in done.stderr
+
+
+def test_a_bad_round_count_or_out_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for args, needle in [(["--rounds", "0"], "--rounds must be >= 1, got 0"),
+                         (["--out", str(blocker / "x")], f"--out {blocker / 'x'}: cannot create")]:
+        done = subprocess.run([sys.executable, "-m", "bench.chaos", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert needle in done.stderr
+        assert "Traceback" not in done.stderr
