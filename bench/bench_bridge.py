@@ -21,10 +21,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from bench.scripted_worker import ScriptedWorker
 from coordinator.config import CoordinatorConfig
-from coordinator.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
-from coordinator.server import start_coordinator
-from kvcoord.scripted_worker import ScriptedWorker
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
+from coordinator.server.main import start_coordinator
 from worker.bridge.block_map import BlockMap
 from worker.bridge.bridge import Bridge, BridgeConfig
 from worker.bridge.engine_events import BlockStored, decode_payload

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.hashing import HashAlgorithm, HashConfig, Namespace, PageHasher
-from coordinator.index import PrefixIndex
+from coordinator.core.hashing import HashAlgorithm, HashConfig, Namespace, PageHasher
+from coordinator.core.index import PrefixIndex
 
 PAGE = 16
 PROMPT_TOKENS = 4096

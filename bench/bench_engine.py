@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from coordinator.hashing import HashConfig
+from coordinator.core.hashing import HashConfig
 from worker.engine import ModelConfig
 from worker.runtime import WorkerRuntime
 

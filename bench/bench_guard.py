@@ -10,8 +10,8 @@ import contextlib
 import timeit
 from typing import Any
 
-from coordinator.auth import COORDINATOR_PERMISSIONS, IdentityTable, Unauthenticated
-from coordinator.auth_grpc import Guard, ServerSecurity
+from coordinator.rpc.guard import Guard, ServerSecurity
+from coordinator.rpc.identities import COORDINATOR_PERMISSIONS, IdentityTable, Unauthenticated
 
 TOKEN = "bench-scheduler-token-0123456789"
 

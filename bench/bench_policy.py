@@ -27,13 +27,13 @@ import time
 import uuid
 from typing import Any
 
+from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.config import CoordinatorConfig
-from coordinator.hashing import DEV_HASH_KEY, HashConfig
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
 from coordinator.logs import configure_logging
-from coordinator.server import RunningCoordinator, start_coordinator
+from coordinator.server.main import RunningCoordinator, start_coordinator
 from coordinator.v1 import coordinator_pb2 as pb
-from kvcoord.scripted_worker import ScriptedWorker
 
 APPLY_S = 0.02
 ROUTE_CALLERS = 16

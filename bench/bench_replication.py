@@ -38,12 +38,12 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
+from bench.scripted_worker import ScriptedWorker
 from coordinator.config import CoordinatorConfig
-from coordinator.hashing import DEV_HASH_KEY, HashConfig
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
 from coordinator.logs import configure_logging
-from coordinator.server import RunningCoordinator, start_coordinator
-from coordinator.store_redis import RedisStore
-from kvcoord.scripted_worker import ScriptedWorker
+from coordinator.server.main import RunningCoordinator, start_coordinator
+from coordinator.store.redis_store import RedisStore
 from tests.redis_server import RedisServer
 
 WORKERS = 4

@@ -12,12 +12,12 @@ from typing import Any
 
 from bench.workload import conversation_pool, fresh_prompts, populate
 from coordinator.config import CoordinatorConfig
-from coordinator.convert import prompt_from
-from coordinator.fleet import WorkerStatus
-from coordinator.hashing import Namespace, tokens_to_bytes
-from coordinator.scheduling import Scope
+from coordinator.core.fleet import WorkerStatus
+from coordinator.core.hashing import Namespace, tokens_to_bytes
+from coordinator.core.router import Scope
+from coordinator.server.convert import prompt_from
 from coordinator.service import CoordinatorService
-from coordinator.store_memory import MemoryStore
+from coordinator.store.memory import MemoryStore
 from coordinator.v1 import coordinator_pb2 as pb
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from coordinator.auth import COORDINATOR_PERMISSIONS, WORKER_PERMISSIONS, Role
+from coordinator.rpc.identities import COORDINATOR_PERMISSIONS, WORKER_PERMISSIONS, Role
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from kvcoord.tables import render_table

@@ -20,10 +20,10 @@ from typing import Any
 
 import grpc
 
+from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
-from coordinator.hashing import DEV_HASH_KEY, HashConfig
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
 from coordinator.v1 import coordinator_pb2 as pb
-from kvcoord.scripted_worker import ScriptedWorker
 
 LAG_KEYS = 4  # pages per batch
 LAG_POOL_PAGES = 1024  # the probe's registered total_pages, and the most it ever holds

@@ -16,10 +16,10 @@ import tempfile
 import grpc
 
 from bench.workload import populate
+from coordinator.client.channels import channel_options
 from coordinator.config import CoordinatorConfig
 from coordinator.logs import configure_logging
-from coordinator.sdk_types import channel_options
-from coordinator.server import start_coordinator
+from coordinator.server.main import start_coordinator
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 

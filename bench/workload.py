@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import random
 
-from coordinator.fleet import WorkerSession
-from coordinator.hashing import Namespace
+from coordinator.core.fleet import RegisteredWorker
+from coordinator.core.hashing import Namespace
 from coordinator.service import CoordinatorService
 
 PROMPT_TOKENS = 4096
@@ -37,7 +37,7 @@ def populate(service: CoordinatorService, workers: int, conversations: int = 256
     conversation fully on two workers and its first half on a third (the shape a KV-aware fleet
     converges to). Sessions are installed directly: no Sync streams, no lease expiry."""
     for i in range(workers):
-        service.fleet.put(WorkerSession(
+        service.fleet.put(RegisteredWorker(
             worker_id=f"worker-{i:04d}", incarnation=1, address=f"10.0.{i // 250}.{i % 250}:7000",
             model="default", policy_version=0, external=False, total_pages=65_536,
             lease_deadline=math.inf, connected=True,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from coordinator.routing import KvAwareWeights
+    from coordinator.core.routing import KvAwareWeights
 
 ENV_PREFIX = "KVCOORD_"
 
@@ -91,7 +91,7 @@ class CoordinatorConfig:
     """Replication events kept in the store's stream (a replica further behind re-snapshots)."""
     # Security (docs/SECURITY.md): identities, TLS, per-identity limits.
     auth_file: str | None = None
-    """TOML identities file (coordinator.auth): set = every call must authenticate."""
+    """TOML identities file (coordinator.rpc.identities): set = every call must authenticate."""
     auth_reload_ms: int = 5_000
     """How often the identities file is checked for changes (re-read when changed, so a
     rotated token needs no restart); 0 = read once at start."""
@@ -109,7 +109,7 @@ class CoordinatorConfig:
     """Open Sync / WatchPolicy / ReadRollouts streams per identity with auth on."""
     max_pages_per_worker: int = 4_194_304
     """Index entries one worker may hold (an event batch past it is refused)."""
-    # kv_aware routing weights (coordinator.routing.KvAwareWeights documents each).
+    # kv_aware routing weights (coordinator.core.routing.KvAwareWeights documents each).
     kv_prefill_token: float = 1.0
     kv_lower_tier_token: float = 0.25
     kv_queued_token: float = 1.0
@@ -170,8 +170,8 @@ class CoordinatorConfig:
 
     def _check_choices(self) -> None:
         # Imported here: config is read by every entry point; keep its import light.
-        from coordinator.hashing import HashAlgorithm
-        from coordinator.routing import POLICIES
+        from coordinator.core.hashing import HashAlgorithm
+        from coordinator.core.routing import POLICIES
 
         algorithms = [a.value for a in HashAlgorithm]
         if self.hash_algorithm not in algorithms:
@@ -202,7 +202,7 @@ class CoordinatorConfig:
 
     def kv_weights(self) -> KvAwareWeights:
         """The kv_aware routing weights of this configuration."""
-        from coordinator.routing import KvAwareWeights
+        from coordinator.core.routing import KvAwareWeights
 
         return KvAwareWeights(
             prefill_token=self.kv_prefill_token, lower_tier_token=self.kv_lower_tier_token,
@@ -222,8 +222,8 @@ def check_security_settings(config: Any) -> None:
     """The TLS and identity settings every server config shares (``auth_file``, ``tls_cert``,
     ``tls_key``, ``tls_client_ca``, ``rate_limit_per_s``): files readable and well-formed,
     certificate and key together. ConfigError names the setting."""
-    from coordinator.auth import IdentityFileError, IdentityTable
-    from coordinator.auth_grpc import read_pem
+    from coordinator.rpc.guard import read_pem
+    from coordinator.rpc.identities import IdentityFileError, IdentityTable
 
     if (config.tls_cert is None) != (config.tls_key is None):
         raise ConfigError("tls_cert and tls_key must be given together")

@@ -15,18 +15,20 @@ from dataclasses import dataclass
 import structlog
 
 from coordinator.config import CoordinatorConfig
-from coordinator.errors import NotFound
-from coordinator.fleet import Fleet, WorkerSession, WorkerStatus
-from coordinator.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig, PageHasher
-from coordinator.high_water import HighWater
-from coordinator.index import PrefixIndex
-from coordinator.policy_updates import PolicyUpdates
-from coordinator.replication import Replicator, default_replica_id
-from coordinator.rollouts import RolloutLog
-from coordinator.routing import load_floor
-from coordinator.scheduling import Scheduler
-from coordinator.sessions import WorkerSessions
-from coordinator.store import MetadataStore, PolicyRecord, StoreUnavailable, open_store
+from coordinator.control.high_water import HighWater
+from coordinator.control.policy_updates import PolicyUpdates
+from coordinator.control.rollouts import RolloutLog
+from coordinator.control.worker_sync import WorkerSync
+from coordinator.core.errors import NotFound
+from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
+from coordinator.core.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig, PageHasher
+from coordinator.core.index import PrefixIndex
+from coordinator.core.policy_state import PolicyRecord
+from coordinator.core.router import Router
+from coordinator.core.routing import load_floor
+from coordinator.replication.replicator import Replicator, default_replica_id
+from coordinator.store import open_store
+from coordinator.store.protocol import MetadataStore, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -45,7 +47,7 @@ def hash_config_from(config: CoordinatorConfig) -> HashConfig:
 class WorkerView:
     """What operators see of one worker (ListWorkers, ``kvcoord status``)."""
 
-    session: WorkerSession
+    session: RegisteredWorker
     status: WorkerStatus
     cached_pages: int
 
@@ -103,7 +105,7 @@ class CoordinatorService:
         )
         weights = config.kv_weights()
         self.fleet = Fleet(load_floor=lambda load: load_floor(load, weights))
-        self.scheduler = Scheduler(
+        self.scheduler = Router(
             hasher=self.hasher,
             index=self.index,
             fleet=self.fleet,
@@ -120,7 +122,7 @@ class CoordinatorService:
         # What this process has seen of versions and incarnations: a store that forgets them
         # (Redis without persistence, the embedded store after a restart) is caught by it.
         high_water = HighWater()
-        self.sessions = WorkerSessions(
+        self.sessions = WorkerSync(
             config=config,
             hash_config=self.hash_config,
             index=self.index,

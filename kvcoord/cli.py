@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from coordinator.client.errors import KvcoordError
 from coordinator.config import ConfigError, CoordinatorConfig
-from coordinator.sdk_types import KvcoordError
-from coordinator.store import StoreUnavailable
+from coordinator.store.protocol import StoreUnavailable
 from kvcoord.cli_security import (
     add_client_flags,
     add_identity_parser,
@@ -198,7 +198,7 @@ def _tokens(args: argparse.Namespace) -> list[int]:
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.logs import configure_logging
-    from coordinator.server import serve_forever
+    from coordinator.server.main import serve_forever
 
     flags = {
         "listen": args.listen, "redis": args.redis, "metrics_port": args.metrics_port,

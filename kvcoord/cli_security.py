@@ -15,8 +15,8 @@ import os
 import secrets
 from typing import Any
 
-from coordinator.auth import IdentityFileError, IdentityTable, Role, token_digest
-from coordinator.sdk_types import ClientTls, read_token_file
+from coordinator.client.channels import ClientTls, read_token_file
+from coordinator.rpc.identities import IdentityFileError, IdentityTable, Role, token_digest
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
-from coordinator.sdk_types import KvcoordError
+from coordinator.client.errors import KvcoordError
 from kvcoord.demo_workload import SCALES, PassResult, WorkloadError, WorkloadSpec, run_pass
 from kvcoord.fleet_procs import FleetError, LocalFleet
 from kvcoord.progress import Progress

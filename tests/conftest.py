@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from coordinator.server import RunningCoordinator
-from coordinator.store import MetadataStore
-from coordinator.store_memory import MemoryStore
-from coordinator.store_redis import RedisStore
+from coordinator.server.main import RunningCoordinator
+from coordinator.store.memory import MemoryStore
+from coordinator.store.protocol import MetadataStore
+from coordinator.store.redis_store import RedisStore
 from tests.auth_fixtures import IdentityFile, write_identities
 from tests.coordinator_fixtures import running_coordinator
 from tests.redis_server import RedisServer, redis_server_available

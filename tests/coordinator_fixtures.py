@@ -9,8 +9,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
-from coordinator.hashing import DEV_HASH_KEY, HashConfig
-from coordinator.server import RunningCoordinator, start_coordinator
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
+from coordinator.server.main import RunningCoordinator, start_coordinator
 
 FAST_KNOBS: dict[str, Any] = {
     "lease_ms": 2_000, "heartbeat_ms": 200, "drop_grace_ms": 5_000, "pending_ttl_ms": 1_000,

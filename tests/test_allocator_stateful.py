@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from worker.allocator import OutOfPages, PageAllocator
 from worker.prefix_cache import CacheInUse, PrefixCache
 

@@ -11,11 +11,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from coordinator.auth import COORDINATOR_PERMISSIONS, Role
-from coordinator.server import RunningCoordinator
+from bench.scripted_worker import ScriptedWorker
+from coordinator.rpc.identities import COORDINATOR_PERMISSIONS, Role
+from coordinator.server.main import RunningCoordinator
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from kvcoord.scripted_worker import ScriptedWorker
 from tests.auth_fixtures import IDENTITIES, IdentityFile
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.auth import (
+from coordinator.config import ConfigError, CoordinatorConfig
+from coordinator.core.errors import ResourceExhausted
+from coordinator.rpc.guard import bearer_token, certificate_name
+from coordinator.rpc.identities import (
     ANONYMOUS,
     Identity,
     IdentityFileError,
@@ -23,9 +26,6 @@ from coordinator.auth import (
     check_worker,
     may_send_page_keys,
 )
-from coordinator.auth_grpc import bearer_token, certificate_name
-from coordinator.config import ConfigError, CoordinatorConfig
-from coordinator.errors import ResourceExhausted
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -213,7 +213,7 @@ def test_credentials_are_read_from_metadata_and_certificates() -> None:
 def test_a_changed_identities_file_is_read_again_and_a_broken_one_ignored(
     tmp_path: Path,
 ) -> None:
-    from coordinator.auth_grpc import IdentitySource
+    from coordinator.rpc.guard import IdentitySource
 
     path = tmp_path / "ids.toml"
 

@@ -10,10 +10,10 @@ import time
 import grpc
 
 from bench.chaos_round import index_digest
-from coordinator.index import PrefixIndex, Tier
+from bench.scripted_worker import ScriptedWorker
+from coordinator.core.index import PrefixIndex, Tier
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from kvcoord.scripted_worker import ScriptedWorker
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 
 

@@ -112,8 +112,8 @@ def test_coordinator_runs_on_redis(redis_url: str) -> None:
 async def test_deregister_takes_a_worker_and_its_pages_out_at_once() -> None:
     import asyncio
 
+    from bench.scripted_worker import ScriptedWorker
     from coordinator.client import AsyncCoordinatorClient
-    from kvcoord.scripted_worker import ScriptedWorker
     from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 
     async with running_coordinator() as coordinator:

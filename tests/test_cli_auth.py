@@ -80,7 +80,7 @@ def test_credential_files_that_cannot_be_used_exit_2_naming_the_file(tmp_path: P
 
 
 def test_identity_new_mints_a_token_whose_printed_entry_authenticates_it(tmp_path: Path) -> None:
-    from coordinator.auth import Identity, IdentityTable, Role
+    from coordinator.rpc.identities import Identity, IdentityTable, Role
 
     token_file = tmp_path / "w0.token"
     made = run_cli("identity", "new", "--name", "w0", "--role", "worker", "--worker-id",

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.client import AsyncCoordinatorClient, CoordinatorClient
-from coordinator.sdk_types import ClientTls, open_aio_channel, open_channel, read_token_file
+from coordinator.client.channels import ClientTls, open_aio_channel, open_channel, read_token_file
 from tests.tls_certs import Pki, make_pki
 from worker.agent import CoordinatorAgent
 from worker.client import AsyncWorkerClient, WorkerClient

@@ -46,12 +46,12 @@ import pytest
 import yaml
 
 import kvcoord.cli
-from coordinator.auth import IdentityTable, Role, Unauthenticated
-from coordinator.auth_grpc import Guard, ServerSecurity
 from coordinator.client import AsyncCoordinatorClient
+from coordinator.client.channels import read_token_file
 from coordinator.config import ENV_PREFIX, ConfigError, CoordinatorConfig
-from coordinator.hashing import load_hash_config
-from coordinator.sdk_types import read_token_file
+from coordinator.core.hashing import load_hash_config
+from coordinator.rpc.guard import Guard, ServerSecurity
+from coordinator.rpc.identities import IdentityTable, Role, Unauthenticated
 from coordinator.store import REDIS_SCHEMES
 from coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests import k8s_render
@@ -458,7 +458,7 @@ def test_container_ports_are_the_ports_in_listen_and_metrics_port(
 
 
 def test_probes_call_grpc_health_on_the_grpc_port(rendered: list[Resource]) -> None:
-    # Both servers register grpc.health.v1 (coordinator/server.py, worker/server.py).
+    # Both servers register grpc.health.v1 (coordinator/server/main.py, worker/server.py).
     for workload, container in kvcoord_containers(rendered):
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": container_port(container, "grpc")}, (
@@ -694,7 +694,7 @@ def _capture_servers(scope: pytest.MonkeyPatch, record: Started) -> None:
         return True  # the pod's node has the GPU it asked for
 
     fake_server = types.SimpleNamespace(serve_forever=serve_forever)
-    scope.setitem(sys.modules, "coordinator.server", fake_server)
+    scope.setitem(sys.modules, "coordinator.server.main", fake_server)
     scope.setitem(sys.modules, "worker.server", fake_server)
     scope.setattr("worker.config._cuda_available", cuda_available)
     scope.setattr("coordinator.logs.configure_logging", lambda level: None)
@@ -1126,7 +1126,7 @@ def pod_configs(credentials: Credentials, tmp_path: Path, monkeypatch: pytest.Mo
 @pytest.fixture
 async def pod_fleet(pod_configs: tuple[Any, Any, Pod, dict[str, Any]],
                     credentials: Credentials) -> AsyncIterator[PodFleet]:
-    from coordinator.server import start_coordinator
+    from coordinator.server.main import start_coordinator
     from worker.server import start_worker
 
     coordinator_config, worker_config, worker_pod, worker_container = pod_configs
@@ -1210,7 +1210,7 @@ def _default(config: type, name: str) -> Any:
 
 def test_termination_grace_covers_the_drain() -> None:
     from coordinator.client import DEFAULT_TIMEOUT
-    from coordinator.server import RunningCoordinator
+    from coordinator.server.main import RunningCoordinator
     from worker.server import RunningWorker
 
     resources = render("base")
@@ -1432,7 +1432,7 @@ _TARGET_LABELS = {"namespace", "pod", "service", "job", "instance", "container",
 
 def exported_metrics() -> dict[str, set[str]]:
     """Every kvcoord_* series name the coordinator and the worker export, with its labels."""
-    from coordinator.metrics import CoordinatorMetrics
+    from coordinator.server.metrics import CoordinatorMetrics
     from coordinator.service import StatsSnapshot
     from worker.metrics import WorkerMetrics
     from worker.runtime import RuntimeStats

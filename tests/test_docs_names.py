@@ -13,9 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.metrics import CoordinatorMetrics
+from coordinator.server.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService
-from coordinator.store_memory import MemoryStore
+from coordinator.store.memory import MemoryStore
 from kvcoord.cli_security import CLIENT_FILE_VARIABLES, TOKEN_VARIABLE
 from worker.bridge.bridge import Bridge, BridgeConfig
 from worker.bridge.serve import BridgeCollector

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.hashing import HashConfig
+from coordinator.core.hashing import HashConfig
 from worker.engine import ModelConfig, ReferenceEngine
 from worker.runtime import InvalidRequest, WorkerRuntime
 

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from bench.targets import SECURITY_RSS_BOUND_MIB
-from coordinator.auth import COORDINATOR_PERMISSIONS, WORKER_PERMISSIONS, Role
+from coordinator.rpc.identities import COORDINATOR_PERMISSIONS, WORKER_PERMISSIONS, Role
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.fuzz_campaign import Campaign, Endpoint, Report, rss_mib

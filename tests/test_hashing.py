@@ -8,8 +8,8 @@ from array import array
 import pytest
 import structlog.testing
 
-from coordinator import hashing
-from coordinator.hashing import (
+from coordinator.core import hashing
+from coordinator.core.hashing import (
     DEV_HASH_KEY,
     HashAlgorithm,
     HashConfig,

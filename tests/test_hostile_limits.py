@@ -7,10 +7,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from coordinator.interceptor import MAX_DETAILS_CHARS
+from bench.scripted_worker import ScriptedWorker
+from coordinator.rpc.interceptor import MAX_DETAILS_CHARS
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from kvcoord.scripted_worker import ScriptedWorker
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 
 SYNC = "/coordinator.v1.Coordinator/Sync"

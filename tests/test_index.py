@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.index import IndexIntegrityError, IndexStats, MatchDetail, PrefixIndex, Tier
+from coordinator.core.index import IndexIntegrityError, IndexStats, MatchDetail, PrefixIndex, Tier
 
 
 class FakeClock:

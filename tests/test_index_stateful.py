@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.index import MatchDetail, PrefixIndex, Tier
+from coordinator.core.index import MatchDetail, PrefixIndex, Tier
 
 TTL = 2.0
 WORKERS = ["w0", "w1", "w2", "w3"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator import policy
-from coordinator.errors import Aborted, InvalidArgument
-from coordinator.store import PolicyPhase, PolicyRecord
+from coordinator.core import policy_state
+from coordinator.core.errors import Aborted, InvalidArgument
+from coordinator.core.policy_state import PolicyPhase, PolicyRecord
 
 # Every record has epoch 9: the transitions leave epoch alone (the store bumps it on CAS).
 SERVING_3 = PolicyRecord(version=3, epoch=9, weights_uri="s3://ckpt/3")
@@ -33,15 +33,15 @@ ASYNC_3_TO_4 = PolicyRecord(
 
 
 def test_sync_begin_drains_towards_the_next_version() -> None:
-    assert policy.begin(SERVING_3, 3, "sync", "s3://ckpt/4") == DRAINING_3_TO_4
+    assert policy_state.begin(SERVING_3, 3, "sync", "s3://ckpt/4") == DRAINING_3_TO_4
 
 
 def test_async_begin_keeps_serving_towards_the_next_version() -> None:
-    assert policy.begin(SERVING_3, 3, "async", "s3://ckpt/4") == ASYNC_3_TO_4
+    assert policy_state.begin(SERVING_3, 3, "async", "s3://ckpt/4") == ASYNC_3_TO_4
 
 
 def test_begin_defaults_to_sync_with_weights_seeded_by_version() -> None:
-    assert policy.begin(PolicyRecord(), 0) == PolicyRecord(
+    assert policy_state.begin(PolicyRecord(), 0) == PolicyRecord(
         phase=PolicyPhase.DRAINING, target_version=1
     )
 
@@ -49,7 +49,7 @@ def test_begin_defaults_to_sync_with_weights_seeded_by_version() -> None:
 def test_begin_refuses_a_stale_expected_version() -> None:
     for expected in (2, 4):
         with pytest.raises(Aborted) as raised:
-            policy.begin(SERVING_3, expected)
+            policy_state.begin(SERVING_3, expected)
         assert str(raised.value) == f"stale expected_version {expected}: the policy is at 3"
 
 
@@ -59,7 +59,7 @@ def test_begin_refuses_while_an_update_is_in_progress(
     in_progress: PolicyRecord, expected: int
 ) -> None:
     with pytest.raises(Aborted) as raised:
-        policy.begin(in_progress, expected, "async")
+        policy_state.begin(in_progress, expected, "async")
     assert str(raised.value) == (
         "a policy update to version 4 is already in progress; commit or abort it first"
     )
@@ -67,10 +67,10 @@ def test_begin_refuses_while_an_update_is_in_progress(
 
 def test_begin_refuses_malformed_input() -> None:
     with pytest.raises(InvalidArgument) as raised:
-        policy.begin(SERVING_3, -1)
+        policy_state.begin(SERVING_3, -1)
     assert str(raised.value) == "expected_version must be non-negative, got -1"
     with pytest.raises(InvalidArgument) as raised:
-        policy.begin(SERVING_3, 3, "eventual")
+        policy_state.begin(SERVING_3, 3, "eventual")
     assert str(raised.value) == "unknown policy update mode 'eventual'; expected one of sync, async"
 
 
@@ -79,21 +79,21 @@ def test_begin_refuses_malformed_input() -> None:
 
 @pytest.mark.parametrize("in_progress", [DRAINING_3_TO_4, ASYNC_3_TO_4])
 def test_commit_serves_the_target_with_its_weights(in_progress: PolicyRecord) -> None:
-    assert policy.commit(in_progress, 4) == PolicyRecord(
+    assert policy_state.commit(in_progress, 4) == PolicyRecord(
         version=4, mode=in_progress.mode, epoch=9, weights_uri="s3://ckpt/4"
     )
 
 
 @pytest.mark.parametrize("in_progress", [DRAINING_3_TO_4, ASYNC_3_TO_4])
 def test_abort_returns_to_the_current_version_and_its_weights(in_progress: PolicyRecord) -> None:
-    assert policy.abort(in_progress, 4) == PolicyRecord(
+    assert policy_state.abort(in_progress, 4) == PolicyRecord(
         version=3, mode=in_progress.mode, epoch=9, weights_uri="s3://ckpt/3"
     )
 
 
 @pytest.mark.parametrize("verb", ["commit", "abort"])
 def test_commit_and_abort_refuse_a_version_that_is_not_the_target(verb: str) -> None:
-    transition = policy.commit if verb == "commit" else policy.abort
+    transition = policy_state.commit if verb == "commit" else policy_state.abort
     for version in (3, 5):
         with pytest.raises(Aborted) as raised:
             transition(DRAINING_3_TO_4, version)
@@ -104,8 +104,8 @@ def test_commit_and_abort_refuse_a_version_that_is_not_the_target(verb: str) -> 
 
 @pytest.mark.parametrize("verb", ["commit", "abort"])
 def test_commit_and_abort_refuse_when_no_update_is_in_progress(verb: str) -> None:
-    transition = policy.commit if verb == "commit" else policy.abort
-    committed = policy.commit(DRAINING_3_TO_4, 4)
+    transition = policy_state.commit if verb == "commit" else policy_state.abort
+    committed = policy_state.commit(DRAINING_3_TO_4, 4)
     with pytest.raises(Aborted) as raised:
         transition(committed, 4)  # a repeated commit, or an abort after the commit
     assert str(raised.value) == (
@@ -115,7 +115,7 @@ def test_commit_and_abort_refuse_when_no_update_is_in_progress(verb: str) -> Non
 
 @pytest.mark.parametrize("verb", ["commit", "abort"])
 def test_commit_and_abort_refuse_a_negative_version(verb: str) -> None:
-    transition = policy.commit if verb == "commit" else policy.abort
+    transition = policy_state.commit if verb == "commit" else policy_state.abort
     with pytest.raises(InvalidArgument) as raised:
         transition(DRAINING_3_TO_4, -4)
     assert str(raised.value) == "version must be non-negative, got -4"
@@ -123,12 +123,12 @@ def test_commit_and_abort_refuse_a_negative_version(verb: str) -> None:
 
 def test_a_full_cycle_keeps_every_record_consistent() -> None:
     records = [SERVING_3]
-    records.append(policy.begin(records[-1], 3, "async", "s3://ckpt/4"))
-    records.append(policy.abort(records[-1], 4))
-    records.append(policy.begin(records[-1], 3, "sync"))
-    records.append(policy.commit(records[-1], 4))
+    records.append(policy_state.begin(records[-1], 3, "async", "s3://ckpt/4"))
+    records.append(policy_state.abort(records[-1], 4))
+    records.append(policy_state.begin(records[-1], 3, "sync"))
+    records.append(policy_state.commit(records[-1], 4))
     for record in records:
-        policy.check_integrity(record)
+        policy_state.check_integrity(record)
     assert records[-1] == PolicyRecord(version=4, epoch=9)  # version 4 seeded by its version
 
 
@@ -144,7 +144,7 @@ def test_check_integrity_rejects_records_no_transition_produces() -> None:
     ]
     for record in bad:
         with pytest.raises(ValueError, match="bad policy record"):
-            policy.check_integrity(record)
+            policy_state.check_integrity(record)
 
 
 # --- barrier ------------------------------------------------------------------------------
@@ -152,14 +152,14 @@ def test_check_integrity_rejects_records_no_transition_produces() -> None:
 
 def test_barrier_counts_members_at_or_past_the_stage() -> None:
     acks = {"a": "applied", "b": "drained", "c": "member", "late": "applied"}
-    applied = policy.barrier(["a", "b", "c", "d"], acks)
-    assert applied == policy.Barrier(
+    applied = policy_state.barrier(["a", "b", "c", "d"], acks)
+    assert applied == policy_state.Barrier(
         members=frozenset("abcd"),
         acked=frozenset("a"),
         missing=frozenset("bcd"),
         done=False,
     )
-    drained = policy.barrier(["a", "b", "c", "d"], acks, stage="drained")
+    drained = policy_state.barrier(["a", "b", "c", "d"], acks, stage="drained")
     assert (drained.acked, drained.missing, drained.done) == (
         frozenset("ab"),
         frozenset("cd"),
@@ -168,20 +168,20 @@ def test_barrier_counts_members_at_or_past_the_stage() -> None:
 
 
 def test_barrier_is_done_when_every_member_acked() -> None:
-    assert policy.barrier(["a", "b"], {"a": "applied", "b": "applied", "x": "member"}).done
-    assert policy.barrier([], {"a": "drained"}) == policy.Barrier(
+    assert policy_state.barrier(["a", "b"], {"a": "applied", "b": "applied", "x": "member"}).done
+    assert policy_state.barrier([], {"a": "drained"}) == policy_state.Barrier(
         frozenset(), frozenset(), frozenset(), True
     )
 
 
 def test_barrier_treats_an_unknown_recorded_stage_as_not_acked() -> None:
-    result = policy.barrier(["a", "b"], {"a": "loaded", "b": "applied"})
+    result = policy_state.barrier(["a", "b"], {"a": "loaded", "b": "applied"})
     assert (result.acked, result.missing) == (frozenset("b"), frozenset("a"))
 
 
 def test_barrier_refuses_an_unknown_stage() -> None:
     with pytest.raises(InvalidArgument) as raised:
-        policy.barrier(["a"], {}, stage="loaded")
+        policy_state.barrier(["a"], {}, stage="loaded")
     assert (
         str(raised.value) == "unknown ack stage 'loaded'; expected one of member, drained, applied"
     )
@@ -191,23 +191,23 @@ def test_barrier_refuses_an_unknown_stage() -> None:
 
 
 def test_sync_serves_exactly_the_current_version_and_nothing_while_draining() -> None:
-    assert policy.servable_versions(SERVING_3, max_staleness=2) == range(3, 4)
-    assert policy.routes_blocked(SERVING_3) is False
-    assert policy.servable_versions(DRAINING_3_TO_4, max_staleness=2) == range(4, 4)
-    assert policy.routes_blocked(DRAINING_3_TO_4) is True
+    assert policy_state.servable_versions(SERVING_3, max_staleness=2) == range(3, 4)
+    assert policy_state.routes_blocked(SERVING_3) is False
+    assert policy_state.servable_versions(DRAINING_3_TO_4, max_staleness=2) == range(4, 4)
+    assert policy_state.routes_blocked(DRAINING_3_TO_4) is True
 
 
 def test_async_serves_within_the_staleness_bound_up_to_the_target() -> None:
-    assert policy.servable_versions(ASYNC_3_TO_4, max_staleness=2) == range(1, 5)
-    assert policy.servable_versions(ASYNC_3_TO_4, max_staleness=0) == range(3, 5)
-    assert policy.servable_versions(ASYNC_3_TO_4, max_staleness=10) == range(0, 5)
-    assert policy.routes_blocked(ASYNC_3_TO_4) is False
-    async_serving = policy.commit(ASYNC_3_TO_4, 4)
-    assert policy.servable_versions(async_serving, max_staleness=2) == range(2, 5)
-    assert policy.routes_blocked(async_serving) is False
+    assert policy_state.servable_versions(ASYNC_3_TO_4, max_staleness=2) == range(1, 5)
+    assert policy_state.servable_versions(ASYNC_3_TO_4, max_staleness=0) == range(3, 5)
+    assert policy_state.servable_versions(ASYNC_3_TO_4, max_staleness=10) == range(0, 5)
+    assert policy_state.routes_blocked(ASYNC_3_TO_4) is False
+    async_serving = policy_state.commit(ASYNC_3_TO_4, 4)
+    assert policy_state.servable_versions(async_serving, max_staleness=2) == range(2, 5)
+    assert policy_state.routes_blocked(async_serving) is False
 
 
 def test_servable_versions_refuses_a_negative_staleness() -> None:
     with pytest.raises(InvalidArgument) as raised:
-        policy.servable_versions(SERVING_3, max_staleness=-1)
+        policy_state.servable_versions(SERVING_3, max_staleness=-1)
     assert str(raised.value) == "max_staleness must be non-negative, got -1"

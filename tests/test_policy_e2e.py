@@ -34,7 +34,7 @@ import grpc
 import pytest
 
 from coordinator.client import CoordinatorClient, KvcoordError, PolicyState
-from coordinator.hashing import DEV_HASH_KEY, HashConfig
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
 from kvcoord.demo import free_port, stop_process, wait_healthy
 from tests.conftest import skip_without_redis
 from tests.redis_server import RedisServer
@@ -151,7 +151,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 # ---------------------------------------------------------------------- the scheduler
 
 
-class Scheduler:
+class Router:
     """Threads that route (SDK, retried while a sync update drains) and generate (WorkerClient)
     back to back, recording every answered generation in ``served`` (the fleet's history) and
     every route in ``routes``. A worker that refuses because it is draining (UNAVAILABLE) is
@@ -171,7 +171,7 @@ class Scheduler:
         self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True)
                          for i in range(threads)]
 
-    def __enter__(self) -> Scheduler:
+    def __enter__(self) -> Router:
         for thread in self._threads:
             thread.start()
         return self
@@ -396,7 +396,7 @@ def test_updates_under_load_keep_every_generation_attributable_and_fence_a_silen
     stuck_id = "w2"
     stuck = fleet.workers[stuck_id][1]
     updates: list[Update] = []
-    with CoordinatorClient(fleet.target) as client, Scheduler(fleet) as scheduler:
+    with CoordinatorClient(fleet.target) as client, Router(fleet) as scheduler:
         start = client.policy().version
 
         def serving(version: int, after: float, worker: str | None = None,
@@ -460,7 +460,7 @@ def test_updates_under_load_keep_every_generation_attributable_and_fence_a_silen
 def test_redis_crash_between_begin_and_commit_loses_no_version_and_no_rollout(
     fleet: Fleet,
 ) -> None:
-    with CoordinatorClient(fleet.target) as client, Scheduler(fleet) as scheduler:
+    with CoordinatorClient(fleet.target) as client, Router(fleet) as scheduler:
         version, began = client.policy().version, time.time()
         scheduler.wait_served(f"at version {version}", lambda s: s.start > began
                               and s.generation.policy_version == version, count=8)

@@ -19,12 +19,13 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
+from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient, KvcoordError
 from coordinator.config import CoordinatorConfig
-from coordinator.high_water import HighWater
-from coordinator.server import RunningCoordinator, start_coordinator
-from coordinator.store import MetadataStore, PolicyPhase, PolicyRecord
-from kvcoord.scripted_worker import ScriptedWorker
+from coordinator.control.high_water import HighWater
+from coordinator.core.policy_state import PolicyPhase, PolicyRecord
+from coordinator.server.main import RunningCoordinator, start_coordinator
+from coordinator.store.protocol import MetadataStore
 from tests.coordinator_fixtures import DEV_HASH, FAST_KNOBS, eventually, running_coordinator, target
 from tests.redis_server import RedisServer, redis_server_available
 from worker.config import WorkerConfig

@@ -22,7 +22,7 @@ import redis
 
 from coordinator.client import AsyncCoordinatorClient, CoordinatorClient, KvcoordError
 from coordinator.config import CoordinatorConfig
-from coordinator.server import RunningCoordinator
+from coordinator.server.main import RunningCoordinator
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from tests.redis_server import RedisServer, redis_server_available
 from worker.config import WorkerConfig

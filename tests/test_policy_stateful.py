@@ -3,8 +3,8 @@ with stale views, against MemoryStore and a real redis-server.
 
 Each trainer keeps the record it last read, which other trainers may have made stale by the
 time it acts. Acting means what the service's CAS loop does once: compute the transition from
-that snapshot with ``coordinator.policy`` and ``cas_policy(snapshot, new)``, alone or racing
-the other trainers (each on its own connection on Redis). The model is the record the store
+that snapshot with ``coordinator.core.policy_state`` and ``cas_policy(snapshot, new)``, alone or
+racing the other trainers (each on its own connection on Redis). The model is the record the store
 must hold; every step checks it and the policy-version invariants of docs/ARCHITECTURE.md §0.
 
 The store is async and hypothesis rules are not: each machine drives its handles on a private
@@ -24,11 +24,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from coordinator import policy
-from coordinator.errors import Aborted, InvalidArgument
-from coordinator.store import MetadataStore, PolicyRecord
-from coordinator.store_memory import MemoryStore
-from coordinator.store_redis import RedisStore
+from coordinator.core import policy_state
+from coordinator.core.errors import Aborted, InvalidArgument
+from coordinator.core.policy_state import PolicyRecord
+from coordinator.store.memory import MemoryStore
+from coordinator.store.protocol import MetadataStore
+from coordinator.store.redis_store import RedisStore
 from tests.conftest import NAMESPACE
 
 T = TypeVar("T")
@@ -45,7 +46,7 @@ SETTINGS = settings(
 # A move: (op, mode, weights uri, offset from the version the snapshot says is right).
 moves = st.tuples(
     st.sampled_from(("begin", "commit", "abort")),
-    st.sampled_from(policy.MODES),
+    st.sampled_from(policy_state.MODES),
     st.sampled_from(("", "s3://ckpt/a", "s3://ckpt/b")),
     st.sampled_from((0, 0, 0, -1, 1)),  # mostly right, sometimes stale or ahead
 )
@@ -115,10 +116,10 @@ class PolicyMachine(RuleBasedStateMachine):
         in_progress = snapshot.target_version is not None
         try:
             if op == "begin":
-                new = policy.begin(snapshot, snapshot.version + offset, mode, uri)
+                new = policy_state.begin(snapshot, snapshot.version + offset, mode, uri)
             else:
                 target = snapshot.version + 1
-                new = getattr(policy, op)(snapshot, target + offset)
+                new = getattr(policy_state, op)(snapshot, target + offset)
         except (Aborted, InvalidArgument):
             assert offset != 0 or in_progress == (op == "begin")
             return None
@@ -164,7 +165,7 @@ class PolicyMachine(RuleBasedStateMachine):
     def the_store_holds_the_model(self) -> None:
         stored = self._run(self.observer.get_policy())
         assert stored == self.model
-        policy.check_integrity(stored)
+        policy_state.check_integrity(stored)
 
     @invariant()
     def the_version_counts_commits_and_never_decreases(self) -> None:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from coordinator.client import AsyncCoordinatorClient, KvcoordError
-from coordinator.server import RunningCoordinator
+from coordinator.server.main import RunningCoordinator
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from worker.client import AsyncWorkerClient
 from worker.config import WorkerConfig

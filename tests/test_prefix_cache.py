@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from worker.allocator import AllocatorIntegrityError, PageAllocator
 from worker.prefix_cache import CacheInUse, PrefixCache, PrefixHit
 

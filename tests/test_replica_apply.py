@@ -5,9 +5,12 @@ once, a worker whose stream is here is ours to describe, fencing never reverts."
 from __future__ import annotations
 
 from coordinator.config import CoordinatorConfig
-from coordinator.errors import DomainError
-from coordinator.replica_apply import ReplicaApplier
-from coordinator.replica_events import (
+from coordinator.control.sync_messages import Outbound, RegistrationRequest
+from coordinator.core.errors import DomainError
+from coordinator.core.page_events import PageEvent
+from coordinator.core.routing import WorkerLoad
+from coordinator.replication.apply import ReplicaApplier
+from coordinator.replication.events import (
     Attached,
     Detached,
     Dropped,
@@ -16,10 +19,8 @@ from coordinator.replica_events import (
     Replaced,
     State,
 )
-from coordinator.routing import WorkerLoad
 from coordinator.service import CoordinatorService
-from coordinator.sessions import Outbound, PageEventIn, RegistrationRequest
-from coordinator.store_memory import MemoryStore
+from coordinator.store.memory import MemoryStore
 from tests.conftest import FakeClock
 
 K = [bytes([i]) * 16 for i in range(8)]
@@ -47,7 +48,7 @@ def registered(incarnation: int = 1) -> Registered:
 
 
 def stored(seq: int, *keys: bytes, incarnation: int = 1) -> Pages:
-    return Pages("w1", incarnation, seq, (PageEventIn("stored", keys),))
+    return Pages("w1", incarnation, seq, (PageEvent("stored", keys),))
 
 
 def test_an_older_registration_is_ignored_and_a_newer_one_replaces_the_session() -> None:
@@ -117,7 +118,7 @@ async def test_a_worker_streaming_here_is_ours_until_another_replica_says_it_mov
     sent: list[Outbound] = []
     session, stream, _ = r.service.sessions.hello(
         "w1", registration.incarnation, 0, close=closed.append, send=sent.append)
-    r.service.sessions.events(session, 1, [PageEventIn("stored", (K[0],))])
+    r.service.sessions.events(session, 1, [PageEvent("stored", (K[0],))])
     r.applier.apply("c2", stored(2, K[1], incarnation=registration.incarnation))
     r.applier.apply("c2", Replaced("w1", registration.incarnation, 9, {}))
     assert r.held() == {K[0]} and closed == []

@@ -8,8 +8,10 @@ import json
 
 import pytest
 
-from coordinator.index import Tier
-from coordinator.replica_events import (
+from coordinator.core.index import Tier
+from coordinator.core.page_events import PageEvent
+from coordinator.core.routing import WorkerLoad
+from coordinator.replication.events import (
     Attached,
     Cordoned,
     Detached,
@@ -27,8 +29,6 @@ from coordinator.replica_events import (
     encode,
     origin_of,
 )
-from coordinator.routing import WorkerLoad
-from coordinator.sessions import PageEventIn
 
 KEYS = [bytes([i]) * 16 for i in range(6)]
 
@@ -36,9 +36,9 @@ EVENTS: list[ReplicaEvent] = [
     Registered("w1", 3, "10.0.0.1:7000", "llama", 2, False, 4096),
     Attached("w1", 3, 17),
     Detached("w1", 3),
-    Pages("w1", 3, 17, (PageEventIn("stored", tuple(KEYS[:3])),
-                        PageEventIn("removed", (KEYS[3],), Tier.CPU),
-                        PageEventIn("cleared", ()))),
+    Pages("w1", 3, 17, (PageEvent("stored", tuple(KEYS[:3])),
+                        PageEvent("removed", (KEYS[3],), Tier.CPU),
+                        PageEvent("cleared", ()))),
     Replaced("w1", 3, 16, {"gpu": tuple(KEYS[:2]), "disk": (KEYS[5],)}),
     Replaced("w1", 3, 0, {}),
     State("w1", 3, 2, WorkerLoad(running_requests=1, queued_tokens=2, free_pages=3,

@@ -15,13 +15,13 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient, CoordinatorClient
-from coordinator.replica_events import Pages, encode
-from coordinator.rollouts import Rollout
-from coordinator.server import RunningCoordinator
-from coordinator.sessions import PageEventIn
+from coordinator.core.page_events import PageEvent
+from coordinator.core.rollout_records import Rollout
+from coordinator.replication.events import Pages, encode
+from coordinator.server.main import RunningCoordinator
 from coordinator.v1 import coordinator_pb2 as pb
-from kvcoord.scripted_worker import ScriptedWorker
 from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
 from tests.redis_server import RedisServer, free_port
 from worker.client import AsyncWorkerClient
@@ -169,7 +169,7 @@ async def test_a_replica_that_missed_a_batch_takes_the_owners_snapshot(redis_url
         await worker.store(keys)
         await agree(a, b, expect=lambda got: got[0] == {"w1": 64})
         # A batch B never saw the one before: seq 3 after 1. B must not guess; it asks A.
-        fake = Pages("w1", worker.incarnation, 3, (PageEventIn("removed", tuple(keys)),))
+        fake = Pages("w1", worker.incarnation, 3, (PageEvent("removed", tuple(keys)),))
         with redis.Redis.from_url(redis_url) as client:
             client.xadd("kvcoord:{default}:events", encode("X", int(time.time() * 1000), fake))
         assert b.service.replicator is not None

@@ -14,18 +14,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 import pytest
 
-from coordinator.auth import ANONYMOUS
-from coordinator.auth_grpc import acting_as
+from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.config import CoordinatorConfig
-from coordinator.errors import FailedPrecondition, InvalidArgument
-from coordinator.rollouts import MAX_RECORDS_PER_CALL, Rollout, RolloutLog
-from coordinator.server import RunningCoordinator, start_coordinator
-from coordinator.store import MemoryStore, MetadataStore, parse_entry_id
+from coordinator.control.rollouts import RolloutLog
+from coordinator.core.errors import FailedPrecondition, InvalidArgument
+from coordinator.core.rollout_records import MAX_RECORDS_PER_CALL, Rollout
+from coordinator.rpc.guard import acting_as
+from coordinator.rpc.identities import ANONYMOUS
+from coordinator.server.main import RunningCoordinator, start_coordinator
+from coordinator.store.memory import MemoryStore
+from coordinator.store.protocol import MetadataStore, parse_entry_id
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from kvcoord import cli
-from kvcoord.scripted_worker import ScriptedWorker
 from tests.coordinator_fixtures import DEV_HASH, FAST_KNOBS, running_coordinator, target
 from worker.config import WorkerConfig
 from worker.engine import ModelConfig

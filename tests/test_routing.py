@@ -16,13 +16,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.errors import Unavailable
-from coordinator.routing import (
+from coordinator.core.errors import Unavailable
+from coordinator.core.routing import (
     POLICIES,
     BatchGroup,
     Candidate,
     Decision,
-    KvAwarePolicy,
+    KvAwareChooser,
     KvAwareWeights,
     NoEligibleWorker,
     RoutingRequest,
@@ -31,7 +31,7 @@ from coordinator.routing import (
     group_identical,
     kv_aware_cost,
     load_floor,
-    make_policy,
+    make_chooser,
 )
 
 REQUEST = RoutingRequest(prompt_pages=4, prompt_tokens=70, page_size=16)
@@ -42,7 +42,7 @@ def cand(worker_id: str, cached: int = 0, lower: int = 0, **load: int) -> Candid
 
 
 def choose(name: str, candidates: Sequence[Candidate], **weights: float) -> Decision:
-    policy = make_policy(name, KvAwareWeights(**weights))
+    policy = make_chooser(name, KvAwareWeights(**weights))
     return policy.choose(REQUEST, candidates, random.Random(0))
 
 
@@ -111,7 +111,7 @@ def test_weights_are_exchange_rates_the_caller_can_change() -> None:
 
 
 def test_kv_aware_breaks_exact_ties_at_random_and_never_picks_a_costlier_worker() -> None:
-    policy, rng = make_policy("kv_aware"), random.Random(7)
+    policy, rng = make_chooser("kv_aware"), random.Random(7)
     candidates = [cand("a", cached=2), cand("b", cached=1), cand("c", cached=2)]
     chosen = [policy.choose(REQUEST, candidates, rng).worker_id for _ in range(200)]
     assert set(chosen) == {"a", "c"}
@@ -121,12 +121,12 @@ def test_kv_aware_breaks_exact_ties_at_random_and_never_picks_a_costlier_worker(
 def test_a_unique_best_worker_draws_nothing_from_the_rng() -> None:
     rng = random.Random(3)
     before = rng.getstate()
-    make_policy("kv_aware").choose(REQUEST, [cand("a", cached=4), cand("b")], rng)
+    make_chooser("kv_aware").choose(REQUEST, [cand("a", cached=4), cand("b")], rng)
     assert rng.getstate() == before
 
 
 def test_round_robin_cycles_in_worker_id_order_and_survives_membership_changes() -> None:
-    policy, rng = make_policy("round_robin"), random.Random(0)
+    policy, rng = make_chooser("round_robin"), random.Random(0)
     steps = [
         ("w3 w1 w2", "w1"),
         ("w3 w1 w2", "w2"),
@@ -143,7 +143,7 @@ def test_round_robin_cycles_in_worker_id_order_and_survives_membership_changes()
     ]
     assert chosen == [expected for _, expected in steps]
     # A fresh policy starts from the smallest id again: the cursor is per instance.
-    assert make_policy("round_robin").choose(REQUEST, [cand("w2"), cand("w1")], rng).worker_id == (
+    assert make_chooser("round_robin").choose(REQUEST, [cand("w2"), cand("w1")], rng).worker_id == (
         "w1"
     )
 
@@ -160,7 +160,7 @@ def test_least_loaded_takes_fewest_requests_then_fewest_tokens_and_ignores_the_c
 
 
 def test_least_loaded_breaks_ties_at_random() -> None:
-    policy, rng = make_policy("least_loaded"), random.Random(11)
+    policy, rng = make_chooser("least_loaded"), random.Random(11)
     candidates = [
         cand("a", queued_tokens=5),
         cand("b", queued_tokens=5),
@@ -173,26 +173,26 @@ def test_least_loaded_breaks_ties_at_random() -> None:
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_no_candidates_raises_no_eligible_worker(name: str) -> None:
     with pytest.raises(NoEligibleWorker) as raised:
-        make_policy(name).choose(REQUEST, [], random.Random(0))
+        make_chooser(name).choose(REQUEST, [], random.Random(0))
     assert isinstance(raised.value, Unavailable)  # the interceptor answers UNAVAILABLE
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_a_candidate_caching_more_pages_than_the_prompt_has_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match="more pages than the prompt"):
-        make_policy(name).choose(REQUEST, [cand("a", cached=5)], random.Random(0))
+        make_chooser(name).choose(REQUEST, [cand("a", cached=5)], random.Random(0))
 
 
 def test_registry_names_every_policy_and_cannot_be_changed() -> None:
     assert sorted(POLICIES) == ["kv_aware", "least_loaded", "round_robin"]
-    assert all(make_policy(name).name == name for name in POLICIES)
+    assert all(make_chooser(name).name == name for name in POLICIES)
     with pytest.raises(TypeError):
         POLICIES["mine"] = POLICIES["kv_aware"]  # type: ignore[index]
 
 
 def test_unknown_policy_name_is_refused_with_the_known_names() -> None:
     with pytest.raises(ValueError, match="'fastest'; known: kv_aware, least_loaded, round_robin"):
-        make_policy("fastest")
+        make_chooser("fastest")
 
 
 @pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(KvAwareWeights)])
@@ -295,13 +295,13 @@ def test_kv_aware_reads_idle_workers_only_until_none_can_win() -> None:
             yield c
 
     holder = cand("h", cached=2, queued_tokens=80, total_pages=100, free_pages=100)
-    decision = make_policy("kv_aware").choose(request, [holder], random.Random(0), idle=stream())
+    decision = make_chooser("kv_aware").choose(request, [holder], random.Random(0), idle=stream())
     # h: 38 uncached + 80 queued = 118; i0: 70 + 0 = 70 wins; i1's floor 70 + 10 > 70: stop.
     assert (decision.worker_id, decision.cost) == ("i0", 70.0)
     assert seen == ["i0", "i1"]
     seen.clear()
     holder = cand("h", cached=2, queued_tokens=25, total_pages=100, free_pages=100)
-    decision = make_policy("kv_aware").choose(request, [holder], random.Random(0), idle=stream())
+    decision = make_chooser("kv_aware").choose(request, [holder], random.Random(0), idle=stream())
     # h: 38 + 25 = 63 beats even i0's floor (70): i0 is read, not costed; nothing after it.
     assert (decision.worker_id, decision.cost) == ("h", 63.0)
     assert seen == ["i0"]
@@ -331,7 +331,7 @@ def test_kv_aware_with_idle_in_floor_order_costs_the_same_as_reading_everyone(
     )
     if not held and not idle:
         return
-    policy = KvAwarePolicy(weights)
+    policy = KvAwareChooser(weights)
     everyone = policy.choose(request, [*held, *idle], random.Random(1))
     pruned = policy.choose(request, held, random.Random(1), idle=iter(idle))
     assert pruned.cost == everyone.cost

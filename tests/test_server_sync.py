@@ -5,11 +5,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient, KvcoordError
-from coordinator.hashing import HashConfig
+from coordinator.core.hashing import HashConfig
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from kvcoord.scripted_worker import ScriptedWorker
 from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
 
 PROMPT = list(range(1000, 1000 + 16 * 8 + 5))  # 8 full pages and a partial one

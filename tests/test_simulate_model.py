@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from kvcoord.simulate import engine, views
 from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS, jittered_arrivals
 from kvcoord.simulate.cost_model import CostModel

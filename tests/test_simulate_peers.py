@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import random
 
-from coordinator.index import PrefixIndex
-from coordinator.routing import KvAwareWeights
+from coordinator.core.index import PrefixIndex
+from coordinator.core.routing import KvAwareWeights
 from kvcoord.simulate.peers import DynamoLikeRouter, SglangLikeRouter
 from kvcoord.simulate.routers import RouterContext
 from kvcoord.simulate.simworker import Job

@@ -12,18 +12,17 @@ import pytest
 import redis
 from structlog.testing import capture_logs
 
-from coordinator.store import (
+from coordinator.core.policy_state import PolicyPhase, PolicyRecord
+from coordinator.store import open_store
+from coordinator.store.memory import MemoryStore
+from coordinator.store.protocol import (
     MetadataStore,
-    PolicyPhase,
-    PolicyRecord,
     StoreUnavailable,
     StreamBounds,
     WorkerRecord,
-    open_store,
     parse_entry_id,
 )
-from coordinator.store_memory import MemoryStore
-from coordinator.store_redis import RedisStore, redact_url
+from coordinator.store.redis_store import RedisStore, redact_url
 from tests.conftest import NAMESPACE, FakeClock, OpenPeer, skip_without_redis
 from tests.redis_server import RedisServer, free_port
 

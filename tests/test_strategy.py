@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from worker.allocator import OutOfPages, PageAllocator
 from worker.prefix_cache import PrefixCache
 from worker.strategy import (

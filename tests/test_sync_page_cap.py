@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.v1 import coordinator_pb2 as pb
-from kvcoord.scripted_worker import ScriptedWorker
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 
 PAGE = 16

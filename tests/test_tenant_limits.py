@@ -9,10 +9,10 @@ import time
 import grpc
 import pytest
 
-from coordinator.server import RunningCoordinator
+from bench.scripted_worker import ScriptedWorker
+from coordinator.server.main import RunningCoordinator
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from kvcoord.scripted_worker import ScriptedWorker
 from tests.auth_fixtures import IdentityFile
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 

@@ -17,7 +17,7 @@ from worker.engine import ModelConfig
 from worker.event_log import EventLog
 from worker.gate import Draining, GenerationGate
 from worker.metrics import WorkerMetrics
-from worker.policy import PolicyHandler
+from worker.policy_commands import PolicyCommandHandler
 from worker.runtime import WorkerRuntime
 
 STORED, REMOVED = pb.PageEvent.KIND_STORED, pb.PageEvent.KIND_REMOVED
@@ -95,7 +95,7 @@ async def test_drain_waits_for_running_generation_then_acks_and_resume_reopens(
     runtime: WorkerRuntime,
 ) -> None:
     gate, sent = GenerationGate(), []
-    handler = PolicyHandler(runtime, gate, WorkerMetrics(), lambda r: sent.append(r) or True)
+    handler = PolicyCommandHandler(runtime, gate, WorkerMetrics(), lambda r: sent.append(r) or True)
     gate.enter()  # one generation in flight
     handler.handle(pb.PolicyCommand(kind=pb.PolicyCommand.KIND_DRAIN, version=3))
     await asyncio.sleep(0.05)

@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.auth import WORKER_PERMISSIONS, Role
 from coordinator.client import AsyncCoordinatorClient, KvcoordError
-from coordinator.sdk_types import ClientTls
-from coordinator.server import RunningCoordinator
+from coordinator.client.channels import ClientTls
+from coordinator.rpc.identities import WORKER_PERMISSIONS, Role
+from coordinator.server.main import RunningCoordinator
 from tests.auth_fixtures import IDENTITIES, IdentityFile, write_identities
 from tests.coordinator_fixtures import running_coordinator, target
 from tests.tls_certs import make_pki

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from coordinator.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from worker.engine import ModelConfig
 from worker.runtime import WorkerRuntime
 

@@ -23,14 +23,15 @@ from typing import Any
 import grpc
 import structlog
 
-from coordinator.sdk_types import Targets, channel_options, open_aio_channel
+from coordinator.client.channels import channel_options, open_aio_channel
+from coordinator.client.targets import Targets
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
 from worker.event_log import EventLog
 from worker.gate import GenerationGate
 from worker.metrics import WorkerMetrics
-from worker.policy import PolicyHandler
+from worker.policy_commands import PolicyCommandHandler
 from worker.rollout_reporter import RolloutReporter
 from worker.runtime import WorkerRuntime
 
@@ -42,7 +43,7 @@ PROTOCOL_VERSION = 1
 COMPLETION_COALESCE_S = 0.02
 # FAILED_PRECONDITION details meaning "this incarnation is gone": register again.
 _REREGISTER = ("unknown worker", "stale incarnation", "re-register")
-_DEREGISTERED = "worker deregistered"  # coordinator.sessions.DEREGISTERED's stream end
+_DEREGISTERED = "worker deregistered"  # coordinator.control.worker_sync.DEREGISTERED's stream end
 
 
 class RegistrationRefused(Exception):
@@ -78,7 +79,7 @@ class CoordinatorAgent:
             max_unacked=config.max_unacked_batches, max_message_bytes=config.max_message_bytes,
             max_pending_keys=max(4 * config.pages, 65_536),
         )
-        self._policy = PolicyHandler(runtime, gate, metrics, self._send)
+        self._policy = PolicyCommandHandler(runtime, gate, metrics, self._send)
         self._targets = Targets.parse(config.coordinator)
         self._target = 0  # index of the target in use; moves on when it is unreachable
         self._channels: list[grpc.aio.Channel] = []

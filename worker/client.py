@@ -19,16 +19,15 @@ from typing import Any
 
 import grpc
 
-from coordinator.hashing import tokens_to_bytes
-from coordinator.sdk_types import (
+from coordinator.client.channels import (
     ClientTls,
-    KvcoordError,
     call_metadata,
     channel_options,
     open_aio_channel,
     open_channel,
-    retry_pause,
 )
+from coordinator.client.errors import KvcoordError, retry_pause
+from coordinator.core.hashing import tokens_to_bytes
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 

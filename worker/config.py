@@ -15,9 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.client.channels import ClientTls, read_token_file
+from coordinator.client.targets import Targets
 from coordinator.config import ConfigError, build_config, check_security_settings
-from coordinator.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig
-from coordinator.sdk_types import ClientTls, Targets, read_token_file
+from coordinator.core.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig
 
 __all__ = ["ConfigError", "WorkerConfig"]
 

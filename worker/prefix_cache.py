@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from coordinator.hashing import Namespace, PageHasher
+from coordinator.core.hashing import Namespace, PageHasher
 from worker.allocator import AllocatorIntegrityError, PageAllocator
 
 KeysCallback = Callable[[list[bytes]], None]

@@ -31,7 +31,7 @@ from itertools import islice, takewhile
 import grpc
 import structlog
 
-from coordinator.rollouts import Rollout
+from coordinator.core.rollout_records import Rollout
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from coordinator.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from worker.allocator import AllocatorIntegrityError, OutOfPages, PageAllocator
 from worker.engine import ModelConfig, ReferenceEngine
 from worker.prefix_cache import PrefixCache

@@ -15,11 +15,11 @@ import torch
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2
 
-from coordinator.auth import WORKER_PERMISSIONS
-from coordinator.auth_grpc import Guard, ServerSecurity
-from coordinator.grpc_server import add_health_and_reflection, warn_if_open
-from coordinator.interceptor import ErrorMappingInterceptor, Mapped
-from coordinator.sdk_types import channel_options
+from coordinator.client.channels import channel_options
+from coordinator.rpc.guard import Guard, ServerSecurity
+from coordinator.rpc.health import add_health_and_reflection, warn_if_open
+from coordinator.rpc.identities import WORKER_PERMISSIONS
+from coordinator.rpc.interceptor import ErrorMappingInterceptor, Mapped
 from worker.agent import CoordinatorAgent
 from worker.config import WorkerConfig
 from worker.engine import ModelConfig

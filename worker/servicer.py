@@ -1,8 +1,8 @@
 """``worker.v1.Worker`` servicer: convert, run the runtime off the event loop, convert back.
 
 No decisions here: input checks the proto alone can settle (one token body, whole u32s, the
-protocol version) raise ``coordinator.errors`` domain errors; the runtime raises
-``InvalidRequest`` / ``PoolExhausted``; ``coordinator.interceptor.ErrorMappingInterceptor``
+protocol version) raise ``coordinator.core.errors`` domain errors; the runtime raises
+``InvalidRequest`` / ``PoolExhausted``; ``coordinator.rpc.interceptor.ErrorMappingInterceptor``
 (with ``worker.server.EXPECTED_ERRORS``) turns all of them into status codes in one place.
 Each answered Generate is handed to ``report`` as a rollout record (ARCHITECTURE §0, invariant 4).
 """
@@ -20,9 +20,9 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from coordinator.auth_grpc import caller
-from coordinator.errors import FailedPrecondition, InvalidArgument
-from coordinator.rollouts import MAX_ROLLOUT_ID_CHARS, Rollout
+from coordinator.core.errors import FailedPrecondition, InvalidArgument
+from coordinator.core.rollout_records import MAX_ROLLOUT_ID_CHARS, Rollout
+from coordinator.rpc.guard import caller
 from worker.gate import GenerationGate
 from worker.metrics import WorkerMetrics
 from worker.runtime import Generation, WorkerRuntime

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from coordinator.hashing import Namespace
+from coordinator.core.hashing import Namespace
 from worker.allocator import OutOfPages, PageAllocator
 from worker.prefix_cache import PrefixCache
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
 
-from coordinator.hashing import Namespace, PageHasher
-from coordinator.index import PrefixIndex
-from coordinator.routing import KvAwareWeights, WorkerLoad
+from coordinator.core.hashing import Namespace, PageHasher
+from coordinator.core.index import PrefixIndex
+from coordinator.core.routing import KvAwareWeights, WorkerLoad
 from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS, jittered_arrivals
 from kvcoord.simulate.cost_model import CostModel
 from kvcoord.simulate.peers import DynamoLikeRouter, SglangLikeRouter

@@ -41,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from coordinator.index import MatchDetail, PrefixIndex
+from coordinator.core.index import MatchDetail, PrefixIndex
 from kvcoord.simulate.routers import RouterContext
 from kvcoord.simulate.simworker import Job
 

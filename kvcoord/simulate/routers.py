@@ -1,7 +1,7 @@
 """How the simulator asks a policy where a request goes, and the production policies' adapter.
 
 :class:`ProductionRouter` runs ``kv_aware``, ``round_robin`` and ``least_loaded`` through the
-very code the coordinator's ``Scheduler`` runs: ``coordinator.routing.make_policy(name)``
+very code the coordinator's ``Router`` runs: ``coordinator.core.routing.make_chooser(name)``
 choosing among :class:`Candidate` objects built from the production
 ``PrefixIndex.match_detail(keys, include_pending=True)`` (holders) plus every other worker as
 an idle candidate in ascending ``load_floor`` order, then ``add_pending`` for the chosen
@@ -16,13 +16,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from coordinator.index import MatchDetail, PrefixIndex
-from coordinator.routing import (
+from coordinator.core.index import MatchDetail, PrefixIndex
+from coordinator.core.routing import (
     Candidate,
     KvAwareWeights,
     RoutingRequest,
     load_floor,
-    make_policy,
+    make_chooser,
 )
 from kvcoord.simulate.simworker import Job
 from kvcoord.simulate.views import CoordinatorLoads
@@ -60,11 +60,11 @@ class SimRouter(Protocol):
 
 
 class ProductionRouter:
-    """A production policy (``make_policy(name, weights)``), fed as the Scheduler feeds it."""
+    """A production policy (``make_chooser(name, weights)``), fed as the Router feeds it."""
 
     def __init__(self, name: str, ctx: RouterContext) -> None:
         self.name = name
-        self._policy = make_policy(name, ctx.weights)
+        self._policy = make_chooser(name, ctx.weights)
         self._ctx = ctx
         self._position = {worker_id: i for i, worker_id in enumerate(ctx.worker_ids)}
 

@@ -8,7 +8,7 @@ No simulated router reads a worker's exact state: each sees what its real system
   ``dynamo_like`` its KV-event indexer) is fed only this way, so all see the same stale index.
 - ``kv_aware`` (and the other production policies, ``round_robin`` and ``least_loaded``) read
   :class:`CoordinatorLoads`: the production coordinator's own per-worker books
-  (:class:`coordinator.fleet.WorkerSession`): the last heartbeat's load plus the routes the
+  (:class:`coordinator.core.fleet.RegisteredWorker`): the last heartbeat's load plus the routes the
   coordinator issued and no heartbeat has yet reported finished.
 - ``sglang_like`` reads only its own count of requests it sent and has not seen complete
   (the router proxies the response, so it sees completion at once).
@@ -34,8 +34,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from coordinator.fleet import WorkerSession
-from coordinator.routing import WorkerLoad
+from coordinator.core.fleet import RegisteredWorker
+from coordinator.core.routing import WorkerLoad
 
 SYNC_DELAY_S = 0.01
 HEARTBEAT_S = 2.0
@@ -50,7 +50,7 @@ class CoordinatorLoads:
 
     def __init__(self, worker_ids: Sequence[str], total_pages: int) -> None:
         self._sessions = [
-            WorkerSession(
+            RegisteredWorker(
                 worker_id=worker_id, incarnation=1, address="", model="simulate",
                 policy_version=0, external=False, total_pages=total_pages,
                 lease_deadline=math.inf, connected=True,
@@ -59,7 +59,7 @@ class CoordinatorLoads:
         ]
 
     def load(self, worker: int) -> WorkerLoad:
-        """Last heartbeat + in-flight routes (``WorkerSession.current_load``)."""
+        """Last heartbeat + in-flight routes (``RegisteredWorker.current_load``)."""
         return self._sessions[worker].current_load()
 
     def heartbeat(self, worker: int, load: WorkerLoad, completed_routes: int) -> None:

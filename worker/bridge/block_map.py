@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.hashing import Namespace, PageHasher
-from coordinator.index import Tier
-from coordinator.sessions import PageEventIn
+from coordinator.core.hashing import Namespace, PageHasher
+from coordinator.core.index import Tier
+from coordinator.core.page_events import PageEvent
 from worker.bridge.engine_events import BlockRemoved, BlockStored, EngineHash, MalformedInput
 
 _MEDIA = {"gpu": Tier.GPU, "cpu": Tier.CPU, "disk": Tier.DISK}
@@ -46,7 +46,7 @@ class BlockMap:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def stored(self, event: BlockStored) -> tuple[list[PageEventIn], list[MalformedInput]]:
+    def stored(self, event: BlockStored) -> tuple[list[PageEvent], list[MalformedInput]]:
         """Stored events for the event's blocks, and the blocks skipped: a hash already held
         with other tokens (an engine whose hash does not chain, e.g. early SGLang hashing a
         page's tokens alone) keeps its first keys, which its removal will name. MalformedInput
@@ -88,9 +88,9 @@ class BlockMap:
                 continue
             block.media.add(tier)
             out.setdefault(block.tier(), []).extend(keys)
-        return [PageEventIn("stored", tuple(keys), t) for t, keys in out.items()], skipped
+        return [PageEvent("stored", tuple(keys), t) for t, keys in out.items()], skipped
 
-    def removed(self, event: BlockRemoved) -> tuple[list[PageEventIn], int]:
+    def removed(self, event: BlockRemoved) -> tuple[list[PageEvent], int]:
         """Page events for the removal, and how many of its hashes were unknown."""
         tier = _tier(event.medium)
         gone: list[bytes] = []
@@ -107,9 +107,9 @@ class BlockMap:
             else:
                 del self._blocks[block_hash]
                 gone.extend(block.keys)
-        events = [PageEventIn("stored", tuple(keys), t) for t, keys in moved.items()]
+        events = [PageEvent("stored", tuple(keys), t) for t, keys in moved.items()]
         if gone:
-            events.append(PageEventIn("removed", tuple(gone)))
+            events.append(PageEvent("removed", tuple(gone)))
         return events, unknown
 
     def clear(self) -> None:

@@ -25,16 +25,12 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from coordinator.convert import PROTOCOL_VERSION
-from coordinator.hashing import DEV_HASH_KEY, HashConfig, PageHasher
-from coordinator.index import Tier
-from coordinator.sdk_types import (
-    ClientTls,
-    Targets,
-    client_channel_options,
-    open_aio_channel,
-)
-from coordinator.sessions import PageEventIn
+from coordinator.client.channels import ClientTls, client_channel_options, open_aio_channel
+from coordinator.client.targets import Targets
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, PageHasher
+from coordinator.core.index import Tier
+from coordinator.core.page_events import PageEvent
+from coordinator.server.convert import PROTOCOL_VERSION
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from worker.bridge.block_map import BlockMap
@@ -203,7 +199,7 @@ class Bridge:
                 self._reader = asyncio.create_task(self._read_coordinator(call))
                 inventory = self.blocks.inventory()
                 if inventory:
-                    await self._send([PageEventIn("stored", tuple(keys), tier)
+                    await self._send([PageEvent("stored", tuple(keys), tier)
                                       for tier, keys in inventory.items()])
                 self.synced.set()
                 log.info("bridge.registered", worker=cfg.worker_id,
@@ -240,7 +236,7 @@ class Bridge:
                 resync_id=resync_id, page_keys=b"".join(keys), tier=_TIER_PB[tier],
                 last=i == len(inventory) - 1, seq=self._seq)))
 
-    async def _send(self, events: Sequence[PageEventIn]) -> None:
+    async def _send(self, events: Sequence[PageEvent]) -> None:
         if not events:
             return
         if self._call is None:
@@ -297,7 +293,7 @@ class Bridge:
     async def _drop_everything(self) -> None:
         """Forget every block and have the coordinator drop the worker's entries."""
         self.blocks.clear()
-        await self._send([PageEventIn("cleared", ())])
+        await self._send([PageEvent("cleared", ())])
         self.applied["cleared"] += 1
 
     async def _fill_gap(self, seen: int) -> None:
@@ -347,7 +343,7 @@ class Bridge:
             return
         for kind, message in batch.skipped:
             self._skip(kind, message)
-        out: list[PageEventIn] = []
+        out: list[PageEvent] = []
         for event in batch.events:
             try:
                 if isinstance(event, BlockStored):
@@ -364,7 +360,7 @@ class Bridge:
                         self._skip("unknown_block", f"{unknown} removed block(s) never stored")
                 elif isinstance(event, AllBlocksCleared):
                     self.blocks.clear()
-                    out = [PageEventIn("cleared", ())]
+                    out = [PageEvent("cleared", ())]
                     self.applied["cleared"] += 1
             except MalformedInput as exc:
                 self._skip(exc.kind, str(exc))

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from coordinator.sdk_types import ClientTls
+from coordinator.client.channels import ClientTls
 from worker.bridge.bridge import Bridge, BridgeConfig
 
 log = structlog.get_logger(__name__)

@@ -1,0 +1,43 @@
+"""The coordinator's client SDK, for schedulers, operators and the worker's own clients.
+
+``CoordinatorClient`` (blocking) and ``AsyncCoordinatorClient`` (asyncio) take TARGETS and
+credentials; refusals raise ``KvcoordError``. The package's modules:
+
+- ``blocking`` / ``aio``: the two clients;
+- ``types``: the values they return; ``messages``: request builders and response parsers;
+- ``errors``: ``KvcoordError`` and the retry rules; ``targets``: failover order;
+- ``channels``: channel options, TLS and bearer credentials (the worker uses these too).
+"""
+
+from coordinator.client.aio import AsyncCoordinatorClient
+from coordinator.client.blocking import DEFAULT_TIMEOUT, CoordinatorClient
+from coordinator.client.channels import ClientTls
+from coordinator.client.errors import KvcoordError
+from coordinator.client.types import (
+    LookupResult,
+    PageKeys,
+    PolicyState,
+    PolicyUpdate,
+    RolloutRecord,
+    Route,
+    RouteBatch,
+    Stats,
+    WorkerInfo,
+)
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "AsyncCoordinatorClient",
+    "ClientTls",
+    "CoordinatorClient",
+    "KvcoordError",
+    "LookupResult",
+    "PageKeys",
+    "PolicyState",
+    "PolicyUpdate",
+    "RolloutRecord",
+    "Route",
+    "RouteBatch",
+    "Stats",
+    "WorkerInfo",
+]

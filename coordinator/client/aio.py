@@ -1,0 +1,219 @@
+"""``AsyncCoordinatorClient``: the asyncio twin of ``coordinator.client.blocking``, with the same
+targets, failover, retry and credential rules."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import grpc
+
+from coordinator.client.blocking import DEFAULT_TIMEOUT, Prompt, R
+from coordinator.client.channels import (
+    ClientTls,
+    call_metadata,
+    client_channel_options,
+    open_aio_channel,
+)
+from coordinator.client.errors import (
+    KvcoordError,
+    another_target_may_serve,
+    is_transport_failure,
+    retry_pause,
+)
+from coordinator.client.messages import (
+    batch_from,
+    batch_request,
+    begin_request,
+    lookup_from,
+    lookup_request,
+    policy_from,
+    rollout_from,
+    route_from,
+    route_request,
+    stats_from,
+    worker_from,
+)
+from coordinator.client.targets import Targets
+from coordinator.client.types import (
+    LookupResult,
+    PolicyState,
+    PolicyUpdate,
+    RolloutRecord,
+    Route,
+    RouteBatch,
+    Stats,
+    WorkerInfo,
+)
+from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+
+
+class AsyncCoordinatorClient:
+    """The asyncio twin of ``CoordinatorClient``: same methods, awaited."""
+
+    def __init__(
+        self, targets: str, token: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+        max_message_bytes: int = 16 * 1024 * 1024, tls: ClientTls | None = None,
+    ) -> None:
+        self._targets = Targets.parse(targets)
+        self._metadata = call_metadata(token)
+        self._timeout = timeout
+        options = client_channel_options(max_message_bytes)
+        self._channels = [open_aio_channel(t, options, tls) for t in self._targets]
+        self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
+
+    async def __aenter__(self) -> AsyncCoordinatorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    async def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        deadline = time.monotonic() + (timeout or self._timeout)
+        while True:
+            try:
+                return await self._call_once(method, request, deadline - time.monotonic())
+            except KvcoordError as error:
+                pause = retry_pause(error, deadline)
+                if pause is None:
+                    raise
+                await asyncio.sleep(pause)
+
+    async def _call_once(self, method: str, request: Any, timeout: float) -> Any:
+        last: KvcoordError | None = None
+        for stub in self._targets.rotation(self._stubs):
+            try:
+                return await getattr(stub, method)(
+                    request, timeout=timeout, metadata=self._metadata
+                )
+            except grpc.RpcError as exc:
+                error = KvcoordError.from_rpc(exc)
+                if not another_target_may_serve(error):
+                    raise error from None
+                self._targets.failed()
+                last = error
+        assert last is not None
+        raise last
+
+    async def _parsed(self, method: str, request: Any, parse: Callable[[Any], R]) -> R:
+        return parse(await self._call(method, request))
+
+    async def lookup(
+        self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
+        policy_version: int | None = None,
+    ) -> LookupResult:
+        request = lookup_request(tokens, model, adapter, policy_version)
+        return await self._parsed("Lookup", request, lookup_from)
+
+    async def route(
+        self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
+        min_policy_version: int | None = None, policy_version: int | None = None,
+        routing_policy: str = "",
+    ) -> Route:
+        request = route_request(tokens, model, adapter, min_policy_version, policy_version,
+                                routing_policy)
+        return await self._parsed("Route", request, route_from)
+
+    async def route_batch(
+        self, prompts: Sequence[Prompt], *, model: str | None = None, adapter: str | None = None,
+        min_policy_version: int | None = None, policy_version: int | None = None,
+        routing_policy: str = "",
+    ) -> RouteBatch:
+        request = batch_request(prompts, model, adapter, min_policy_version, policy_version,
+                                routing_policy)
+        return await self._parsed("RouteBatch", request, batch_from)
+
+    async def policy(self) -> PolicyState:
+        return await self._parsed("GetPolicy", pb.GetPolicyRequest(), policy_from)
+
+    async def begin_policy_update(
+        self, expected_version: int, mode: str = "sync", weights_uri: str = "",
+        abort_running: bool = False,
+    ) -> PolicyState:
+        request = begin_request(expected_version, mode, weights_uri, abort_running)
+        return await self._parsed("BeginPolicyUpdate", request, policy_from)
+
+    @contextlib.asynccontextmanager
+    async def policy_update(
+        self, expected_version: int, mode: str = "sync", weights_uri: str = "",
+        timeout: float = 30.0,
+    ) -> AsyncIterator[PolicyUpdate]:
+        state = await self.begin_policy_update(expected_version, mode, weights_uri)
+        update = PolicyUpdate(version=state.target_version or expected_version + 1, begun=state)
+        try:
+            yield update
+        except BaseException:
+            with contextlib.suppress(KvcoordError):
+                await self.abort_policy_update(update.version)
+            raise
+        update.result = await self.commit_policy_update(update.version, timeout=timeout)
+
+    async def watch_policy(self) -> AsyncIterator[PolicyState]:
+        """The policy state now, then every change (a server stream, moved to another target
+        when its coordinator goes away)."""
+        last: PolicyState | None = None
+        async for message in self._stream("WatchPolicy", pb.WatchPolicyRequest):
+            state = policy_from(message)
+            if state != last:
+                last = state
+                yield state
+
+    async def rollouts(
+        self, since: str | None = None, follow: bool = False
+    ) -> AsyncIterator[RolloutRecord]:
+        cursor = since or ""
+
+        def request() -> pb.ReadRolloutsRequest:
+            return pb.ReadRolloutsRequest(since=cursor, follow=follow)
+
+        async for record in self._stream("ReadRollouts", request):
+            cursor = record.cursor
+            yield rollout_from(record)
+
+    async def _stream(self, method: str, request: Callable[[], Any]) -> AsyncIterator[Any]:
+        """``CoordinatorClient._stream``, awaited."""
+        failures = 0
+        while True:
+            stub = next(self._targets.rotation(self._stubs))
+            try:
+                async for message in getattr(stub, method)(request(),
+                                                           metadata=self._metadata):
+                    failures = 0
+                    yield message
+                return
+            except grpc.RpcError as exc:
+                error = KvcoordError.from_rpc(exc)
+                if not is_transport_failure(error):
+                    raise error from None
+                self._targets.failed()
+                failures += 1
+                if failures >= len(self._stubs):
+                    raise error from None
+
+    async def commit_policy_update(self, version: int, timeout: float = 30.0) -> PolicyState:
+        request = pb.CommitPolicyUpdateRequest(version=version, timeout_ms=int(timeout * 1000))
+        return policy_from(await self._call("CommitPolicyUpdate", request, timeout=timeout + 5))
+
+    async def abort_policy_update(self, version: int) -> PolicyState:
+        request = pb.AbortPolicyUpdateRequest(version=version)
+        return await self._parsed("AbortPolicyUpdate", request, policy_from)
+
+    async def workers(self) -> list[WorkerInfo]:
+        response = await self._call("ListWorkers", pb.ListWorkersRequest())
+        return [worker_from(w) for w in response.workers]
+
+    async def stats(self) -> Stats:
+        return await self._parsed("GetStats", pb.GetStatsRequest(), stats_from)
+
+    async def cordon(self, worker_id: str, cordoned: bool = True) -> WorkerInfo:
+        request = pb.CordonRequest(worker_id=worker_id, cordoned=cordoned)
+        response = await self._call("Cordon", request)
+        return worker_from(response.worker)

@@ -1,0 +1,251 @@
+"""``CoordinatorClient``: the blocking scheduler/operator SDK client.
+
+It takes TARGETS: ``host:port``, a comma-separated list of them, or a gRPC name such as
+``dns:///name:port``. With a list, a unary call answered UNAVAILABLE (the target unreachable,
+or a replica that cannot serve now: its policy state stale, its store down, the fleet
+draining) moves on to the next target at once; once every target refused, it waits out the
+coordinator's ``retry-after-ms`` and goes round again, within its deadline. Server streams
+move on only when the transport fails. Client-side validation raises
+``ValueError``; a refused call raises ``KvcoordError`` whose ``.code`` is the gRPC status.
+``token`` goes out as ``authorization: Bearer`` metadata on every call; ``tls`` (a ``ClientTls``)
+makes every channel TLS, mutual when it carries a client certificate.
+Request building and response parsing live in ``coordinator.client.messages``, shared by both
+clients (``coordinator.client.aio`` is the asyncio twin).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from coordinator.client.channels import (
+    ClientTls,
+    call_metadata,
+    client_channel_options,
+    open_channel,
+)
+from coordinator.client.errors import (
+    KvcoordError,
+    another_target_may_serve,
+    is_transport_failure,
+    retry_pause,
+)
+from coordinator.client.messages import (
+    batch_from,
+    batch_request,
+    begin_request,
+    lookup_from,
+    lookup_request,
+    policy_from,
+    rollout_from,
+    route_from,
+    route_request,
+    stats_from,
+    worker_from,
+)
+from coordinator.client.targets import Targets
+from coordinator.client.types import (
+    LookupResult,
+    PageKeys,
+    PolicyState,
+    PolicyUpdate,
+    RolloutRecord,
+    Route,
+    RouteBatch,
+    Stats,
+    WorkerInfo,
+)
+from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+
+Prompt = Sequence[int] | PageKeys
+R = TypeVar("R")
+DEFAULT_TIMEOUT = 10.0
+
+
+class CoordinatorClient:
+    """Blocking client. Thread-safe (grpc channels are); close it or use it as a context manager."""
+
+    def __init__(
+        self, targets: str, token: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+        max_message_bytes: int = 16 * 1024 * 1024, tls: ClientTls | None = None,
+    ) -> None:
+        self._targets = Targets.parse(targets)
+        self._metadata = call_metadata(token)
+        self._timeout = timeout
+        options = client_channel_options(max_message_bytes)
+        self._channels = [open_channel(t, options, tls) for t in self._targets]
+        self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """One call, failing over across targets on UNAVAILABLE (module docstring) and
+        retrying, within the call's deadline, when the coordinator answers with
+        ``retry-after-ms`` (UNAVAILABLE from every target: an update draining the fleet, no
+        worker yet, stale policy state; RESOURCE_EXHAUSTED: over the rate limit)."""
+        deadline = time.monotonic() + (timeout or self._timeout)
+        while True:
+            try:
+                return self._call_once(method, request, deadline - time.monotonic())
+            except KvcoordError as error:
+                pause = retry_pause(error, deadline)
+                if pause is None:
+                    raise
+                time.sleep(pause)
+
+    def _call_once(self, method: str, request: Any, timeout: float) -> Any:
+        last: KvcoordError | None = None
+        for stub in self._targets.rotation(self._stubs):
+            try:
+                return getattr(stub, method)(request, timeout=timeout, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                error = KvcoordError.from_rpc(exc)
+                if not another_target_may_serve(error):
+                    raise error from None
+                self._targets.failed()
+                last = error
+        assert last is not None
+        raise last
+
+    def lookup(
+        self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
+        policy_version: int | None = None,
+    ) -> LookupResult:
+        """Where is this prompt's prefix cached? matches: worker id -> matched tokens."""
+        return lookup_from(self._call("Lookup", lookup_request(tokens, model, adapter,
+                                                               policy_version)))
+
+    def route(
+        self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
+        min_policy_version: int | None = None, policy_version: int | None = None,
+        routing_policy: str = "",
+    ) -> Route:
+        """Where should this prompt go? Marks it pending on the chosen worker."""
+        request = route_request(tokens, model, adapter, min_policy_version, policy_version,
+                                routing_policy)
+        return route_from(self._call("Route", request))
+
+    def route_batch(
+        self, prompts: Sequence[Prompt], *, model: str | None = None, adapter: str | None = None,
+        min_policy_version: int | None = None, policy_version: int | None = None,
+        routing_policy: str = "",
+    ) -> RouteBatch:
+        """Route many prompts at once; ``order`` runs siblings sharing a prefix back to back."""
+        request = batch_request(prompts, model, adapter, min_policy_version, policy_version,
+                                routing_policy)
+        return batch_from(self._call("RouteBatch", request))
+
+    def policy(self) -> PolicyState:
+        return policy_from(self._call("GetPolicy", pb.GetPolicyRequest()))
+
+    def begin_policy_update(
+        self, expected_version: int, mode: str = "sync", weights_uri: str = "",
+        abort_running: bool = False,
+    ) -> PolicyState:
+        """Start moving the fleet from ``expected_version`` to the next one (ABORTED if stale);
+        ``abort_running`` makes the drain stop running generation instead of waiting for it."""
+        request = begin_request(expected_version, mode, weights_uri, abort_running)
+        return policy_from(self._call("BeginPolicyUpdate", request))
+
+    @contextlib.contextmanager
+    def policy_update(
+        self, expected_version: int, mode: str = "sync", weights_uri: str = "",
+        timeout: float = 30.0,
+    ) -> Iterator[PolicyUpdate]:
+        """``with client.policy_update(v) as update:`` push weights for ``update.version``
+        inside; commit on exit (``update.result`` then holds the committed state with acked and
+        fenced workers), abort if the block raises."""
+        state = self.begin_policy_update(expected_version, mode, weights_uri)
+        update = PolicyUpdate(version=state.target_version or expected_version + 1, begun=state)
+        try:
+            yield update
+        except BaseException:
+            with contextlib.suppress(KvcoordError):
+                self.abort_policy_update(update.version)
+            raise
+        update.result = self.commit_policy_update(update.version, timeout=timeout)
+
+    def commit_policy_update(self, version: int, timeout: float = 30.0) -> PolicyState:
+        request = pb.CommitPolicyUpdateRequest(version=version, timeout_ms=int(timeout * 1000))
+        return policy_from(self._call("CommitPolicyUpdate", request, timeout=timeout + 5))
+
+    def abort_policy_update(self, version: int) -> PolicyState:
+        request = pb.AbortPolicyUpdateRequest(version=version)
+        return policy_from(self._call("AbortPolicyUpdate", request))
+
+    def rollouts(self, since: str | None = None, follow: bool = False) -> Iterator[RolloutRecord]:
+        """Rollout records after cursor ``since`` (oldest kept when None); ``follow`` keeps the
+        stream open for new ones. Each record's ``cursor`` resumes after it."""
+        cursor = since or ""
+
+        def request() -> pb.ReadRolloutsRequest:  # a failover resumes after the last record
+            return pb.ReadRolloutsRequest(since=cursor, follow=follow)
+
+        for record in self._stream("ReadRollouts", request):
+            cursor = record.cursor
+            yield rollout_from(record)
+
+    def watch_policy(self) -> Iterator[PolicyState]:
+        """The policy state now, then every change (a server stream, moved to another target
+        when its coordinator goes away)."""
+        last: PolicyState | None = None
+        for message in self._stream("WatchPolicy", pb.WatchPolicyRequest):
+            state = policy_from(message)
+            if state != last:  # a new stream starts with the state we may have seen
+                last = state
+                yield state
+
+    def _stream(self, method: str, request: Callable[[], Any]) -> Iterator[Any]:
+        """A server stream that moves to the next target on a transport failure, asking
+        ``request()`` again (so it can resume); gives up once every target failed in a row
+        without a message."""
+        failures = 0
+        while True:
+            stub = next(self._targets.rotation(self._stubs))
+            try:
+                for message in getattr(stub, method)(request(), metadata=self._metadata):
+                    failures = 0
+                    yield message
+                return
+            except grpc.RpcError as exc:
+                error = KvcoordError.from_rpc(exc)
+                if not is_transport_failure(error):
+                    raise error from None
+                self._targets.failed()
+                failures += 1
+                if failures >= len(self._stubs):
+                    raise error from None
+
+    def workers(self) -> list[WorkerInfo]:
+        response = self._call("ListWorkers", pb.ListWorkersRequest())
+        return [worker_from(w) for w in response.workers]
+
+    def stats(self) -> Stats:
+        return stats_from(self._call("GetStats", pb.GetStatsRequest()))
+
+    def cordon(self, worker_id: str, cordoned: bool = True) -> WorkerInfo:
+        request = pb.CordonRequest(worker_id=worker_id, cordoned=cordoned)
+        return worker_from(self._call("Cordon", request).worker)
+
+    def deregister(self, worker_id: str) -> bool:
+        """Remove ``worker_id``'s current incarnation (its pages leave the index at once);
+        False when no such worker is registered. What a worker pod's preStop hook calls."""
+        current = [w for w in self.workers() if w.worker_id == worker_id]
+        if not current:
+            return False
+        request = pb.DeregisterRequest(worker_id=worker_id, incarnation=current[0].incarnation)
+        self._call("Deregister", request)
+        return True

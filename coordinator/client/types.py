@@ -1,0 +1,129 @@
+"""The SDK's value types: what the clients return (routes, lookups, policy state, workers, stats)
+and ``PageKeys``, a prompt already hashed into page keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KEY_BYTES = 16
+
+
+
+@dataclass(frozen=True, slots=True)
+class PageKeys:
+    """A prompt sent as page keys (trusted roles): concatenated 16-byte digests."""
+
+    keys: bytes
+    token_count: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.keys or len(self.keys) % KEY_BYTES:
+            raise ValueError(
+                f"page keys must be a non-empty multiple of {KEY_BYTES} bytes, "
+                f"got {len(self.keys)}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    matches: dict[str, int]  # worker id -> matched tokens
+    policy_version: int
+    prompt_pages: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    worker_id: str
+    address: str
+    matched_tokens: int
+    policy_version: int
+    matched_pages: int = 0
+    routing_policy: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteBatch:
+    routes: list[Route]
+    order: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    version: int
+    phase: str  # "serving" | "draining"
+    target_version: int | None = None
+    mode: str = "sync"
+    acked_workers: tuple[str, ...] = ()
+    fenced_workers: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class PolicyUpdate:
+    """An update in progress (``policy_update``): push weights for ``version``; after the
+    block, ``result`` is the committed state (its acked and fenced workers)."""
+
+    version: int
+    begun: PolicyState
+    result: PolicyState | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutRecord:
+    """Which policy version generated a sample, on which worker (invariant 4)."""
+
+    rollout_id: str
+    policy_version: int
+    worker_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cursor: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    worker_id: str
+    address: str
+    policy_version: int
+    state: str
+    incarnation: int = 0
+    external: bool = False
+    cached_pages: int = 0
+    total_pages: int = 0
+    free_pages: int = 0
+    running_requests: int = 0
+    queued_tokens: int = 0
+    inflight_routes: int = 0
+    routed_requests: int = 0
+    routed_tokens: int = 0
+    routed_cached_tokens: int = 0
+    owner_replica: str = ""
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.routed_cached_tokens / self.routed_tokens if self.routed_tokens else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    workers: int
+    routable_workers: int
+    index_keys: int
+    index_entries: int
+    pending_entries: int
+    lookups: int
+    routes: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_ratio: float
+    events_applied: int
+    resyncs: int
+    policy_version: int
+    policy_phase: str
+    store: str
+    replica_id: str = ""
+    replicas: tuple[str, ...] = ()
+    replication_published: int = 0
+    replication_applied: int = 0
+    replication_lag_p50_ms: float = 0.0
+    replication_lag_p99_ms: float = 0.0

@@ -1,0 +1,507 @@
+"""Policy updates end to end on one coordinator: Begin/Commit/Abort through the store's
+compare-and-set, DRAIN/APPLY/RESUME commands to this coordinator's workers, the APPLIED barrier,
+fencing, waiting routes and watchers. The transitions themselves are
+``coordinator.core.policy_state``.
+
+Sync mode (on-policy RL): Begin(v) -> DRAINING(v->v+1); every live worker gets DRAIN, acks
+DRAINED, gets APPLY(v+1) and acks APPLIED once it has loaded v+1 and dropped v's pages; Commit
+waits for APPLIED from every worker live at Begin until its deadline, fences the missing, writes
+SERVING(v+1) and sends RESUME. Routes wait (or fail UNAVAILABLE with retry-after-ms) meanwhile.
+Async mode: no drain; workers get APPLY one at a time while routes keep flowing to any version
+within ``max_staleness``; Commit waits for the same barrier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+import structlog
+
+from coordinator.config import CoordinatorConfig
+from coordinator.control.high_water import HighWater
+from coordinator.control.sync_messages import Command
+from coordinator.control.worker_sync import WorkerSync
+from coordinator.core import policy_state
+from coordinator.core.errors import Aborted, FailedPrecondition, Unavailable
+from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
+from coordinator.core.policy_state import PolicyRecord
+from coordinator.store.protocol import MetadataStore, StoreUnavailable
+
+log = structlog.get_logger(__name__)
+
+_CAS_ATTEMPTS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    record: PolicyRecord
+    acked: tuple[str, ...]
+    fenced: tuple[str, ...]
+
+
+def _latest(stored: dict[str, str], local: dict[str, str]) -> dict[str, str]:
+    """Per worker, the furthest stage either copy has seen."""
+    merged = dict(stored)
+    for worker, stage in local.items():
+        stages = policy_state.STAGES
+        if stages.index(stage) > stages.index(merged.get(worker, "member")):
+            merged[worker] = stage
+        else:
+            merged.setdefault(worker, stage)
+    return merged
+
+
+class PolicyUpdates:
+    """Owns this coordinator's view of the policy state (``record``) and runs updates."""
+
+    def __init__(
+        self, *, config: CoordinatorConfig, store: MetadataStore, fleet: Fleet,
+        sessions: WorkerSync, clock: Callable[[], float] = time.monotonic,
+        high_water: HighWater | None = None, wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._fleet = fleet
+        self._sessions = sessions
+        self._clock = clock
+        self.record = PolicyRecord()
+        self.high_water = high_water or HighWater()
+        self.restores = 0  # times the store was found behind the high-water mark and restored
+        self._wall_clock = wall_clock  # restored_at_ms is compared across replicas
+        # Clock at the start of the newest successful read of the stored state: routes are
+        # refused once it is older than policy_stale_ms (see ``check_fresh``).
+        self.read_at = clock()
+        self._changed = asyncio.Event()  # replaced (set, then renewed) on every change
+        self._rolling: asyncio.Task[None] | None = None
+        # target version -> worker -> last stage seen here ("member", "drained", "applied"): the
+        # barrier counts these at once; the store's copy covers acks taken by other replicas.
+        self._stages: dict[int, dict[str, str]] = {}
+        self._abort_running: dict[int, bool] = {}  # target -> its DRAINs stop generation
+        # ((target, epoch), clock) when this coordinator first saw the update in progress.
+        self._first_seen: tuple[tuple[int, int], float] | None = None
+        self.last: CommitResult | None = None
+        # target -> this replica's workers already sent their command for it (by Begin here,
+        # or by ``follow`` relaying an update begun through another replica).
+        self._relayed: dict[int, set[str]] = {}
+        # One change at a time per replica: a ``follow`` must not relay an update this replica
+        # is itself beginning or finishing.
+        self._lock = asyncio.Lock()
+        # Told after each change made here (Begin's abort_running flag), so the other replicas
+        # hear of it at once rather than at their next poll.
+        self.on_change: Callable[[bool], None] = lambda abort_running: None
+
+    # ------------------------------------------------------------------ state
+
+    def _set(self, record: PolicyRecord) -> None:
+        if record != self.record:
+            self.record = record
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+
+    async def refresh(self) -> PolicyRecord:
+        """Re-read the store (the truth shared by every replica)."""
+        self._set(await self._read())
+        return self.record
+
+    async def _read(self) -> PolicyRecord:
+        """The stored state, never behind the high-water mark: a store that went back (it lost
+        data) is restored first (``_restore``). Every read goes through here: it is what keeps
+        this replica fresh (``check_fresh``) and what catches a store that forgot."""
+        for _ in range(_CAS_ATTEMPTS):
+            started = self._clock()
+            stored = await self._store.get_policy()
+            if self.high_water.behind(stored):
+                restored = await self._restore(stored)
+                if restored is None:
+                    continue  # the store changed meanwhile (or the read was an old one)
+                stored = restored
+            self.high_water.saw(stored)
+            self.read_at = max(self.read_at, started)
+            return stored
+        raise Aborted("the policy state kept changing under concurrent updates: retry")
+
+    async def _restore(self, stored: PolicyRecord) -> PolicyRecord | None:
+        """Write the high-water state over ``stored`` by compare-and-set; None when the store
+        no longer holds ``stored``."""
+        now_ms = int(self._wall_clock() * 1000)
+        restored = self.high_water.restoration(stored, self.record, now_ms)
+        if not await self._store.restore_policy(stored, restored):
+            return None
+        self.restores += 1
+        # A fresh logger: a rare alarm, and log capture (tests) must see it whatever is cached.
+        structlog.get_logger(__name__).error(
+            "policy.version_restored", alarm=True, stored_version=stored.version,
+            stored_epoch=stored.epoch, restored_version=restored.version,
+            restored_phase=restored.phase.value, restored_target=restored.target_version,
+            restored_epoch=restored.epoch,
+            detail="the metadata store went back (data lost, or an old backup): restored the "
+            "highest policy state seen here; BeginPolicyUpdate is refused for one lease",
+        )
+        return restored
+
+    async def worker_reported(self, version: int) -> None:
+        """A worker (Register, heartbeat) has loaded ``version``. A version above every one
+        seen here is checked against the store at once, so nothing lower is answered again;
+        raises StoreUnavailable when the store cannot be read."""
+        if not self.high_water.report(version):
+            return
+        if await self._store.get_acks(version):
+            # An update to it was begun in this store (since aborted, or followed here
+            # late): the worker holds a target's weights, not a version the store forgot.
+            self.high_water.saw_target(version)
+        else:
+            log.warning("policy.version_reported_above_store", version=version,
+                        held=self.record.version)
+        await self.refresh()
+
+    def check_fresh(self) -> None:
+        """Unavailable (with a retry hint) when this replica has not read the policy state for
+        ``policy_stale_ms``: a commit may have happened that it has not seen, and a route it
+        answers could carry the old version."""
+        age = self._clock() - self.read_at
+        if age > self._config.policy_stale_s:
+            raise Unavailable(
+                f"this coordinator has not read the policy state for {age * 1000:.0f} ms "
+                f"(policy_stale_ms is {self._config.policy_stale_s * 1000:.0f}): the metadata "
+                "store is unreachable from here; retry, or another coordinator",
+                retry_after_ms=self._config.route_retry_ms,
+            )
+
+    def _check_not_restoring(self, current: PolicyRecord) -> None:
+        """FailedPrecondition within one lease of a restore (by any replica: the time is in
+        the record): workers that have not reported yet may hold a higher version."""
+        if not current.restored_at_ms:
+            return
+        left_ms = current.restored_at_ms + self._config.lease_ms - self._wall_clock() * 1000
+        if left_ms > 0:
+            raise FailedPrecondition(
+                f"the policy state was restored to version {current.version} after the "
+                "metadata store lost it; policy updates resume once every live worker has "
+                f"reported its version (one lease): retry in {left_ms:.0f} ms"
+            )
+
+    def servable_versions(self) -> range:
+        return policy_state.servable_versions(self.record, self._config.max_staleness)
+
+    async def _cas(self, step: Callable[[PolicyRecord], PolicyRecord]) -> PolicyRecord:
+        """Apply ``step`` to the stored record by compare-and-set, re-reading and re-validating
+        on a lost race (so a stale caller gets ``Aborted`` from ``step``, never a double bump)."""
+        for _ in range(_CAS_ATTEMPTS):
+            current = await self._read()
+            new = step(current)
+            if await self._store.cas_policy(current, new):
+                written = replace(new, epoch=current.epoch + 1)
+                self.high_water.saw(written)
+                self._set(written)
+                return written
+        raise Aborted("the policy state kept changing under concurrent updates: retry")
+
+    # ------------------------------------------------------------------ begin / ack / commit
+
+    async def begin(
+        self, expected_version: int, mode: str, weights_uri: str, abort_running: bool = False
+    ) -> PolicyRecord:
+        async with self._lock:
+            record = await self._begin(expected_version, mode, weights_uri, abort_running)
+        self.on_change(abort_running)
+        return record
+
+    async def _begin(
+        self, expected_version: int, mode: str, weights_uri: str, abort_running: bool
+    ) -> PolicyRecord:
+        def step(current: PolicyRecord) -> PolicyRecord:
+            self._check_not_restoring(current)  # on the state read: the read may restore
+            return policy_state.begin(current, expected_version, mode, weights_uri)
+
+        record = await self._cas(step)
+        target = record.target_version
+        assert target is not None  # begin always sets a target
+        now = self._clock()
+        members = [
+            s for s in self._fleet
+            if not s.external and s.policy_version == record.version
+            and s.status(now) in (WorkerStatus.READY, WorkerStatus.CORDONED)
+        ]
+        stages = self._stages.setdefault(target, {})
+        for session in members:
+            stages[session.worker_id] = "member"
+            await self._store.record_ack(target, session.worker_id, "member")
+        log.info("policy_state.begin", version=record.version, target=target, mode=record.mode,
+                 members=[s.worker_id for s in members])
+        relayed = self._relayed.setdefault(target, set())
+        relayed.update(s.worker_id for s in members if self._sessions.has_stream(s.worker_id))
+        self._abort_running[target] = abort_running
+        if record.mode == "sync":
+            for session in members:  # the other replicas' workers get theirs from them
+                session.draining = True
+                self._sessions.send(session.worker_id,
+                                    Command("drain", target, abort_running=abort_running))
+            self._fleet.changed()
+        else:
+            local = [s for s in members if s.worker_id in relayed]
+            self._rolling = asyncio.create_task(self._roll(target, local, weights_uri))
+        return record
+
+    async def _roll(self, target: int, members: list[RegisteredWorker], uri: str) -> None:
+        """Async mode: APPLY to one worker at a time, each waiting for its APPLIED ack."""
+        for session in members:
+            if self.record.target_version != target:
+                return  # aborted or committed meanwhile
+            if not self._sessions.send(session.worker_id, Command("apply", target, uri)):
+                continue
+            deadline = self._clock() + self._config.barrier_timeout_ms / 1000
+            while session.policy_version != target and self._clock() < deadline:
+                await self._wait_change(0.05)
+
+    async def ack(self, session: RegisteredWorker, stage: str, version: int) -> None:
+        """A worker's PolicyAck. DRAINED -> send it APPLY; APPLIED -> it now serves ``version``."""
+        record = self.record
+        if version not in (record.target_version, record.version):
+            log.warning("policy.stale_ack", worker=session.worker_id, stage=stage,
+                        version=version, target=record.target_version)
+            return
+        if version == record.target_version:
+            self._stages.setdefault(version, {})[session.worker_id] = stage
+            try:
+                await self._store.record_ack(version, session.worker_id, stage)
+            except StoreUnavailable:
+                # Kept locally (the barrier counts it); the stream must survive a Redis blip.
+                log.warning("policy.ack_not_persisted", worker=session.worker_id, stage=stage,
+                            version=version)
+        if stage == "drained" and version == record.target_version and record.mode == "sync":
+            self._sessions.send(
+                session.worker_id, Command("apply", version, record.target_weights_uri)
+            )
+        elif stage == "applied":
+            self._sessions.set_version(session, version)
+            try:
+                await self._store.update_worker(
+                    session.worker_id, session.incarnation, policy_version=str(version)
+                )
+            except StoreUnavailable:
+                log.warning("policy.version_not_persisted", worker=session.worker_id,
+                            version=version)
+        self._notify()
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def _wait_change(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+    async def commit(self, version: int, timeout: float) -> CommitResult:
+        """Wait for APPLIED(version) from every member up to ``timeout`` seconds, fence the
+        missing, then SERVING(version) and RESUME to the rest."""
+        record = await self.refresh()
+        policy_state.commit(record, version)  # refuses a wrong target before any waiting
+        members = await self._members(version)
+        deadline = self._clock() + timeout
+        stored: dict[str, str] = {}
+        next_read = 0.0
+        while True:
+            now = self._clock()
+            if now >= next_read:  # acks taken by other replicas reach us through the store
+                stored, next_read = dict(await self._store.get_acks(version)), now + 0.1
+            barrier = policy_state.barrier(members, _latest(stored, self._stages.get(version, {})))
+            if barrier.done or self._clock() >= deadline:
+                break
+            await self._wait_change(min(0.05, max(0.0, deadline - self._clock())))
+        async with self._lock:
+            record = await self._cas(lambda cur: policy_state.commit(cur, version))
+            self._stages[version] = _latest(stored, self._stages.get(version, {}))
+            self._finish(version, committed=True, acked=barrier.acked)
+        self.on_change(False)
+        result = CommitResult(record, tuple(sorted(barrier.acked)), tuple(sorted(barrier.missing)))
+        self.last = result
+        log.info("policy_state.commit", version=version, acked=result.acked, fenced=result.fenced)
+        return result
+
+    def _finish(self, target: int, *, committed: bool, acked: frozenset[str]) -> None:
+        """The update to ``target`` ended. Committed: members in ``acked`` resume, the rest
+        are fenced; aborted: every member re-applies the current weights and resumes. Commands
+        reach this replica's workers; the others' owners do the same when they follow."""
+        record = self.record
+        members = self._stages.get(target, {})
+        for worker_id in sorted(members):
+            session = self._fleet.get(worker_id)
+            if session is None:
+                continue
+            session.draining = False
+            if not committed:
+                # Always: an APPLY of the abandoned version may still be in flight to it. The
+                # worker runs commands in order and skips a reload of what it already serves.
+                self._sessions.send(worker_id, Command("apply", record.version,
+                                                       record.weights_uri))
+                self._sessions.send(worker_id, Command("resume", record.version))
+            elif worker_id in acked:
+                self._sessions.send(worker_id, Command("resume", target))
+            else:
+                self._fence(worker_id, target)
+        self._fleet.changed()
+        self._relayed.pop(target, None)
+
+    def _fence(self, worker_id: str, version: int) -> None:
+        session = self._fleet.get(worker_id)
+        if session is None:
+            return
+        session.fenced = True
+        session.draining = False
+        log.warning("worker.fenced", worker=worker_id, version=version)
+        self._sessions.close_stream(
+            worker_id, f"fenced: missed the barrier for policy version {version}; re-register"
+        )
+
+    async def _members(self, version: int) -> frozenset[str]:
+        acks = await self._store.get_acks(version)
+        return frozenset(acks) | frozenset(self._stages.get(version, {}))
+
+    async def reconnected(self, session: RegisteredWorker) -> None:
+        """A member's stream came back (here, or moved here from another replica) mid-update:
+        resend the command its stage calls for (a command or ack lost with the old stream must
+        not get it fenced). The worker skips what it already did (an APPLY of the version it
+        serves is acked without a reload)."""
+        record = self.record
+        target = record.target_version
+        if target is None:
+            return
+        stage = self._stages.get(target, {}).get(session.worker_id)
+        if stage is None:  # a member of an update begun through another replica
+            stage = (await self._load_members(target)).get(session.worker_id)
+        if stage is None or stage == "applied":
+            return
+        self._relayed.setdefault(target, set()).add(session.worker_id)
+        if record.mode == "sync" and stage == "member":
+            session.draining = True
+            self._fleet.changed()
+            self._command_for(session, record, stage)
+        else:
+            self._sessions.send(
+                session.worker_id, Command("apply", target, record.target_weights_uri)
+            )
+        log.info("policy.command_resent", worker=session.worker_id, stage=stage, target=target)
+
+    async def abort(self, version: int) -> PolicyRecord:
+        """Back to SERVING(current): every member is told to (re)apply the current weights and
+        resume."""
+        async with self._lock:
+            record = await self._cas(lambda cur: policy_state.abort(cur, version))
+            await self._load_members(version)
+            self._finish(version, committed=False, acked=frozenset())
+        self.on_change(False)
+        log.info("policy_state.abort", version=version, back_to=record.version)
+        return record
+
+    async def _load_members(self, target: int) -> dict[str, str]:
+        """Every member of the update to ``target`` with its furthest stage, from the store
+        (acks taken by any replica) merged with what this replica saw."""
+        merged = _latest(await self._store.get_acks(target), self._stages.get(target, {}))
+        self._stages[target] = merged
+        return merged
+
+    # ------------------------------------------------------------------ other replicas' updates
+
+    async def follow(self, *, abort_running: bool | None = None) -> None:
+        """Catch up with the stored state changed through another replica (its PolicyChanged
+        event, or the periodic re-read): an update that ended sends RESUME/APPLY or fences
+        this replica's members as the commit or abort calls for; an update in progress sends
+        this replica's members the command their stage calls for, once each."""
+        async with self._lock:
+            old = self.record
+            new = await self._read()
+            if new.epoch < old.epoch:
+                return  # a read older than what we already hold
+            self._set(new)
+            ended = old.target_version
+            if ended is not None and ended != new.target_version:
+                stages = await self._load_members(ended)
+                committed = new.version >= ended
+                acked = frozenset(w for w, stage in stages.items() if stage == "applied")
+                self._finish(ended, committed=committed, acked=acked)
+            target = new.target_version
+            if target is None:
+                return
+            if abort_running is not None:
+                self._abort_running.setdefault(target, abort_running)
+            await self._relay(new, await self._load_members(target))
+
+    async def _relay(self, record: PolicyRecord, stages: dict[str, str]) -> None:
+        target = record.target_version
+        assert target is not None
+        relayed = self._relayed.setdefault(target, set())
+        rolling: list[RegisteredWorker] = []
+        for worker_id, stage in sorted(stages.items()):
+            session = self._fleet.get(worker_id)
+            if (worker_id in relayed or session is None
+                    or not self._sessions.has_stream(worker_id)):
+                continue
+            relayed.add(worker_id)
+            if record.mode == "async":
+                if stage != "applied":
+                    rolling.append(session)
+                continue
+            session.draining = stage != "applied"
+            self._fleet.changed()
+            self._command_for(session, record, stage)
+        if rolling:
+            self._rolling = asyncio.create_task(
+                self._roll(target, rolling, record.target_weights_uri)
+            )
+
+    def _command_for(self, session: RegisteredWorker, record: PolicyRecord, stage: str) -> None:
+        """Send the command a sync update's member at ``stage`` is due."""
+        target = record.target_version
+        assert target is not None
+        if stage == "member":
+            abort_running = self._abort_running.get(target, False)
+            self._sessions.send(session.worker_id,
+                                Command("drain", target, abort_running=abort_running))
+        elif stage == "drained":
+            self._sessions.send(session.worker_id,
+                                Command("apply", target, record.target_weights_uri))
+
+    async def expire(self) -> None:
+        """Abort an update nobody committed within ``update_timeout_ms`` (a trainer that died
+        mid-update must not block routes forever). Timed from when this coordinator first saw
+        the update, so any replica can do it; the CAS makes a second abort a no-op."""
+        record = self.record
+        target = record.target_version
+        if target is None:
+            self._first_seen = None
+            return
+        now = self._clock()
+        if self._first_seen is None or self._first_seen[0] != (target, record.epoch):
+            self._first_seen = ((target, record.epoch), now)
+            return
+        if now - self._first_seen[1] < self._config.update_timeout_ms / 1000:
+            return
+        log.warning("policy.update_timed_out", target=target,
+                    after_ms=self._config.update_timeout_ms)
+        with contextlib.suppress(Aborted):
+            await self.abort(target)
+
+    # ------------------------------------------------------------------ routes and watchers
+
+    async def wait_routable(self, timeout: float) -> None:
+        """Return once routes may flow (no sync update draining), or after ``timeout`` seconds:
+        the caller decides what to answer when still blocked."""
+        deadline = self._clock() + timeout
+        while policy_state.routes_blocked(self.record) and self._clock() < deadline:
+            await self._wait_change(min(0.05, deadline - self._clock()))
+
+    async def watch(self) -> AsyncIterator[PolicyRecord]:
+        """The current state, then every change (local at once; other replicas' within a poll)."""
+        poll = self._config.policy_poll_ms / 1000
+        last: PolicyRecord | None = None
+        while True:
+            record = await self.refresh()
+            if record != last:
+                last = record
+                yield record
+            await self._wait_change(poll)
+

@@ -1,0 +1,494 @@
+"""``WorkerSync``: the Register/Sync state machine for every worker of this replica.
+
+Keeps the index true: event batches apply in sequence order per incarnation, a gap asks the
+worker for its full inventory instead of guessing, a regression or a stale incarnation is a
+protocol violation (FailedPrecondition ends the stream). A closed stream or a lapsed lease makes a
+worker unroutable at once; its entries go after a grace period.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from coordinator.config import CoordinatorConfig
+from coordinator.control.high_water import HighWater
+from coordinator.control.sync_messages import (
+    Ack,
+    HeartbeatIn,
+    InventoryIn,
+    Outbound,
+    Registration,
+    RegistrationRequest,
+    Resync,
+    StreamCloser,
+    StreamSender,
+    Welcome,
+)
+from coordinator.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
+from coordinator.core.fleet import BatchVerdict, Fleet, RegisteredWorker
+from coordinator.core.hashing import HashConfig
+from coordinator.core.index import PrefixIndex
+from coordinator.core.page_events import PageEvent, apply_page_events
+from coordinator.core.policy_state import PolicyRecord
+from coordinator.store.protocol import MetadataStore, StoreUnavailable
+
+log = structlog.get_logger(__name__)
+
+
+DEREGISTERED = "deregistered"
+"""The word a deregistered worker's stream ends with (workers must not register again)."""
+
+
+class ReplicationSink(Protocol):
+    """Where the sessions report what their own workers changed, for the other replicas
+    (``coordinator.replication``). Each call must return at once (it queues)."""
+
+    def registered(self, session: RegisteredWorker) -> None: ...
+    def attached(self, session: RegisteredWorker) -> None: ...
+    def detached(self, session: RegisteredWorker) -> None: ...
+    def pages(self, session: RegisteredWorker, seq: int, events: Sequence[PageEvent]) -> None: ...
+    def replaced(self, session: RegisteredWorker, seq: int,
+                 keys_by_tier: Mapping[str, Sequence[bytes]]) -> None: ...
+    def state(self, session: RegisteredWorker, completed_routes: int) -> None: ...
+    def dropped(self, session: RegisteredWorker, reason: str) -> None: ...
+
+
+class NoReplication:
+    """The sink of a coordinator without replicas (the embedded store): reports go nowhere."""
+
+    def registered(self, session: RegisteredWorker) -> None:
+        pass
+
+    def attached(self, session: RegisteredWorker) -> None:
+        pass
+
+    def detached(self, session: RegisteredWorker) -> None:
+        pass
+
+    def pages(self, session: RegisteredWorker, seq: int, events: Sequence[PageEvent]) -> None:
+        pass
+
+    def replaced(self, session: RegisteredWorker, seq: int,
+                 keys_by_tier: Mapping[str, Sequence[bytes]]) -> None:
+        pass
+
+    def state(self, session: RegisteredWorker, completed_routes: int) -> None:
+        pass
+
+    def dropped(self, session: RegisteredWorker, reason: str) -> None:
+        pass
+
+
+async def _ignore_version(version: int) -> None:
+    return None
+
+
+@dataclass(slots=True)
+class SyncCounters:
+    events_applied: int = 0
+    resyncs: int = 0
+
+
+@dataclass(slots=True)
+class _Staging:
+    resync_id: int
+    keys_by_tier: dict[str, list[bytes]] = field(default_factory=dict)
+    count: int = 0
+
+
+class WorkerSync:
+    """Owns the fleet's sessions and applies what workers send to the index."""
+
+    def __init__(
+        self,
+        *,
+        config: CoordinatorConfig,
+        hash_config: HashConfig,
+        index: PrefixIndex,
+        fleet: Fleet,
+        store: MetadataStore,
+        policy: Callable[[], PolicyRecord],
+        clock: Callable[[], float],
+        replica_id: str = "local",
+        high_water: HighWater | None = None,
+    ) -> None:
+        self.replica_id = replica_id
+        self.replication: ReplicationSink = NoReplication()
+        self.high_water = high_water or HighWater()
+        # Told the version a worker has loaded (Register, heartbeats) before it is answered:
+        # the policy side checks it against the store (``PolicyUpdates.worker_reported``).
+        self.version_reported: Callable[[int], Awaitable[None]] = _ignore_version
+        self._config = config
+        self._hash_config = hash_config
+        self._index = index
+        self._fleet = fleet
+        self._store = store
+        self._policy = policy
+        self._clock = clock
+        self._resync_ids = itertools.count(1)
+        self._stream_ids = itertools.count(1)
+        # worker id -> (id, closer) of the stream that owns it; the closer ends that stream
+        # with an error, so a superseded or dropped stream learns at once, not on its next send.
+        self._streams: dict[str, tuple[int, StreamCloser, StreamSender]] = {}
+        self._staging: dict[str, _Staging] = {}
+        # worker id -> (versions its last incarnation served, until when): rollout records of
+        # generations that finish after the worker was dropped are still attributable.
+        self._departed: dict[str, tuple[frozenset[int], float]] = {}
+        self.counters = SyncCounters()
+
+    # ------------------------------------------------------------------ registration
+
+    def _check_hash_config(self, req: RegistrationRequest) -> None:
+        ours = self._hash_config
+        if req.algorithm != ours.algorithm.value:
+            raise FailedPrecondition(
+                f"hash algorithm mismatch: worker uses {req.algorithm!r}, "
+                f"coordinator uses {ours.algorithm.value!r}"
+            )
+        if req.page_size != ours.page_size:
+            raise FailedPrecondition(
+                f"page size mismatch: worker uses {req.page_size}, coordinator uses "
+                f"{ours.page_size}"
+            )
+        if req.fingerprint != ours.fingerprint():
+            raise FailedPrecondition(
+                "hash key mismatch: the worker's KVCOORD_HASH_KEY differs from the coordinator's"
+            )
+
+    async def register(self, req: RegistrationRequest) -> Registration:
+        """Admit a worker under a new incarnation; any older incarnation's entries are dropped."""
+        if not req.worker_id:
+            raise InvalidArgument("worker_id is required")
+        if req.total_pages <= 0:
+            raise InvalidArgument(f"total_pages must be > 0, got {req.total_pages}")
+        if ":" not in req.address:
+            raise InvalidArgument(f"address must be HOST:PORT, got {req.address!r}")
+        self._check_hash_config(req)
+        cfg = self._config
+        # Before the answer: it names the version to serve, never one below what the worker
+        # already holds (the store may have forgotten it). Not an external worker's: a bridge
+        # serves the version its operator gave it, which is no evidence of what was served.
+        if not req.external:
+            await self.version_reported(req.policy_version)
+        # Above every incarnation seen here too, should the store have lost its counter.
+        current = self._fleet.get(req.worker_id)
+        known = max(self.high_water.incarnation(req.worker_id),
+                    0 if current is None else current.incarnation)
+        record = await self._store.register_worker(
+            req.worker_id,
+            address=req.address,
+            policy_version=req.policy_version,
+            external=req.external,
+            lease_ms=cfg.lease_ms,
+            info={"model": req.model or cfg.default_model, "total_pages": str(req.total_pages)},
+            min_incarnation=known + 1,
+        )
+        session = RegisteredWorker(
+            worker_id=req.worker_id,
+            incarnation=record.incarnation,
+            address=req.address,
+            model=req.model or cfg.default_model,
+            policy_version=req.policy_version,
+            external=req.external,
+            total_pages=req.total_pages,
+            lease_deadline=self._clock() + cfg.lease_ms / 1000,
+            owner=self.replica_id,
+        )
+        self.install(session, "worker re-registered: this stream's incarnation is stale")
+        self.replication.registered(session)
+        log.info(
+            "worker.registered", worker=req.worker_id, incarnation=record.incarnation,
+            address=req.address, policy_version=req.policy_version,
+        )
+        return Registration(
+            incarnation=record.incarnation,
+            policy=self._policy(),
+            lease_ms=cfg.lease_ms,
+            heartbeat_ms=cfg.heartbeat_ms,
+            max_events_per_batch=cfg.max_events_per_batch,
+            max_message_bytes=cfg.max_message_bytes,
+        )
+
+    async def deregister(self, worker_id: str, incarnation: int) -> None:
+        """Remove a worker for good (graceful shutdown, a pod's preStop); refused for a stale
+        incarnation. Its stream ends with FAILED_PRECONDITION naming DEREGISTERED, which a
+        worker takes as final (it does not register again)."""
+        self._fleet.require(worker_id, incarnation)
+        await self._store.deregister_worker(worker_id, incarnation)
+        self._drop(worker_id, reason="deregistered", final=True)
+
+    def served_versions_of(self, worker_id: str) -> set[int] | None:
+        """The versions the worker's current incarnation served, or, for a worker dropped less
+        than ``drop_grace_ms`` ago, the last incarnation's (its in-flight generations' rollout
+        records may still arrive); None for a worker never heard of."""
+        session = self._fleet.get(worker_id)
+        if session is not None:
+            return session.served_versions
+        departed = self._departed.get(worker_id)
+        if departed is None or departed[1] <= self._clock():
+            return None
+        return set(departed[0])
+
+    def install(self, session: RegisteredWorker, reason: str) -> None:
+        """Make ``session`` the worker's current one: an older incarnation's entries go, and
+        its stream (if on this replica) ends with FAILED_PRECONDITION(reason)."""
+        self.high_water.saw_incarnation(session.worker_id, session.incarnation)
+        if self._fleet.put(session) is not None:
+            self._index.drop_worker(session.worker_id)
+        self._detach(session.worker_id, reason)
+        self._staging.pop(session.worker_id, None)
+
+    def is_local(self, session: RegisteredWorker) -> bool:
+        """Whether this replica owns the worker (holds, or last held, its stream)."""
+        return session.owner == self.replica_id or session.worker_id in self._streams
+
+    def _drop(self, worker_id: str, *, reason: str, final: bool = False) -> None:
+        session = self._fleet.get(worker_id)
+        if session is not None and self.is_local(session):
+            self.replication.dropped(session, reason)
+        self.forget(worker_id, reason, final=final)
+
+    def forget(self, worker_id: str, reason: str, *, final: bool = False) -> None:
+        """Remove the worker and its entries here (its stream, if any, ends: with
+        ``DEREGISTERED`` when ``final``, else asking it to register again)."""
+        session = self._fleet.remove(worker_id)
+        if session is not None:
+            grace = self._config.drop_grace_ms / 1000
+            self._departed[worker_id] = (frozenset(session.served_versions),
+                                         self._clock() + grace)
+        dropped = self._index.drop_worker(worker_id)
+        self._detach(worker_id, f"worker {DEREGISTERED}: it left the fleet" if final
+                     else f"worker dropped ({reason}): re-register")
+        self._staging.pop(worker_id, None)
+        log.info("worker.dropped", worker=worker_id, reason=reason, entries=dropped)
+
+    # ------------------------------------------------------------------ the Sync stream
+
+    def hello(
+        self, worker_id: str, incarnation: int, last_acked_seq: int, close: StreamCloser,
+        send: StreamSender,
+    ) -> tuple[RegisteredWorker, int, list[Outbound]]:
+        """Attach a stream to a session. A newer stream supersedes an older one (the worker
+        reconnected before we noticed the old one die): the older one is closed with
+        FAILED_PRECONDITION at once. ``close`` ends this stream the same way later; ``send``
+        pushes a coordinator-initiated message (a policy command) onto it. Returns (session,
+        stream id, replies)."""
+        # Kept even when refused: a worker a restarted coordinator forgot says here which
+        # incarnation it had, and its next registration must get a higher one.
+        self.high_water.saw_incarnation(worker_id, incarnation)
+        session = self._fleet.require(worker_id, incarnation)
+        stream_id = next(self._stream_ids)
+        self._detach(worker_id, "superseded by a newer stream of the same worker")
+        self._streams[worker_id] = (stream_id, close, send)
+        session.connected = True
+        session.disconnected_at = None
+        session.lease_deadline = self._clock() + self._config.lease_ms / 1000
+        session.owner = self.replica_id
+        self._fleet.changed()
+        self.replication.attached(session)
+        replies: list[Outbound] = [Welcome(session.next_seq)]
+        if session.resync_id is not None:
+            # The stream that carried the open resync died: ask again on this one, or the
+            # worker (which never saw the request) would wait forever for acks.
+            replies.append(self._start_resync(session, "resync interrupted by reconnect"))
+        elif last_acked_seq >= session.next_seq:
+            # The worker saw acks we have no memory of: our view of it cannot be trusted.
+            replies.append(self._start_resync(session, "acked sequence ahead of coordinator"))
+        log.info("worker.connected", worker=worker_id, incarnation=incarnation, stream=stream_id)
+        return session, stream_id, replies
+
+    def owns(self, session: RegisteredWorker, stream_id: int) -> bool:
+        """Whether ``stream_id`` is still the stream attached to ``session``."""
+        owner = self._streams.get(session.worker_id)
+        return (
+            owner is not None
+            and owner[0] == stream_id
+            and self._fleet.get(session.worker_id) is session
+        )
+
+    def send(self, worker_id: str, message: Outbound) -> bool:
+        """Push ``message`` onto the worker's current stream; False when it has none."""
+        owner = self._streams.get(worker_id)
+        if owner is None:
+            return False
+        owner[2](message)
+        return True
+
+    def has_stream(self, worker_id: str) -> bool:
+        """Whether the worker's Sync stream is attached to this replica."""
+        return worker_id in self._streams
+
+    def close_stream(self, worker_id: str, reason: str) -> None:
+        """End the worker's current stream with FAILED_PRECONDITION(reason), if it has one."""
+        self._detach(worker_id, reason)
+
+    def _detach(self, worker_id: str, reason: str) -> None:
+        """Forget the worker's stream, if any, and end it with FAILED_PRECONDITION(reason)."""
+        owner = self._streams.pop(worker_id, None)
+        if owner is not None:
+            owner[1](FailedPrecondition(f"{reason}: reconnect"))
+
+    def disconnect(self, session: RegisteredWorker, stream_id: int) -> None:
+        """The stream ended: the worker is unroutable from now on (entries kept for the grace)."""
+        if not self.owns(session, stream_id):
+            return
+        del self._streams[session.worker_id]
+        session.connected = False
+        session.disconnected_at = self._clock()
+        self._fleet.changed()
+        self.replication.detached(session)
+        log.info("worker.disconnected", worker=session.worker_id, stream=stream_id)
+
+    def _start_resync(self, session: RegisteredWorker, reason: str) -> Resync:
+        resync_id = next(self._resync_ids)
+        session.resync_id = resync_id
+        self._staging.pop(session.worker_id, None)
+        self.counters.resyncs += 1
+        log.warning("worker.resync", worker=session.worker_id, reason=reason, resync=resync_id)
+        return Resync(resync_id, reason)
+
+    def events(
+        self, session: RegisteredWorker, seq: int, events: Sequence[PageEvent]
+    ) -> list[Outbound]:
+        """Apply one event batch in order; a gap answers with a resync request, never a guess.
+
+        Every check runs before any state changes: a refused batch (over a limit) leaves the
+        index and the expected sequence number as they were, so the worker's reconnect is
+        told to send it again."""
+        if len(events) > self._config.max_events_per_batch:
+            raise InvalidArgument(
+                f"event batch has {len(events)} events, over the limit of "
+                f"{self._config.max_events_per_batch}"
+            )
+        verdict = session.check_batch(seq)
+        if verdict is BatchVerdict.SKIP:
+            return []
+        if verdict is BatchVerdict.GAP:
+            return [self._start_resync(session, f"sequence gap: got {seq}, "
+                                                f"expected {session.next_seq}")]
+        self._check_page_limit(session, sum(len(e.keys) for e in events if e.kind == "stored"))
+        session.advance(seq)
+        apply_page_events(self._index, session.worker_id, events)
+        self.counters.events_applied += len(events)
+        self.replication.pages(session, seq, events)
+        return [Ack(seq)]
+
+    def _check_page_limit(self, session: RegisteredWorker, stored: int) -> None:
+        """ResourceExhausted when ``stored`` more keys could take the worker past
+        ``max_pages_per_worker`` or 4x its ``total_pages`` (the inventory bound: lower tiers
+        may hold more than the GPU pool, not without end). Counted before de-duplication: a
+        bound, never a guess."""
+        cap = self._config.max_pages_per_worker
+        limit = min(cap, max(session.total_pages, 1) * 4)
+        held = self._index.held_count(session.worker_id)
+        if held + stored > limit:
+            which = "max_pages_per_worker" if limit == cap else (
+                f"4x its total_pages of {session.total_pages}")
+            raise ResourceExhausted(
+                f"worker {session.worker_id!r} holds {held} pages; {stored} more would pass "
+                f"the limit of {limit} ({which})"
+            )
+
+    async def heartbeat(self, session: RegisteredWorker, beat: HeartbeatIn) -> list[Outbound]:
+        """Renew the lease (in the store, so every replica sees it) and take the load report."""
+        cfg = self._config
+        try:
+            renewed = await self._store.renew_lease(
+                session.worker_id, session.incarnation, cfg.lease_ms
+            )
+        except StoreUnavailable as exc:
+            # Redis is down: the worker is alive (it is talking to us), so keep routing to it
+            # from memory rather than fail the whole fleet with the store; the lease is renewed
+            # in the store with the first heartbeat after it is back.
+            log.warning("worker.lease_not_renewed", worker=session.worker_id, error=str(exc))
+            renewed = True
+        if not renewed:
+            raise FailedPrecondition(
+                f"lease of worker {session.worker_id!r} incarnation {session.incarnation} "
+                "is gone (expired or superseded): re-register"
+            )
+        session.lease_deadline = self._clock() + cfg.lease_ms / 1000
+        try:
+            if not session.external:
+                await self.version_reported(beat.policy_version)
+        except StoreUnavailable as exc:  # checked again at the next heartbeat or poll
+            log.warning("worker.version_not_checked", worker=session.worker_id,
+                        version=beat.policy_version, error=str(exc))
+        session.report_load(beat.load, beat.completed_routes)
+        if beat.policy_version != session.policy_version:
+            # The worker says which weights it has loaded (after a LoadWeights, an APPLY, or a
+            # fenced worker catching up): route it under that version from now on.
+            self.set_version(session, beat.policy_version, publish=False)
+        self.replication.state(session, beat.completed_routes)
+        return []
+
+    def set_version(self, session: RegisteredWorker, version: int, *, publish: bool = True) -> None:
+        """The worker now serves ``version`` (its keys are hashed under it)."""
+        log.info("worker.version", worker=session.worker_id, old=session.policy_version,
+                 new=version)
+        session.policy_version = version
+        session.served_versions.add(version)
+        self._fleet.changed()
+        if publish:
+            self.replication.state(session, 0)
+
+    def inventory(self, session: RegisteredWorker, chunk: InventoryIn) -> list[Outbound]:
+        """Stage a resync inventory; the last chunk replaces the worker's holdings at once."""
+        if chunk.resync_id != session.resync_id:
+            raise FailedPrecondition(
+                f"inventory for resync {chunk.resync_id}, but the open resync is "
+                f"{session.resync_id}"
+            )
+        staging = self._staging.get(session.worker_id)
+        if staging is None or staging.resync_id != chunk.resync_id:
+            staging = self._staging[session.worker_id] = _Staging(chunk.resync_id)
+        staging.count += len(chunk.keys)
+        limit = max(session.total_pages, 1) * 4
+        if staging.count > limit:
+            raise InvalidArgument(
+                f"inventory of {staging.count} pages exceeds 4x the worker's {session.total_pages}"
+            )
+        if staging.count > self._config.max_pages_per_worker:
+            raise ResourceExhausted(
+                f"inventory of {staging.count} pages is over the limit of "
+                f"{self._config.max_pages_per_worker} per worker (max_pages_per_worker)"
+            )
+        staging.keys_by_tier.setdefault(chunk.tier.value, []).extend(chunk.keys)
+        if not chunk.last:
+            return []
+        del self._staging[session.worker_id]
+        self._index.replace_worker(session.worker_id, staging.keys_by_tier)
+        session.resync_id = None
+        session.next_seq = chunk.seq + 1
+        self.replication.replaced(session, chunk.seq, staging.keys_by_tier)
+        log.info("worker.resynced", worker=session.worker_id, pages=staging.count, seq=chunk.seq)
+        return [Ack(chunk.seq)]
+
+    # ------------------------------------------------------------------ liveness
+
+    def reap(self) -> None:
+        """Mark lapsed leases unroutable, drop entries of workers gone past the grace period and
+        expire old pending entries. Called periodically by the server."""
+        now = self._clock()
+        for session in self._fleet.lapsed(now):
+            session.connected = False
+            session.disconnected_at = now
+            if self.is_local(session):
+                self.replication.detached(session)
+            self._detach(session.worker_id, "lease lapsed")
+            self._fleet.changed()
+            log.warning("worker.lease_lapsed", worker=session.worker_id)
+        for session in self._fleet.expired(now, self._config.drop_grace_ms / 1000):
+            self._drop(session.worker_id, reason="gone past grace period")
+        for worker_id in [w for w, (_, until) in self._departed.items() if until <= now]:
+            del self._departed[worker_id]
+        self._index.expire_pending()

@@ -1,0 +1,6 @@
+"""The pure core: hashing, the prefix index, page events, routing and the router, the fleet
+view, the policy state machine, rollout records and the domain errors.
+
+No grpc, redis, asyncio, socket, zmq or prometheus_client here (import-linter checks it): the
+core takes time and randomness from its caller and returns facts rather than logging them.
+"""

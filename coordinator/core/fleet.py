@@ -1,0 +1,254 @@
+"""The coordinator's in-memory view of its workers: sessions, liveness, load, event sequencing.
+
+Pure core: no grpc, redis or asyncio; time comes from the caller. The store holds the durable
+registry (leases, incarnations); this module holds what routing needs on every request.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from operator import attrgetter
+
+from coordinator.core.errors import FailedPrecondition
+from coordinator.core.routing import Candidate, WorkerLoad
+
+
+class WorkerStatus(enum.StrEnum):
+    """Why a worker is or is not routable; the first that applies wins (see ``status``)."""
+
+    READY = "ready"
+    DRAINING = "draining"
+    FENCED = "fenced"
+    CORDONED = "cordoned"
+    DISCONNECTED = "disconnected"
+
+
+_FLOOR = attrgetter("load_floor")
+
+
+class BatchVerdict(enum.Enum):
+    """What to do with an incoming event batch."""
+
+    APPLY = "apply"
+    SKIP = "skip"  # a resync is in progress: the inventory will carry this batch's effect
+    GAP = "gap"  # sequence numbers were skipped: the index may be wrong, ask for a resync
+
+
+@dataclass(slots=True)
+class RegisteredWorker:
+    """One registered worker incarnation. Mutated only by ``Fleet`` and the session manager."""
+
+    worker_id: str
+    incarnation: int
+    address: str
+    model: str
+    policy_version: int
+    external: bool
+    total_pages: int
+    lease_deadline: float
+    connected: bool = False
+    disconnected_at: float | None = None
+    cordoned: bool = False
+    fenced: bool = False
+    draining: bool = False
+    next_seq: int = 1
+    resync_id: int | None = None
+    # The coordinator replica that holds the worker's Sync stream (its events reach the others
+    # through the store's events stream); "" until one does.
+    owner: str = ""
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    # Uncached prefill tokens of each route issued and not yet reported finished, oldest first.
+    inflight: deque[int] = field(default_factory=deque)
+    inflight_tokens: int = 0
+    # current_load() result, rebuilt only when the load changes (it is read on every route).
+    _load_view: WorkerLoad | None = None
+    _idle_candidate: Candidate | None = None
+    # The load terms of the router's cost (routing.load_floor), kept current on every load
+    # change so the fleet can hand idle workers to the router cheapest first.
+    load_floor: float = 0.0
+    floor_of: Callable[[WorkerLoad], float] | None = None
+    # Every version this incarnation has served: its rollout records may carry any of them.
+    served_versions: set[int] = field(default_factory=set)
+    routed_requests: int = 0
+    routed_tokens: int = 0
+    routed_cached_tokens: int = 0
+
+    def status(self, now: float) -> WorkerStatus:
+        """The worker's routability; DISCONNECTED covers a closed stream and a lapsed lease."""
+        if not self.connected or now >= self.lease_deadline:
+            return WorkerStatus.DISCONNECTED
+        if self.fenced:
+            return WorkerStatus.FENCED
+        if self.draining:
+            return WorkerStatus.DRAINING
+        if self.cordoned:
+            return WorkerStatus.CORDONED
+        return WorkerStatus.READY
+
+    def serves(self, version: int, floor: int, model: str) -> bool:
+        """Whether this worker serves requests of ``model`` at ``version`` (>= ``floor``)."""
+        return self.policy_version == version and version >= floor and self.model == model
+
+    def current_load(self) -> WorkerLoad:
+        """Heartbeat load plus the coordinator's own in-flight accounting."""
+        view = self._load_view
+        if view is None:
+            base = self.load
+            view = self._load_view = WorkerLoad(
+                running_requests=base.running_requests,
+                queued_tokens=base.queued_tokens,
+                free_pages=base.free_pages,
+                total_pages=base.total_pages or self.total_pages,
+                inflight_routes=len(self.inflight),
+                inflight_tokens=self.inflight_tokens,
+            )
+        return view
+
+    def idle_candidate(self) -> Candidate:
+        """This worker as a routing candidate holding none of the prompt (the common case),
+        reused until its load changes."""
+        candidate = self._idle_candidate
+        if candidate is None or candidate.load is not self._load_view:
+            candidate = self._idle_candidate = Candidate(self.worker_id, 0, 0,
+                                                         self.current_load())
+        return candidate
+
+    def report_load(self, load: WorkerLoad, completed_routes: int) -> None:
+        """Take a heartbeat: the worker's own load, and how many routes it finished since."""
+        self.load = load
+        for _ in range(min(completed_routes, len(self.inflight))):
+            # Finish order is unknown: settle the oldest first.
+            self.inflight_tokens -= self.inflight.popleft()
+        self._load_changed()
+
+    def _load_changed(self) -> None:
+        self._load_view = None
+        if self.floor_of is not None:
+            self.load_floor = self.floor_of(self.current_load())
+
+    def record_route(self, prompt_tokens: int, cached_tokens: int, max_inflight: int) -> None:
+        """Count a route issued to this worker until a heartbeat reports it finished; at most
+        ``max_inflight`` are remembered (the oldest are then assumed finished)."""
+        uncached = prompt_tokens - cached_tokens
+        self.inflight.append(uncached)
+        self.inflight_tokens += uncached
+        if len(self.inflight) > max_inflight:
+            self.inflight_tokens -= self.inflight.popleft()
+        self._load_changed()
+        self.routed_requests += 1
+        self.routed_tokens += prompt_tokens
+        self.routed_cached_tokens += cached_tokens
+
+    def check_batch(self, seq: int) -> BatchVerdict:
+        """Judge a batch's sequence number against the next expected one; changes nothing
+        (``advance`` does, once every other check of the batch passed: a batch refused for any
+        reason must be asked for again, never counted as applied).
+
+        Raises ``FailedPrecondition`` on a regression (a replay of an applied batch is a protocol
+        violation: the worker resumes from the ``next_seq`` it was told at hello).
+        """
+        if self.resync_id is not None:
+            return BatchVerdict.SKIP
+        if seq < self.next_seq:
+            raise FailedPrecondition(
+                f"sequence regression from worker {self.worker_id!r}: got {seq}, "
+                f"expected {self.next_seq}"
+            )
+        if seq > self.next_seq:
+            return BatchVerdict.GAP
+        return BatchVerdict.APPLY
+
+    def advance(self, seq: int) -> None:
+        """Batch ``seq`` (judged APPLY by ``check_batch``) was applied: expect ``seq + 1``."""
+        self.next_seq = seq + 1
+
+
+class Fleet:
+    """Worker sessions by id, at most one (the newest incarnation) per worker id."""
+
+    def __init__(self, load_floor: Callable[[WorkerLoad], float] | None = None) -> None:
+        self._load_floor = load_floor
+        self._sessions: dict[str, RegisteredWorker] = {}
+        self._epoch = 0
+        self._routable_cache: dict[tuple[int, int, str], list[RegisteredWorker]] = {}
+
+    def changed(self) -> None:
+        """A session's routability changed (connect, disconnect, cordon, fence, drain)."""
+        self._epoch += 1
+        self._routable_cache.clear()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[RegisteredWorker]:
+        return iter(list(self._sessions.values()))
+
+    def get(self, worker_id: str) -> RegisteredWorker | None:
+        return self._sessions.get(worker_id)
+
+    def put(self, session: RegisteredWorker) -> RegisteredWorker | None:
+        """Install ``session``, returning the replaced (older incarnation) one, if any."""
+        old = self._sessions.get(session.worker_id)
+        self._sessions[session.worker_id] = session
+        session.floor_of = self._load_floor
+        session.served_versions.add(session.policy_version)
+        session._load_changed()
+        self.changed()
+        return old
+
+    def remove(self, worker_id: str) -> RegisteredWorker | None:
+        self.changed()
+        return self._sessions.pop(worker_id, None)
+
+    def require(self, worker_id: str, incarnation: int) -> RegisteredWorker:
+        """The session of exactly this incarnation; FailedPrecondition for unknown or stale."""
+        session = self._sessions.get(worker_id)
+        if session is None:
+            raise FailedPrecondition(f"unknown worker {worker_id!r}: register first")
+        if session.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"stale incarnation {incarnation} for worker {worker_id!r} "
+                f"(current is {session.incarnation}): re-register"
+            )
+        return session
+
+    def routable(
+        self, now: float, *, version: int, min_version: int | None, model: str
+    ) -> list[RegisteredWorker]:
+        """READY workers of ``model`` serving exactly ``version`` (and at least ``min_version``),
+        in ascending ``load_floor`` order (least loaded first).
+
+        The filtered list is cached until ``changed()`` and re-sorted per call (nearly sorted:
+        one route changes one worker's load); leases are re-checked on every call, so a lapsed
+        lease is unroutable at once even before the reaper notices it."""
+        floor = version if min_version is None else max(version, min_version)
+        key = (version, floor, model)
+        cached = self._routable_cache.get(key)
+        if cached is None:
+            if len(self._routable_cache) >= 256:  # keys come from requests: stay bounded
+                self._routable_cache.clear()
+            cached = self._routable_cache[key] = [
+                s
+                for s in self._sessions.values()
+                if s.serves(version, floor, model)
+                and s.connected and not (s.fenced or s.draining or s.cordoned)
+            ]
+        cached.sort(key=_FLOOR)
+        return [s for s in cached if now < s.lease_deadline]
+
+    def lapsed(self, now: float) -> list[RegisteredWorker]:
+        """Connected sessions whose lease ran out (they must be treated as disconnected)."""
+        return [s for s in self._sessions.values() if s.connected and now >= s.lease_deadline]
+
+    def expired(self, now: float, grace: float) -> list[RegisteredWorker]:
+        """Disconnected sessions past the grace period: their index entries must go."""
+        return [
+            s
+            for s in self._sessions.values()
+            if not s.connected
+            and s.disconnected_at is not None
+            and now - s.disconnected_at >= grace
+        ]

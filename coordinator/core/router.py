@@ -1,0 +1,341 @@
+"""Lookup, Route and RouteBatch: prompt -> page keys -> index walk -> routing decision.
+
+No grpc or redis here: the servicer converts protos into ``PromptInput`` and ``Scope`` and the
+results back. A request is served under one policy version (the one it asks for, else the
+current serving version); keys are hashed under that version and only workers serving it are
+considered, so a page computed under another version can never count as a hit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from operator import attrgetter
+
+from coordinator.core.errors import InvalidArgument, Unavailable
+from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
+from coordinator.core.hashing import Namespace, PageHasher
+from coordinator.core.index import MatchDetail, PrefixIndex
+from coordinator.core.routing import (
+    Candidate,
+    KvAwareWeights,
+    NoEligibleWorker,
+    RouteChooser,
+    RoutingRequest,
+    execution_order,
+    group_identical,
+    make_chooser,
+)
+
+_FLOOR = attrgetter("load_floor")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """A validated prompt: packed little-endian u32 tokens, or trusted page keys."""
+
+    token_count: int
+    token_bytes: bytes | None = None
+    page_keys: tuple[bytes, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """The cache namespace of a request. ``tenant`` is set by the server from the caller's
+    identity, never from a request field."""
+
+    model: str | None = None
+    adapter: str = ""
+    policy_version: int | None = None
+    tenant: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    matches: dict[str, int]  # worker id -> matched pages (confirmed holdings only)
+    policy_version: int
+    prompt_pages: int
+    page_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouteResult:
+    worker_id: str
+    address: str
+    matched_pages: int
+    policy_version: int
+    prompt_pages: int
+    page_size: int
+    routing_policy: str
+
+    @property
+    def matched_tokens(self) -> int:
+        return self.matched_pages * self.page_size
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    routes: list[RouteResult]
+    order: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class _VersionView:
+    """One servable version's side of a route: its namespace, the prompt's keys under it, its
+    eligible workers (load-floor order) and their index depths."""
+
+    ns: Namespace
+    keys: list[bytes]
+    eligible: list[RegisteredWorker]
+    details: dict[str, MatchDetail]
+
+
+@dataclass(slots=True)
+class RouterCounters:
+    lookups: int = 0
+    routes: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Router:
+    """Answers scheduling questions from the index and the fleet; mutates only pending entries,
+    in-flight accounting and counters (a lookup mutates nothing but its counter)."""
+
+    def __init__(
+        self,
+        *,
+        hasher: PageHasher,
+        index: PrefixIndex,
+        fleet: Fleet,
+        page_size: int,
+        default_model: str,
+        default_policy: str,
+        serving_version: Callable[[], int],
+        servable_versions: Callable[[], Sequence[int]] | None = None,
+        clock: Callable[[], float],
+        rng: random.Random | None = None,
+        weights: KvAwareWeights | None = None,
+        max_inflight: int = 65_536,
+    ) -> None:
+        self.max_inflight = max_inflight
+        self._hasher = hasher
+        self._index = index
+        self._fleet = fleet
+        self._page_size = page_size
+        self._default_model = default_model
+        self._serving_version = serving_version
+        # Versions a route without an explicit one may be served at (async updates with bounded
+        # staleness allow several); default: only the serving version.
+        self._servable_versions = servable_versions or (lambda: (serving_version(),))
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._weights = weights or KvAwareWeights()
+        self._policies: dict[str, RouteChooser] = {}
+        self.default_policy = self._policy(default_policy).name
+        self.counters = RouterCounters()
+        # Told to callers refused for lack of a worker: about one heartbeat, when load and
+        # liveness news next arrives.
+        self.retry_after_ms = 500
+
+    def _policy(self, name: str) -> RouteChooser:
+        policy = self._policies.get(name)
+        if policy is None:
+            try:
+                policy = make_chooser(name, self._weights)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+            self._policies[name] = policy
+        return policy
+
+    def namespace(self, scope: Scope) -> Namespace:
+        version = self._serving_version() if scope.policy_version is None else scope.policy_version
+        return Namespace(
+            model=scope.model or self._default_model,
+            adapter=scope.adapter,
+            tenant=scope.tenant,
+            policy_version=version,
+            page_size=self._page_size,
+        )
+
+    def keys(self, prompt: PromptInput, namespace: Namespace) -> list[bytes]:
+        """The prompt's page keys: hashed here from tokens, or as sent by a trusted caller."""
+        if prompt.page_keys is not None:
+            return list(prompt.page_keys)
+        assert prompt.token_bytes is not None  # PromptInput always carries one body
+        return self._hasher.page_keys(prompt.token_bytes, namespace)
+
+    def lookup(self, prompt: PromptInput, scope: Scope) -> LookupResult:
+        """Every routable worker serving the version that holds the prompt's first page, with
+        its confirmed depth. Workers Route would never pick (disconnected, cordoned, fenced,
+        draining, another version or model) are left out, so a scheduler acting on a lookup
+        never sends work to them."""
+        ns = self.namespace(scope)
+        keys = self.keys(prompt, ns)
+        self.counters.lookups += 1
+        matches = self._index.match(keys) if keys else {}
+        if not matches:
+            return LookupResult({}, ns.policy_version, len(keys), self._page_size)
+        routable = self._fleet.routable(
+            self._clock(), version=ns.policy_version, min_version=None, model=ns.model
+        )
+        serving = {s.worker_id: matches[s.worker_id] for s in routable if s.worker_id in matches}
+        return LookupResult(serving, ns.policy_version, len(keys), self._page_size)
+
+    def _versions(self, scope: Scope) -> Sequence[int]:
+        if scope.policy_version is not None:
+            return (scope.policy_version,)
+        return self._servable_versions()
+
+    def _view(self, scope: Scope, version: int, keys: list[bytes], now: float,
+              min_policy_version: int | None) -> _VersionView:
+        ns = self.namespace(replace(scope, policy_version=version))
+        eligible = self._fleet.routable(
+            now, version=version, min_version=min_policy_version, model=ns.model
+        )
+        details = self._index.match_detail(keys, include_pending=True) if keys and eligible else {}
+        return _VersionView(ns, keys, eligible, details)
+
+    def route(
+        self,
+        prompt: PromptInput,
+        scope: Scope,
+        *,
+        min_policy_version: int | None = None,
+        policy: str = "",
+    ) -> RouteResult:
+        """Choose a worker for one prompt; its keys become pending entries on that worker.
+
+        With several servable versions (an async update within ``max_staleness``) the prompt is
+        hashed under each and every eligible worker of every version competes; the answer says
+        which version serves it."""
+        now = self._clock()
+        views = []
+        for version in self._versions(scope):
+            ns = self.namespace(replace(scope, policy_version=version))
+            views.append(self._view(scope, version, self.keys(prompt, ns), now,
+                                    min_policy_version))
+        return self._route_views(views, prompt.token_count, 1, min_policy_version, policy, now)
+
+    def route_batch(
+        self,
+        prompts: Sequence[PromptInput],
+        scope: Scope,
+        *,
+        min_policy_version: int | None = None,
+        policy: str = "",
+    ) -> BatchResult:
+        """Route many prompts: identical prompts (GRPO siblings) go to one worker as a group,
+        groups are routed in order so later ones see earlier ones' pending entries, and the
+        returned order runs prompts sharing a prefix back to back."""
+        versions = self._versions(scope)
+        # Siblings in a batch are byte-identical: hash each distinct prompt once per version.
+        memo: dict[tuple[int, bytes | tuple[bytes, ...]], list[bytes]] = {}
+
+        def keys_of(p: PromptInput, version: int) -> list[bytes]:
+            body = p.token_bytes if p.token_bytes is not None else p.page_keys
+            assert body is not None  # PromptInput always carries one body
+            found = memo.get((version, body))
+            if found is None:
+                ns = self.namespace(replace(scope, policy_version=version))
+                found = memo[(version, body)] = self.keys(p, ns)
+            return found
+
+        first_keys = [keys_of(p, versions[0]) for p in prompts]
+        counts = [p.token_count for p in prompts]
+        routes: list[RouteResult | None] = [None] * len(prompts)
+        for group in group_identical(first_keys, counts):
+            lead = prompts[group.members[0]]
+            now = self._clock()
+            views = [self._view(scope, v, keys_of(lead, v), now, min_policy_version)
+                     for v in versions]
+            result = self._route_views(
+                views, lead.token_count, len(group.members), min_policy_version, policy, now
+            )
+            for member in group.members:
+                routes[member] = result
+        done = [r for r in routes if r is not None]
+        order = execution_order(first_keys, [r.worker_id for r in done])
+        return BatchResult(done, order)
+
+    def _route_views(
+        self,
+        views: list[_VersionView],
+        token_count: int,
+        copies: int,
+        min_policy_version: int | None,
+        policy_name: str,
+        now: float,
+    ) -> RouteResult:
+        policy = self._policy(policy_name or self.default_policy)
+        pages = len(views[0].keys)
+        request = RoutingRequest(
+            prompt_pages=pages, prompt_tokens=token_count, page_size=self._page_size,
+            copies=copies,
+        )
+        holders = [c for view in views
+                   for c in self._holders(view.details, now, view.ns, min_policy_version)]
+        # Each version's eligible list is in load-floor order; merged, idle workers still reach
+        # the policy cheapest first.
+        idle_sessions = heapq.merge(
+            *[(s for s in view.eligible if s.worker_id not in view.details) for view in views],
+            key=_FLOOR,
+        )
+        try:
+            decision = policy.choose(
+                request, holders, self._rng, idle=(s.idle_candidate() for s in idle_sessions)
+            )
+        except NoEligibleWorker:
+            versions = ", ".join(str(v.ns.policy_version) for v in views)
+            raise Unavailable(
+                f"no routable worker serves model {views[0].ns.model!r} at policy version "
+                f"{versions}" + (
+                    f" (min {min_policy_version})" if min_policy_version is not None else ""
+                ),
+                retry_after_ms=self.retry_after_ms,
+            ) from None
+        session = self._fleet.get(decision.worker_id)
+        assert session is not None  # candidates come from the fleet
+        view = next(v for v in views if v.ns.policy_version == session.policy_version)
+        keys = view.keys
+        chosen_detail = view.details.get(decision.worker_id)
+        confirmed = chosen_detail.confirmed_pages if chosen_detail is not None else 0
+        if confirmed < len(keys):
+            # Pages the worker already holds need no pending entry.
+            self._index.add_pending(decision.worker_id, keys[confirmed:])
+        cached_tokens = min(confirmed * self._page_size, token_count)
+        for _ in range(copies):
+            session.record_route(token_count, cached_tokens, self.max_inflight)
+        self.counters.routes += copies
+        self.counters.prompt_tokens += token_count * copies
+        self.counters.cached_tokens += cached_tokens * copies
+        return RouteResult(
+            worker_id=session.worker_id,
+            address=session.address,
+            matched_pages=confirmed,
+            policy_version=session.policy_version,
+            prompt_pages=len(keys),
+            page_size=self._page_size,
+            routing_policy=policy.name,
+        )
+
+    def _holders(
+        self, details: dict[str, MatchDetail], now: float, ns: Namespace, min_version: int | None
+    ) -> list[Candidate]:
+        """Routable workers holding some of the prompt (pending included), as candidates:
+        O(holders), not O(fleet)."""
+        floor = ns.policy_version if min_version is None else max(ns.policy_version, min_version)
+        candidates = []
+        for worker_id, detail in details.items():
+            session = self._fleet.get(worker_id)
+            if (
+                session is not None
+                and session.serves(ns.policy_version, floor, ns.model)
+                and session.status(now) is WorkerStatus.READY
+            ):
+                candidates.append(Candidate(
+                    worker_id, detail.pages, detail.lower_tier_pages, session.current_load()
+                ))
+        return candidates

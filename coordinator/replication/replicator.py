@@ -1,0 +1,422 @@
+"""Coordinator replicas kept identical through the store's ``events`` stream.
+
+Each replica publishes what its own workers tell it (``ReplicationSink``, fed by the worker
+sessions) and applies what the others publish (``ReplicaApplier``). One publisher task sends
+events in the order they happened, batched into one pipelined round trip; one tailer task
+blocks on the stream and applies entries in stream order. Lag (publish to apply, wall clock) is
+measured on every applied entry.
+
+Bootstrap: a starting replica notes the stream's end, asks every live replica for a snapshot
+of the workers it owns (``SnapshotWanted``), and reports ready once each has answered
+(``SnapshotDone``) or ``bootstrap_timeout_ms`` passed; the server reports SERVING only then.
+
+Faults: a failed publish drops the queued events and marks this replica's view dirty; once the
+store answers again every owned worker is re-published as a snapshot (registration, stream
+state, holdings as of its sequence number), which supersedes what was lost. A stream that
+vanished (Redis restarted without persistence) or was trimmed past the tailer's cursor makes
+the tailer ask everyone for snapshots again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from coordinator.config import CoordinatorConfig
+from coordinator.control.policy_updates import PolicyUpdates
+from coordinator.control.worker_sync import WorkerSync
+from coordinator.core.fleet import Fleet, RegisteredWorker
+from coordinator.core.index import PrefixIndex
+from coordinator.core.page_events import PageEvent
+from coordinator.replication.apply import ReplicaApplier
+from coordinator.replication.events import (
+    Attached,
+    Cordoned,
+    Detached,
+    Dropped,
+    MalformedEvent,
+    Pages,
+    PolicyChanged,
+    Registered,
+    Replaced,
+    ReplicaEvent,
+    SnapshotDone,
+    SnapshotWanted,
+    State,
+    decode,
+    encode,
+    origin_of,
+)
+from coordinator.store.protocol import MetadataStore, StoreUnavailable, parse_entry_id
+
+log = structlog.get_logger(__name__)
+
+STREAM = "events"
+_PUBLISH_BATCH = 512  # events per pipelined round trip
+_READ_BATCH = 1024
+_BLOCK_MS = 200  # the tailer's XREAD BLOCK; below any store command timeout we use
+_MAX_QUEUED = 200_000  # events waiting to be published; past it the view is re-snapshotted
+_LAG_SAMPLES = 4096
+# Each Redis round trip costs the event loop ~100 us of redis-py, whatever it carries: the
+# publisher waits this long for more events before a round trip, and the tailer this long
+# between reads, so a busy replica sends and reads many events per trip (a few ms of lag).
+_COALESCE_S = 0.005
+
+
+def default_replica_id() -> str:
+    """host-pid-random: unique per process, readable in logs and ``kvcoord status``."""
+    return f"{socket.gethostname()}-{os.getpid()}-{random.randrange(16**4):04x}"
+
+
+@dataclass(slots=True)
+class ReplicationCounters:
+    published: int = 0
+    applied: int = 0
+    malformed: int = 0
+    publish_failures: int = 0
+    snapshots_sent: int = 0
+    resnapshots: int = 0  # times this replica asked everyone again (stream lost or trimmed)
+
+
+class Replicator:
+    """The replication of one coordinator replica; implements ``ReplicationSink``."""
+
+    def __init__(
+        self, *, config: CoordinatorConfig, store: MetadataStore, fleet: Fleet,
+        index: PrefixIndex, sessions: WorkerSync, updates: PolicyUpdates,
+        clock: Callable[[], float], wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.replica_id = sessions.replica_id
+        self._config = config
+        self._store = store
+        self._fleet = fleet
+        self._index = index
+        self._sessions = sessions
+        self._updates = updates
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._applier = ReplicaApplier(
+            config=config, fleet=fleet, index=index, sessions=sessions, clock=clock,
+            want_snapshot=lambda worker_id: self._enqueue(SnapshotWanted(worker_id)),
+        )
+        self._queue: deque[ReplicaEvent] = deque()
+        self._wake = asyncio.Event()
+        self._dirty = False  # a publish failed: re-snapshot our workers once the store is back
+        self._want_all = False  # with that snapshot, ask every other replica for theirs
+        self._publishing = False
+        self._cursor = "0-0"
+        self._tasks: list[asyncio.Task[None]] = []
+        # Loops also check this: redis-py can turn a cancellation that lands on its read
+        # timeout into a TimeoutError (StoreUnavailable here), which the loops survive.
+        self._stopping = False
+        self._waiting_for: set[str] = set()  # peers whose bootstrap snapshot is still due
+        self.ready = asyncio.Event()
+        self.peers: list[str] = []
+        self.live: list[str] = [self.replica_id]  # live replicas, as of the last announce
+        self.lags_ms: deque[float] = deque(maxlen=_LAG_SAMPLES)
+        self.counters = ReplicationCounters()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Note the stream's end, start the tasks, ask the live replicas for snapshots. Returns
+        at once; ``ready`` is set when the bootstrap is done (see ``wait_ready``)."""
+        bounds = await self._store.stream_bounds(STREAM)
+        self._cursor = bounds.last_id or "0-0"
+        self._waiting_for = set(await self._store.live_replicas()) - {self.replica_id}
+        self.peers = sorted(self._waiting_for)
+        await self._store.announce_replica(self.replica_id, self._config.lease_ms)
+        self.live = sorted({*self.peers, self.replica_id})
+        self._enqueue(SnapshotWanted(""))
+        if not self._waiting_for:
+            self.ready.set()
+        for name, loop in (("publish", self._publish_forever), ("tail", self._tail_forever),
+                           ("announce", self._announce_forever)):
+            self._tasks.append(asyncio.create_task(loop(), name=f"kvcoord-replication-{name}"))
+        log.info("replication.started", replica=self.replica_id, peers=self.peers,
+                 cursor=self._cursor)
+
+    async def wait_ready(self) -> bool:
+        """Wait for the bootstrap (at most ``bootstrap_timeout_ms``); False when it timed out
+        (peers that never answered are presumed dead: their workers will reconnect)."""
+        timeout = self._config.bootstrap_timeout_ms / 1000
+        try:
+            await asyncio.wait_for(self.ready.wait(), timeout)
+        except TimeoutError:
+            log.warning("replication.bootstrap_timed_out", replica=self.replica_id,
+                        silent_peers=sorted(self._waiting_for))
+            self.ready.set()
+            return False
+        log.info("replication.bootstrapped", replica=self.replica_id, workers=len(self._fleet))
+        return True
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+        self._tasks.clear()
+
+    async def flush(self, timeout: float = 2.0) -> None:
+        """Wait until everything queued so far has been published (tests, graceful stop)."""
+        deadline = self._clock() + timeout
+        while (self._queue or self._publishing) and self._clock() < deadline:
+            await asyncio.sleep(0.005)
+
+    async def caught_up(self, timeout: float) -> bool:
+        """Wait until everything in the stream now has been applied here (at most ``timeout``
+        seconds); False when it was not, or the store could not say."""
+        try:
+            last = (await self._store.stream_bounds(STREAM)).last_id
+        except StoreUnavailable:
+            return False
+        if last is None:
+            return True
+        target = parse_entry_id(last)
+        deadline = self._clock() + timeout
+        while parse_entry_id(self._cursor) < target:
+            if self._clock() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    # ------------------------------------------------------------------ ReplicationSink
+
+    def registered(self, session: RegisteredWorker) -> None:
+        self._enqueue(_registered(session))
+
+    def attached(self, session: RegisteredWorker) -> None:
+        self._enqueue(Attached(session.worker_id, session.incarnation, session.next_seq))
+
+    def detached(self, session: RegisteredWorker) -> None:
+        self._enqueue(Detached(session.worker_id, session.incarnation))
+
+    def pages(self, session: RegisteredWorker, seq: int, events: Sequence[PageEvent]) -> None:
+        self._enqueue(Pages(session.worker_id, session.incarnation, seq, tuple(events)))
+
+    def replaced(self, session: RegisteredWorker, seq: int,
+                 keys_by_tier: Mapping[str, Sequence[bytes]]) -> None:
+        by_tier = {tier: tuple(keys) for tier, keys in keys_by_tier.items()}
+        self._enqueue(Replaced(session.worker_id, session.incarnation, seq, by_tier))
+
+    def state(self, session: RegisteredWorker, completed_routes: int) -> None:
+        self._enqueue(_state(session, completed_routes))
+
+    def dropped(self, session: RegisteredWorker, reason: str) -> None:
+        self._enqueue(Dropped(session.worker_id, session.incarnation, reason))
+
+    def cordoned(self, session: RegisteredWorker) -> None:
+        self._enqueue(Cordoned(session.worker_id, session.cordoned))
+
+    def policy_changed(self, abort_running: bool) -> None:
+        self._enqueue(PolicyChanged(abort_running))
+
+    # ------------------------------------------------------------------ publishing
+
+    def _enqueue(self, event: ReplicaEvent) -> None:
+        if self._dirty:
+            return  # the snapshot taken when the store is back covers it
+        if len(self._queue) >= _MAX_QUEUED:
+            log.warning("replication.queue_full", queued=len(self._queue))
+            self._queue.clear()
+            self._dirty = True
+            return
+        self._queue.append(event)
+        self._wake.set()
+
+    def _snapshot(self, session: RegisteredWorker) -> list[ReplicaEvent]:
+        """What another replica needs to hold exactly our view of ``session``."""
+        worker_id, incarnation = session.worker_id, session.incarnation
+        events: list[ReplicaEvent] = [_registered(session)]
+        if session.connected:
+            events.append(Attached(worker_id, incarnation, session.next_seq))
+        else:
+            events.append(Detached(worker_id, incarnation))
+        if session.resync_id is None:  # mid-resync our index is not the truth: its end is
+            inventory = self._index.worker_inventory(worker_id)
+            events.append(Replaced(worker_id, incarnation, session.next_seq - 1,
+                                   {tier: tuple(keys) for tier, keys in inventory.items()}))
+        events.append(_state(session, 0))
+        if session.cordoned:
+            events.append(Cordoned(worker_id, True))
+        self.counters.snapshots_sent += 1
+        return events
+
+    def _own_sessions(self) -> list[RegisteredWorker]:
+        return [s for s in self._fleet if self._sessions.is_local(s)]
+
+    async def _publish_forever(self) -> None:
+        attempt = 0
+        while not self._stopping:
+            if not self._queue and not self._dirty:
+                self._wake.clear()
+                await self._wake.wait()
+            if len(self._queue) < _PUBLISH_BATCH:
+                await asyncio.sleep(_COALESCE_S)  # let a busy replica's events gather
+            if self._dirty:
+                if not await self._store.ping():
+                    attempt += 1
+                    await asyncio.sleep(_backoff(attempt))
+                    continue
+                self._dirty = False
+                self._queue.clear()
+                for session in self._own_sessions():
+                    self._queue.extend(self._snapshot(session))
+                if self._want_all:
+                    self._want_all = False
+                    self._queue.append(SnapshotWanted(""))
+                log.info("replication.republished", replica=self.replica_id,
+                         workers=len(self._own_sessions()))
+            batch = [self._queue.popleft() for _ in range(min(len(self._queue), _PUBLISH_BATCH))]
+            if not batch:
+                continue
+            now_ms = int(self._wall_clock() * 1000)
+            entries = [encode(self.replica_id, now_ms, event) for event in batch]
+            self._publishing = True
+            try:
+                await self._store.append_many(STREAM, entries,
+                                              maxlen=self._config.max_replication_events)
+                self.counters.published += len(entries)
+                attempt = 0
+            except StoreUnavailable as exc:
+                self.counters.publish_failures += 1
+                self._dirty = True
+                log.warning("replication.publish_failed", replica=self.replica_id,
+                            dropped=len(batch) + len(self._queue), error=str(exc))
+                self._queue.clear()
+            finally:
+                self._publishing = False
+
+    # ------------------------------------------------------------------ tailing
+
+    async def _tail_forever(self) -> None:
+        attempt = 0
+        while not self._stopping:
+            try:
+                entries = await self._store.tail(STREAM, after=self._cursor, count=_READ_BATCH,
+                                                 block_ms=_BLOCK_MS)
+                if attempt:
+                    await self._check_stream()
+                    attempt = 0
+            except StoreUnavailable as exc:
+                attempt += 1
+                if attempt == 1:
+                    log.warning("replication.tail_failed", replica=self.replica_id,
+                                error=str(exc))
+                await asyncio.sleep(_backoff(attempt))
+                continue
+            now_ms = self._wall_clock() * 1000
+            for entry in entries:
+                self._cursor = entry.entry_id
+                if origin_of(entry.fields) == self.replica_id:
+                    continue  # applied when it happened
+                try:
+                    envelope = decode(entry.fields)
+                except MalformedEvent as exc:
+                    self.counters.malformed += 1
+                    log.warning("replication.malformed", entry=entry.entry_id, error=str(exc))
+                    continue
+                if envelope.origin == self.replica_id:
+                    continue
+                self.lags_ms.append(max(0.0, now_ms - envelope.published_ms))
+                self.counters.applied += 1
+                try:
+                    await self._apply(envelope.origin, envelope.event)
+                except Exception:  # one bad event must not stop replication
+                    log.exception("replication.apply_failed", entry=entry.entry_id,
+                                  origin=envelope.origin)
+            if len(entries) < _READ_BATCH:
+                await asyncio.sleep(_COALESCE_S)
+
+    async def _apply(self, origin: str, event: ReplicaEvent) -> None:
+        if isinstance(event, SnapshotWanted):
+            sessions = self._own_sessions() if not event.worker_id else [
+                s for s in self._own_sessions() if s.worker_id == event.worker_id
+            ]
+            for session in sessions:
+                for snapshot_event in self._snapshot(session):
+                    self._enqueue(snapshot_event)
+            if not event.worker_id:
+                self._enqueue(SnapshotDone(origin))
+        elif isinstance(event, SnapshotDone):
+            if event.requester == self.replica_id:
+                self._waiting_for.discard(origin)
+                if not self._waiting_for:
+                    self.ready.set()
+        elif isinstance(event, PolicyChanged):
+            await self._updates.follow(abort_running=event.abort_running)
+        else:
+            self._applier.apply(origin, event)
+
+    async def _check_stream(self) -> None:
+        """After a store outage: a stream that vanished or was trimmed past our cursor lost
+        events we never applied; ask every owner for its workers again."""
+        # The cursor as it was before asking: the tailer moves it on meanwhile, and a cursor
+        # read after the answer could be past a last id that was current when Redis answered.
+        cursor = parse_entry_id(self._cursor)
+        bounds = await self._store.stream_bounds(STREAM)
+        lost = (bounds.last_id is None and cursor != (0, 0)) or (
+            bounds.last_id is not None and parse_entry_id(bounds.last_id) < cursor
+        ) or (bounds.first_id is not None and parse_entry_id(bounds.first_id) > cursor
+              and cursor != (0, 0))
+        if lost:
+            self.counters.resnapshots += 1
+            log.warning("replication.stream_lost", replica=self.replica_id, cursor=self._cursor,
+                        first=bounds.first_id, last=bounds.last_id)
+            if bounds.last_id is not None and parse_entry_id(bounds.last_id) < cursor:
+                self._cursor = bounds.last_id  # a new stream: its ids start over
+            self._dirty = self._want_all = True  # our own workers are re-published too
+            self._wake.set()
+
+    async def _announce_forever(self) -> None:
+        """Keep this replica listed as live. (Policy changes whose event was lost are caught by
+        the service's periodic policy read, ``CoordinatorService._read_policy_forever``.)"""
+        period = self._config.heartbeat_ms / 1000
+        while not self._stopping:
+            await asyncio.sleep(period)
+            try:
+                await self._store.announce_replica(self.replica_id, self._config.lease_ms)
+                self.live = await self._store.live_replicas()
+                await self._check_stream()
+            except StoreUnavailable:
+                pass  # the tailer and publisher log the outage and recover from it
+            except Exception:
+                log.exception("replication.announce_failed")
+
+    # ------------------------------------------------------------------ observations
+
+    def lag_quantile(self, q: float) -> float | None:
+        """The ``q`` quantile of recent publish-to-apply lags in ms; None before any."""
+        if not self.lags_ms:
+            return None
+        ordered = sorted(self.lags_ms)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+
+def _registered(session: RegisteredWorker) -> Registered:
+    return Registered(session.worker_id, session.incarnation, session.address, session.model,
+                      session.policy_version, session.external, session.total_pages)
+
+
+def _state(session: RegisteredWorker, completed_routes: int) -> State:
+    return State(session.worker_id, session.incarnation, session.policy_version, session.load,
+                 completed_routes, session.draining, session.fenced)
+
+
+def _backoff(attempt: int) -> float:
+    ceiling = min(2.0, 0.05 * 2.0 ** min(attempt, 10))
+    return ceiling / 2 + random.uniform(0.0, ceiling / 2)

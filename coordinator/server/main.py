@@ -1,0 +1,107 @@
+"""Build and run a coordinator gRPC server: servicer, health, reflection, metrics, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2
+
+from coordinator.client.channels import channel_options
+from coordinator.config import CoordinatorConfig
+from coordinator.rpc.guard import Guard, ServerSecurity
+from coordinator.rpc.health import add_health_and_reflection, warn_if_open
+from coordinator.rpc.identities import COORDINATOR_PERMISSIONS
+from coordinator.rpc.interceptor import ErrorMappingInterceptor, Mapped
+from coordinator.server.metrics import CoordinatorMetrics
+from coordinator.server.servicer import CoordinatorServicer
+from coordinator.service import CoordinatorService
+from coordinator.store.protocol import StoreUnavailable
+from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+# A store outage is usually a Redis restart or failover: seconds, not milliseconds.
+STORE_RETRY_MS = 1000
+
+
+@dataclass(slots=True)
+class RunningCoordinator:
+    """A started coordinator: its bound port, metrics port and a ``stop`` that drains."""
+
+    server: grpc.aio.Server
+    service: CoordinatorService
+    health: health_aio.HealthServicer
+    port: int
+    metrics_port: int | None
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Report NOT_SERVING, let in-flight calls finish for ``grace`` seconds, then close."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.service.stop()
+        log.info("coordinator.stopped", port=self.port)
+
+
+async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
+    """Open the store, bind ``config.listen`` (port 0 picks a free one) and start serving."""
+    service = await CoordinatorService.open(config)
+    metrics = CoordinatorMetrics(service)
+    server = grpc.aio.server(options=channel_options(config.max_message_bytes))
+    security = ServerSecurity.from_config(config)
+    errors = ErrorMappingInterceptor(
+        metrics,
+        {
+            StoreUnavailable: Mapped("UNAVAILABLE", retry_after_ms=STORE_RETRY_MS),
+            # A Sync message that does not parse surfaces in our reader (a unary request that
+            # does not parse is answered by grpc before any handler runs).
+            DecodeError: Mapped("INVALID_ARGUMENT"),
+        },
+        Guard(security),
+    )
+    descriptor = pb.DESCRIPTOR.services_by_name["Coordinator"]
+    servicer = errors.wrap(CoordinatorServicer(service), descriptor, COORDINATOR_PERMISSIONS)
+    pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    health = add_health_and_reflection(server, errors, SERVICE_NAME)
+    port = security.bind(server, config.listen)
+    if port == 0:
+        raise OSError(f"could not bind {config.listen}")
+    # Probes see NOT_SERVING until this replica's index holds the other replicas' workers (set
+    # before the server starts: grpc's health servicer begins with "" SERVING).
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    await health.set("", not_serving)
+    await health.set(SERVICE_NAME, not_serving)
+    await service.start()
+    await server.start()
+    metrics_port = None
+    if config.metrics_port is not None:
+        metrics_port = metrics.serve(config.metrics_port)
+    await service.wait_ready()
+    serving = health_pb2.HealthCheckResponse.SERVING
+    await health.set("", serving)
+    await health.set(SERVICE_NAME, serving)
+    log.info(
+        "coordinator.serving", listen=config.listen, port=port, metrics_port=metrics_port,
+        store=type(service.store).__name__, page_size=config.page_size,
+        policy_version=service.policy.version, **security.describe(),
+    )
+    warn_if_open(config.listen, security)
+    return RunningCoordinator(server, service, health, port, metrics_port)
+
+
+async def serve_forever(config: CoordinatorConfig) -> None:
+    """Run until SIGINT/SIGTERM, then drain (the k8s termination path)."""
+    running = await start_coordinator(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await running.stop()

@@ -1,0 +1,342 @@
+"""``coordinator.v1.Coordinator`` servicer: convert, delegate to the service, convert back.
+
+No decisions are made here. Errors are domain exceptions; ``coordinator.rpc.interceptor`` maps them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, TypeAlias
+
+import grpc
+
+from coordinator.control.sync_messages import Outbound
+from coordinator.core import policy_state
+from coordinator.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from coordinator.core.fleet import RegisteredWorker
+from coordinator.core.router import PromptInput, Scope
+from coordinator.rpc.guard import caller
+from coordinator.rpc.identities import (
+    PermissionDenied,
+    check_cordon,
+    check_worker,
+    may_send_page_keys,
+    visible_workers,
+)
+from coordinator.server import convert
+from coordinator.server.convert import PROTOCOL_VERSION, check_protocol, prompt_from, scope_from
+from coordinator.service import CoordinatorService
+from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
+    def __init__(self, service: CoordinatorService) -> None:
+        self._service = service
+        self._config = service.config
+
+    # ------------------------------------------------------------------ scheduler
+
+    def _prompt(self, prompt: pb.Prompt, what: str = "prompt") -> PromptInput:
+        """A validated prompt; page keys only from callers trusted with the hash key."""
+        if prompt.page_keys and not may_send_page_keys(
+                caller(), self._config.trust_scheduler_page_keys):
+            raise PermissionDenied(
+                f"{what}: page keys are accepted from workers and admins only; send token ids"
+            )
+        return prompt_from(prompt, self._config, what)
+
+    @staticmethod
+    def _scope(scope: pb.Scope) -> Scope:
+        """The request's scope under the caller's tenant (ARCHITECTURE §0, "Who holds the key")."""
+        return scope_from(scope, caller().tenant)
+
+    async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
+        check_protocol(request.protocol_version)
+        prompt = self._prompt(request.prompt)
+        result = self._service.scheduler.lookup(prompt, self._scope(request.scope))
+        return convert.lookup_to_pb(result)
+
+    async def _await_routable(self, scope: pb.Scope, context: Context) -> None:
+        """While a sync update drains, a route without an explicit version waits for it (up
+        to the caller's deadline and ``route_wait_ms``), then is refused UNAVAILABLE with
+        ``retry-after-ms``: no generation may start between DRAIN and RESUME."""
+        updates = self._service.updates
+        if scope.HasField("policy_version") or not policy_state.routes_blocked(updates.record):
+            return
+        remaining = context.time_remaining()
+        wait = self._config.route_wait_ms / 1000
+        if remaining is not None:
+            wait = min(wait, max(0.0, remaining - 0.05))
+        await updates.wait_routable(wait)
+        if policy_state.routes_blocked(updates.record):
+            raise Unavailable(
+                f"policy update to version {updates.record.target_version} is draining the "
+                "fleet: retry", retry_after_ms=self._config.route_retry_ms,
+            )
+
+    async def Route(self, request: pb.RouteRequest, context: Context) -> pb.RouteResponse:
+        check_protocol(request.protocol_version)
+        prompt = self._prompt(request.prompt)
+        await self._await_routable(request.scope, context)
+        self._service.updates.check_fresh()
+        route = self._service.scheduler.route(
+            prompt,
+            self._scope(request.scope),
+            min_policy_version=_optional(request, "min_policy_version"),
+            policy=request.routing_policy,
+        )
+        return convert.route_to_pb(route)
+
+    async def RouteBatch(
+        self, request: pb.RouteBatchRequest, context: Context
+    ) -> pb.RouteBatchResponse:
+        check_protocol(request.protocol_version)
+        n = len(request.prompts)
+        if n == 0:
+            raise InvalidArgument("RouteBatch needs at least one prompt")
+        if n > self._config.max_batch_prompts:
+            raise InvalidArgument(
+                f"batch of {n} prompts is over the limit of {self._config.max_batch_prompts}"
+            )
+        # Counted from field lengths, before any prompt is converted.
+        total = sum(len(p.token_ids) + len(p.token_bytes) // 4 + p.token_count
+                    for p in request.prompts)
+        if total > self._config.max_batch_tokens:
+            raise InvalidArgument(f"batch of {total} tokens is over the limit of "
+                                  f"{self._config.max_batch_tokens} (max_batch_tokens)")
+        prompts = [self._prompt(p, f"prompts[{i}]") for i, p in enumerate(request.prompts)]
+        await self._await_routable(request.scope, context)
+        self._service.updates.check_fresh()
+        batch = self._service.scheduler.route_batch(
+            prompts,
+            self._scope(request.scope),
+            min_policy_version=_optional(request, "min_policy_version"),
+            policy=request.routing_policy,
+        )
+        return pb.RouteBatchResponse(
+            protocol_version=PROTOCOL_VERSION,
+            routes=[convert.route_to_pb(r) for r in batch.routes],
+            order=batch.order,
+        )
+
+    # ------------------------------------------------------------------ worker
+
+    async def Register(self, request: pb.RegisterRequest, context: Context) -> pb.RegisterResponse:
+        check_worker(caller(), request.worker_id)
+        registration = await self._service.sessions.register(convert.registration_from(request))
+        return pb.RegisterResponse(
+            protocol_version=PROTOCOL_VERSION,
+            incarnation=registration.incarnation,
+            # The version to load: the target while an update is in progress (ARCHITECTURE §0:
+            # a worker registering mid-update or fenced learns it here and is unroutable until
+            # it serves it).
+            policy_version=(
+                registration.policy.target_version
+                if registration.policy.target_version is not None
+                else registration.policy.version
+            ),
+            policy_phase=convert.PHASE_TO_PB[registration.policy.phase],
+            weights_uri=(
+                registration.policy.target_weights_uri
+                if registration.policy.target_version is not None
+                else registration.policy.weights_uri
+            ),
+            lease_ms=registration.lease_ms,
+            heartbeat_ms=registration.heartbeat_ms,
+            max_events_per_batch=registration.max_events_per_batch,
+            max_message_bytes=registration.max_message_bytes,
+        )
+
+    async def Deregister(
+        self, request: pb.DeregisterRequest, context: Context
+    ) -> pb.DeregisterResponse:
+        check_protocol(request.protocol_version)
+        check_worker(caller(), request.worker_id)
+        await self._service.sessions.deregister(request.worker_id, request.incarnation)
+        return pb.DeregisterResponse(protocol_version=PROTOCOL_VERSION)
+
+    async def Sync(
+        self, request_iterator: AsyncIterator[pb.SyncRequest], context: Context
+    ) -> AsyncIterator[pb.SyncResponse]:
+        """One worker's stream. A reader task applies what the worker sends; replies (and, later,
+        coordinator-initiated commands) go out through one queue so writes never interleave."""
+        outbox: asyncio.Queue[pb.SyncResponse | BaseException | None] = asyncio.Queue()
+        reader = asyncio.create_task(self._read_sync(request_iterator, outbox))
+        try:
+            while True:
+                item = await outbox.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            reader.cancel()
+
+    async def _read_sync(
+        self,
+        requests: AsyncIterator[pb.SyncRequest],
+        outbox: asyncio.Queue[pb.SyncResponse | BaseException | None],
+    ) -> None:
+        sessions = self._service.sessions
+        session: RegisteredWorker | None = None
+        stream_id = 0
+
+        def send(replies: list[Outbound]) -> None:
+            for reply in replies:
+                outbox.put_nowait(convert.outbound_to_pb(reply))
+
+        try:
+            first = await anext(aiter(requests), None)
+            if first is None:
+                outbox.put_nowait(None)
+                return
+            check_protocol(first.protocol_version)
+            if first.WhichOneof("body") != "hello":
+                raise FailedPrecondition("the first Sync message must be a hello")
+            hello = first.hello
+            check_worker(caller(), hello.worker_id)
+            await self._service.before_hello(hello.worker_id, hello.incarnation,
+                                             hello.last_acked_seq)
+            session, stream_id, replies = sessions.hello(
+                hello.worker_id, hello.incarnation, hello.last_acked_seq,
+                close=outbox.put_nowait,
+                send=lambda message: outbox.put_nowait(convert.outbound_to_pb(message)),
+            )
+            send(replies)
+            await self._service.updates.reconnected(session)
+            async for request in requests:
+                check_protocol(request.protocol_version)
+                if not sessions.owns(session, stream_id):
+                    return  # _detach already queued the FAILED_PRECONDITION that ends us
+                send(await self._dispatch(session, request))
+            outbox.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            outbox.put_nowait(exc)
+        finally:
+            if session is not None:
+                sessions.disconnect(session, stream_id)
+
+    async def _dispatch(self, session: RegisteredWorker, request: pb.SyncRequest) -> list[Outbound]:
+        sessions = self._service.sessions
+        body = request.WhichOneof("body")
+        if body == "events":
+            events = convert.events_from(request.events)
+            return sessions.events(session, request.events.seq, events)
+        if body == "heartbeat":
+            return await sessions.heartbeat(session, convert.heartbeat_from(request.heartbeat))
+        if body == "inventory":
+            return sessions.inventory(session, convert.inventory_from(request.inventory))
+        if body == "hello":
+            raise FailedPrecondition("hello sent twice on one stream")
+        if body == "policy_ack":
+            stage = convert.ACK_STAGE_FROM_PB.get(request.policy_ack.stage)
+            if stage is None:
+                raise InvalidArgument(f"unknown policy ack stage {request.policy_ack.stage}")
+            await self._service.updates.ack(session, stage, request.policy_ack.version)
+            return []
+        raise InvalidArgument("empty Sync message: set one body")
+
+    async def ReportRollouts(
+        self, request: pb.ReportRolloutsRequest, context: Context
+    ) -> pb.ReportRolloutsResponse:
+        check_protocol(request.protocol_version)
+        if not request.records:
+            return pb.ReportRolloutsResponse(protocol_version=PROTOCOL_VERSION, accepted=0)
+        worker_id = request.records[0].worker_id
+        check_worker(caller(), worker_id)  # and rollouts.append checks every record is its own
+        served = self._service.sessions.served_versions_of(worker_id)
+        if served is None:
+            raise FailedPrecondition(f"unknown worker {worker_id!r}: register first")
+        accepted = await self._service.rollouts.append(
+            worker_id, served, [convert.rollout_from(r) for r in request.records]
+        )
+        return pb.ReportRolloutsResponse(protocol_version=PROTOCOL_VERSION, accepted=accepted)
+
+    # ------------------------------------------------------------------ trainer
+
+    async def GetPolicy(self, request: pb.GetPolicyRequest, context: Context) -> pb.PolicyState:
+        check_protocol(request.protocol_version)
+        return convert.policy_to_pb(await self._service.refresh_policy())
+
+    async def BeginPolicyUpdate(
+        self, request: pb.BeginPolicyUpdateRequest, context: Context
+    ) -> pb.PolicyState:
+        check_protocol(request.protocol_version)
+        mode = "async" if request.mode == pb.POLICY_MODE_ASYNC else "sync"
+        record = await self._service.updates.begin(
+            request.expected_version, mode, request.weights_uri, request.abort_running
+        )
+        return convert.policy_to_pb(record)
+
+    async def CommitPolicyUpdate(
+        self, request: pb.CommitPolicyUpdateRequest, context: Context
+    ) -> pb.PolicyState:
+        check_protocol(request.protocol_version)
+        timeout_ms = request.timeout_ms or self._config.barrier_timeout_ms
+        remaining = context.time_remaining()
+        timeout = timeout_ms / 1000
+        if remaining is not None:
+            timeout = min(timeout, max(0.0, remaining - 0.2))  # answer before the caller gives up
+        result = await self._service.updates.commit(request.version, timeout)
+        state = convert.policy_to_pb(result.record)
+        state.acked_workers.extend(result.acked)
+        state.fenced_workers.extend(result.fenced)
+        return state
+
+    async def AbortPolicyUpdate(
+        self, request: pb.AbortPolicyUpdateRequest, context: Context
+    ) -> pb.PolicyState:
+        check_protocol(request.protocol_version)
+        return convert.policy_to_pb(await self._service.updates.abort(request.version))
+
+    async def WatchPolicy(
+        self, request: pb.WatchPolicyRequest, context: Context
+    ) -> AsyncIterator[pb.PolicyState]:
+        check_protocol(request.protocol_version)
+        async for record in self._service.updates.watch():
+            yield convert.policy_to_pb(record)
+
+    async def ReadRollouts(
+        self, request: pb.ReadRolloutsRequest, context: Context
+    ) -> AsyncIterator[pb.RolloutRecord]:
+        check_protocol(request.protocol_version)
+        async for rollout in self._service.rollouts.read(request.since or None,
+                                                         follow=request.follow):
+            yield convert.rollout_to_pb(rollout)
+
+    # ------------------------------------------------------------------ operator
+
+    async def ListWorkers(
+        self, request: pb.ListWorkersRequest, context: Context
+    ) -> pb.ListWorkersResponse:
+        check_protocol(request.protocol_version)
+        views = self._service.workers()
+        visible = visible_workers(caller(), [v.session.worker_id for v in views])
+        workers = [convert.worker_to_pb(v) for v in views if v.session.worker_id in visible]
+        return pb.ListWorkersResponse(protocol_version=PROTOCOL_VERSION, workers=workers)
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.Stats:
+        check_protocol(request.protocol_version)
+        stats = convert.stats_to_pb(self._service.stats())
+        if request.index_digest:
+            stats.index_digest = self._service.index.digest()
+        return stats
+
+    async def Cordon(self, request: pb.CordonRequest, context: Context) -> pb.CordonResponse:
+        check_protocol(request.protocol_version)
+        check_cordon(caller(), request.worker_id, request.cordoned)
+        view = self._service.cordon(request.worker_id, request.cordoned)
+        return pb.CordonResponse(
+            protocol_version=PROTOCOL_VERSION, worker=convert.worker_to_pb(view)
+        )
+
+
+def _optional(message: Any, name: str) -> int | None:
+    return int(getattr(message, name)) if message.HasField(name) else None
