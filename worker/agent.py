@@ -27,6 +27,7 @@ from coordinator.client.channels import channel_options, open_aio_channel
 from coordinator.client.targets import Targets
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import PROTOCOL_VERSION
 from worker.config import WorkerConfig
 from worker.event_log import EventLog
 from worker.gate import GenerationGate
@@ -37,7 +38,6 @@ from worker.runtime import WorkerRuntime
 
 log = structlog.get_logger(__name__)
 
-PROTOCOL_VERSION = 1
 # Minimum spacing of heartbeats triggered by finished generations (each renews the lease in the
 # store, so this also bounds store writes per worker).
 COMPLETION_COALESCE_S = 0.02

@@ -28,13 +28,13 @@ from coordinator.client.channels import (
 )
 from coordinator.client.errors import KvcoordError, retry_pause
 from coordinator.core.hashing import tokens_to_bytes
+from coordinator.wire import PROTOCOL_VERSION
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 
 __all__ = ["AsyncWorkerClient", "ClientTls", "Generation", "KvcoordError", "LoadedWeights",
            "WorkerClient", "WorkerStats"]
 
-PROTOCOL_VERSION = 1
 DEFAULT_TIMEOUT = 60.0
 U32_MAX = 2**32 - 1
 

@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.wire import PAGE_KEY_BYTES
 
-KEY_BYTES = 16
 EVENT_OVERHEAD = 16  # bytes of protobuf framing per PageEvent, rounded up
 BATCH_OVERHEAD = 1024  # SyncRequest + EventBatch framing, with room to spare
 
@@ -95,12 +95,12 @@ class EventLog:
         events: list[pb.PageEvent] = []
         while self._pending and len(events) < self.max_events:
             head = self._pending[0]
-            room = (budget - EVENT_OVERHEAD) // KEY_BYTES
+            room = (budget - EVENT_OVERHEAD) // PAGE_KEY_BYTES
             if room <= 0:
                 break
             take, rest = head.keys[:room], head.keys[room:]
             events.append(pb.PageEvent(kind=head.kind, page_keys=b"".join(take)))
-            budget -= EVENT_OVERHEAD + KEY_BYTES * len(take)
+            budget -= EVENT_OVERHEAD + PAGE_KEY_BYTES * len(take)
             self._pending_keys -= len(take)
             if rest:
                 head.keys = rest
@@ -167,13 +167,13 @@ class EventLog:
 
     def keys_per_message(self) -> int:
         """Page keys that fit one message (an event batch or an inventory chunk)."""
-        return max(1, (self._batch_budget() - EVENT_OVERHEAD) // KEY_BYTES)
+        return max(1, (self._batch_budget() - EVENT_OVERHEAD) // PAGE_KEY_BYTES)
 
     def _batch_budget(self) -> int:
-        return max(self.max_message_bytes - BATCH_OVERHEAD, EVENT_OVERHEAD + KEY_BYTES)
+        return max(self.max_message_bytes - BATCH_OVERHEAD, EVENT_OVERHEAD + PAGE_KEY_BYTES)
 
     def _pending_bytes(self) -> int:
-        return self._pending_keys * KEY_BYTES + len(self._pending) * EVENT_OVERHEAD
+        return self._pending_keys * PAGE_KEY_BYTES + len(self._pending) * EVENT_OVERHEAD
 
     def _drop_pending(self) -> None:
         self._pending.clear()

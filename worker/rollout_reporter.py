@@ -34,10 +34,10 @@ import structlog
 from coordinator.core.rollout_records import Rollout
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import PROTOCOL_VERSION
 
 log = structlog.get_logger(__name__)
 
-PROTOCOL_VERSION = 1
 _REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
 _MAX_BACKOFF_S = 5.0
 # FAILED_PRECONDITION details meaning "not registered (any more)": the agent re-registers, so

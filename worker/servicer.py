@@ -23,12 +23,12 @@ import grpc
 from coordinator.core.errors import FailedPrecondition, InvalidArgument
 from coordinator.core.rollout_records import MAX_ROLLOUT_ID_CHARS, Rollout
 from coordinator.rpc.guard import caller
+from coordinator.wire import PROTOCOL_VERSION
 from worker.gate import GenerationGate
 from worker.metrics import WorkerMetrics
 from worker.runtime import Generation, WorkerRuntime
 from worker.v1 import worker_pb2 as wpb
 
-PROTOCOL_VERSION = 1
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KEY_BYTES = 16
-
+from coordinator.core.hashing import PAGE_KEY_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,9 +16,9 @@ class PageKeys:
     token_count: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.keys or len(self.keys) % KEY_BYTES:
+        if not self.keys or len(self.keys) % PAGE_KEY_BYTES:
             raise ValueError(
-                f"page keys must be a non-empty multiple of {KEY_BYTES} bytes, "
+                f"page keys must be a non-empty multiple of {PAGE_KEY_BYTES} bytes, "
                 f"got {len(self.keys)}"
             )
 

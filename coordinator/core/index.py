@@ -27,7 +27,8 @@ from itertools import compress, groupby, repeat
 from operator import and_, countOf, or_
 from typing import NamedTuple, TypeVar, cast
 
-KEY_BYTES = 16
+from coordinator.core.hashing import PAGE_KEY_BYTES
+
 _V = TypeVar("_V")
 # bin(mask) digits -> 0/1 selector bytes for itertools.compress: bit -> worker in C, no loop.
 _BITS_TO_SELECTORS = bytes.maketrans(b"01", b"\x00\x01")
@@ -270,9 +271,9 @@ class PrefixIndex:
             name = worker_id.encode() + b"\0"
             for key in w.held:
                 tier = w.spilled.get(key, Tier.GPU).value.encode()
-                entry = hashlib.blake2b(name + key + tier, digest_size=KEY_BYTES).digest()
+                entry = hashlib.blake2b(name + key + tier, digest_size=PAGE_KEY_BYTES).digest()
                 total += int.from_bytes(entry, "big")
-        return (total % (1 << (8 * KEY_BYTES))).to_bytes(KEY_BYTES, "big")
+        return (total % (1 << (8 * PAGE_KEY_BYTES))).to_bytes(PAGE_KEY_BYTES, "big")
 
     # ---- pending entries ------------------------------------------------------------------
 
@@ -505,8 +506,8 @@ def _check_keys(keys: Sequence[bytes]) -> None:
         raise ValueError("keys must be a sequence of 16-byte keys, not one blob")
     if set(map(type, keys)) - {bytes}:
         raise ValueError("page keys must be bytes")
-    if set(map(len, keys)) - {KEY_BYTES}:
-        raise ValueError(f"page keys must be {KEY_BYTES} bytes")
+    if set(map(len, keys)) - {PAGE_KEY_BYTES}:
+        raise ValueError(f"page keys must be {PAGE_KEY_BYTES} bytes")
 
 
 def _check_read_keys(keys: Sequence[bytes]) -> None:
@@ -519,8 +520,8 @@ def _check_read_keys(keys: Sequence[bytes]) -> None:
         total = len(b"".join(keys))
     except TypeError:
         raise ValueError("page keys must be bytes") from None
-    if total != KEY_BYTES * len(keys):
-        raise ValueError(f"page keys must be {KEY_BYTES} bytes")
+    if total != PAGE_KEY_BYTES * len(keys):
+        raise ValueError(f"page keys must be {PAGE_KEY_BYTES} bytes")
 
 
 def _require(condition: bool, message: str) -> None:

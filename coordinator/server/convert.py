@@ -28,9 +28,7 @@ from coordinator.core.router import LookupResult, PromptInput, RouteResult, Scop
 from coordinator.core.routing import WorkerLoad
 from coordinator.service import StatsSnapshot, WorkerView
 from coordinator.v1 import coordinator_pb2 as pb
-
-PROTOCOL_VERSION = 1
-KEY_BYTES = 16
+from coordinator.wire import PAGE_KEY_BYTES, PROTOCOL_VERSION
 
 TIER_FROM_PB = {
     pb.TIER_UNSPECIFIED: Tier.GPU, pb.TIER_GPU: Tier.GPU, pb.TIER_CPU: Tier.CPU,
@@ -67,9 +65,9 @@ def check_protocol(version: int) -> None:
 
 
 def page_keys_from(blob: bytes, what: str) -> list[bytes]:
-    if len(blob) % KEY_BYTES:
+    if len(blob) % PAGE_KEY_BYTES:
         raise InvalidArgument(
-            f"{what}: {len(blob)} bytes of page keys is not a multiple of {KEY_BYTES}"
+            f"{what}: {len(blob)} bytes of page keys is not a multiple of {PAGE_KEY_BYTES}"
         )
     return split_page_keys(blob)
 

@@ -25,10 +25,11 @@ from coordinator.rpc.identities import (
     visible_workers,
 )
 from coordinator.server import convert
-from coordinator.server.convert import PROTOCOL_VERSION, check_protocol, prompt_from, scope_from
+from coordinator.server.convert import check_protocol, prompt_from, scope_from
 from coordinator.service import CoordinatorService
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import PROTOCOL_VERSION
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 

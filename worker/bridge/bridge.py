@@ -30,9 +30,9 @@ from coordinator.client.targets import Targets
 from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, PageHasher
 from coordinator.core.index import Tier
 from coordinator.core.page_events import PageEvent
-from coordinator.server.convert import PROTOCOL_VERSION
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import PROTOCOL_VERSION
 from worker.bridge.block_map import BlockMap
 from worker.bridge.engine_events import (
     AllBlocksCleared,
