@@ -1,6 +1,9 @@
-"""A scripted worker: speaks ``Register`` and the ``Sync`` stream through the generated stubs,
-holding the pages it is told to hold. It owns no KV memory; the demo and the integration tests
-use it to drive a real coordinator exactly as a worker would (the real agent lives in ``worker``).
+"""A scripted worker for tests and benches: the Sync protocol's messages as ``worker.sync_client``
+and ``worker.event_log`` build them (Register, hello, inventory chunks), sent one step at a time
+under the caller's control, holding the pages it is told to hold. It owns no KV memory; tests and
+benches use it to drive a real coordinator exactly as a worker would, including the protocol
+violations a real worker never commits (forced sequence numbers). Workers that keep themselves in
+sync (the agent, the bridge) use ``SyncClient`` itself.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from coordinator.client.channels import call_metadata
 from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from worker.event_log import inventory_chunks
+from worker.sync_client import WorkerIdentity, hello_request, register_request
 
 
 class ScriptedWorker:
@@ -59,15 +64,11 @@ class ScriptedWorker:
     async def register(self) -> pb.RegisterResponse:
         self._channel = self._channel or grpc.aio.insecure_channel(self.target)
         stub = pb_grpc.CoordinatorStub(self._channel)
-        cfg = self.hash_config
-        response: pb.RegisterResponse = await stub.Register(pb.RegisterRequest(
-            worker_id=self.worker_id, address=self.address, total_pages=self.total_pages,
-            policy_version=self.policy_version, model=self.model,
-            hash_config=pb.HashConfig(
-                algorithm=cfg.algorithm.value, page_size=cfg.page_size,
-                fingerprint=cfg.fingerprint(),
-            ),
-        ), metadata=self.metadata)
+        identity = WorkerIdentity(worker_id=self.worker_id, address=self.address,
+                                  model=self.model, total_pages=self.total_pages,
+                                  hash_config=self.hash_config)
+        response: pb.RegisterResponse = await stub.Register(
+            register_request(identity, self.policy_version), metadata=self.metadata)
         self.incarnation = response.incarnation
         self.seq = 0
         self.held.clear()
@@ -80,11 +81,10 @@ class ScriptedWorker:
         self._call = stub.Sync(metadata=self.metadata)
         self.received = asyncio.Queue()  # nothing from an earlier stream leaks into this one
         self.stream_error = None
-        hello = pb.SyncHello(
-            worker_id=self.worker_id, incarnation=self.incarnation,
-            last_acked_seq=self.seq if last_acked_seq is None else last_acked_seq,
-        )
-        await self._call.write(pb.SyncRequest(hello=hello))
+        await self._call.write(hello_request(
+            self.worker_id, self.incarnation,
+            self.seq if last_acked_seq is None else last_acked_seq,
+        ))
         self._reader = asyncio.create_task(self._read())
         return await self.next_message()
 
@@ -154,13 +154,9 @@ class ScriptedWorker:
 
     async def send_inventory(self, resync_id: int, chunk_pages: int = 4096) -> None:
         """Stream ``held`` as the full inventory in chunks; the last chunk carries ``seq``."""
-        keys = sorted(self.held)
-        chunks = [keys[i:i + chunk_pages] for i in range(0, len(keys), chunk_pages)] or [[]]
-        for i, chunk in enumerate(chunks):
-            await self.send(pb.SyncRequest(inventory=pb.InventoryChunk(
-                resync_id=resync_id, page_keys=b"".join(chunk), tier=pb.TIER_GPU,
-                last=i == len(chunks) - 1, seq=self.seq,
-            )))
+        for chunk in inventory_chunks({pb.TIER_GPU: sorted(self.held)}, resync_id=resync_id,
+                                      seq=self.seq, keys_per_message=chunk_pages):
+            await self.send(pb.SyncRequest(inventory=chunk))
 
     async def disconnect(self) -> None:
         """Close the stream (half-close, then cancel), keeping the channel and registration."""

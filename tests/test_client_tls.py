@@ -27,6 +27,7 @@ from worker.engine import ModelConfig
 from worker.gate import GenerationGate
 from worker.metrics import WorkerMetrics
 from worker.runtime import WorkerRuntime
+from worker.sync_client import SyncCounters
 
 
 @pytest.fixture(scope="module")
@@ -369,7 +370,8 @@ async def test_the_worker_agent_registers_and_syncs_with_its_token_and_certifica
         runtime = WorkerRuntime(model=ModelConfig(max_context=64), pages=8, page_size=16,
                                 hash_config=config.hash_config())
         agent = CoordinatorAgent(config, runtime, GenerationGate(), worker_id="w0",
-                                 address="127.0.0.1:1", metrics=WorkerMetrics())
+                                 address="127.0.0.1:1", metrics=WorkerMetrics(),
+                                 counters=SyncCounters())
         agent.start()
         try:
             # The recorder ends each Sync after the hello: the agent registers and syncs again.

@@ -1436,6 +1436,7 @@ def exported_metrics() -> dict[str, set[str]]:
     from coordinator.service import StatsSnapshot
     from worker.metrics import WorkerMetrics
     from worker.runtime import RuntimeStats
+    from worker.sync_client import SyncCounters
 
     # replica_id set: the replication metrics appear only with replicas.
     stats = StatsSnapshot(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, types.SimpleNamespace(version=0),
@@ -1443,7 +1444,7 @@ def exported_metrics() -> dict[str, set[str]]:
     # What CoordinatorMetrics reads of the service: its stats and the policy-update counters.
     coordinator = CoordinatorMetrics(types.SimpleNamespace(
         stats=lambda: stats, updates=types.SimpleNamespace(restores=0)))
-    worker = WorkerMetrics(lambda: RuntimeStats(0, 0, 0, 0, 0, 0))
+    worker = WorkerMetrics(lambda: RuntimeStats(0, 0, 0, 0, 0, 0), sync=SyncCounters())
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
     labelled = {m._name: set(m._labelnames)  # the collectors created with label names
                 for m in [*vars(coordinator).values(), *vars(worker).values()]

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.server.metrics import CoordinatorMetrics
@@ -18,10 +18,11 @@ from coordinator.service import CoordinatorService
 from coordinator.store.memory import MemoryStore
 from kvcoord.cli_security import CLIENT_FILE_VARIABLES, TOKEN_VARIABLE
 from worker.bridge.bridge import Bridge, BridgeConfig
-from worker.bridge.serve import BridgeCollector
+from worker.bridge.serve import bridge_registry
 from worker.config import WorkerConfig
 from worker.metrics import WorkerMetrics
 from worker.runtime import RuntimeStats
+from worker.sync_client import SyncCounters
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -39,19 +40,16 @@ def exposed_metric_names() -> set[str]:
     coordinator.requests.labels("Route", "OK").inc()
     coordinator.latency.labels("Route").observe(0.001)
     text = generate_latest(coordinator.registry).decode()
-    worker = WorkerMetrics(lambda: stats)
+    worker = WorkerMetrics(lambda: stats, sync=SyncCounters())
     worker.requests.labels("Generate", "OK").inc()
     worker.latency.labels("Generate").observe(0.1)
     worker.prompt_tokens.labels("cached").inc()
-    worker.sync_keys.labels("stored").inc()
     worker.sync_policy_commands.labels("drain").inc()
     text += generate_latest(worker.registry).decode()
     bridge = Bridge(BridgeConfig(events="tcp://127.0.0.1:1", coordinator="127.0.0.1:1",
                                  worker_id="engine", worker_address="127.0.0.1:2"))
     bridge.malformed["frame"] = 1
-    registry = CollectorRegistry()
-    registry.register(BridgeCollector(bridge))
-    text += generate_latest(registry).decode()
+    text += generate_latest(bridge_registry(bridge)).decode()
     names = set()
     for line in text.splitlines():
         if line and not line.startswith("#"):

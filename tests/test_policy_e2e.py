@@ -442,7 +442,7 @@ def test_updates_under_load_keep_every_generation_attributable_and_fence_a_silen
         # Its stream was closed (fenced, lease gone): it registered again and caught up.
         rejoin = [(e["event"], e.get("version")) for e in fleet.log_events(stuck_id)
                   if log_time(e) >= resumed]
-        assert ("agent.registered", None) in rejoin
+        assert ("sync.registered", None) in rejoin
         assert ("agent.catching_up", start + 3) in rejoin
 
         updates.append(update(client, "async"))

@@ -81,9 +81,47 @@ def test_a_new_incarnation_announces_its_inventory_from_seq_one() -> None:
     log.add(STORED, [key(9)])
     log.cut()
     log.restart()
-    batches = log.inventory_batches([key(i) for i in range(5)])
+    batches = log.inventory_batches({pb.TIER_GPU: [key(i) for i in range(5)]})
     assert [b.seq for b in batches] == [1, 2, 3]
-    assert all(e.kind == STORED for b in batches for e in b.events)
+    assert all(e.kind == STORED and e.tier == pb.TIER_GPU for b in batches for e in b.events)
+
+
+def test_an_announcement_cuts_one_tier_per_batch_under_the_message_limit() -> None:
+    log = EventLog(max_unacked=8, max_message_bytes=1024 + 16 + 16 * 2)  # 2 keys a message
+    batches = log.inventory_batches({pb.TIER_GPU: [key(i) for i in range(3)],
+                                     pb.TIER_CPU: [key(7)]})
+    assert [(b.seq, b.events[0].tier, len(b.events[0].page_keys) // 16) for b in batches] == [
+        (1, pb.TIER_GPU, 2), (2, pb.TIER_GPU, 1), (3, pb.TIER_CPU, 1)]
+
+
+def test_a_resync_answer_is_chunked_by_tier_with_the_last_chunk_marked() -> None:
+    log = EventLog(max_unacked=8, max_message_bytes=1024 + 16 + 16 * 2)
+    log.add(STORED, [key(1)])
+    log.cut()
+    seq = log.rebase()
+    chunks = log.inventory_chunks({pb.TIER_GPU: [key(i) for i in range(3)],
+                                   pb.TIER_CPU: [key(9)]}, resync_id=4)
+    assert [(c.resync_id, c.tier, len(c.page_keys) // 16, c.last, c.seq) for c in chunks] == [
+        (4, pb.TIER_GPU, 2, False, seq), (4, pb.TIER_GPU, 1, False, seq),
+        (4, pb.TIER_CPU, 1, True, seq)]
+    [empty] = log.inventory_chunks({}, resync_id=5)
+    assert (empty.resync_id, empty.page_keys, empty.last) == (5, b"", True)
+
+
+def test_events_merge_only_within_one_tier_and_a_clear_supersedes_what_is_pending() -> None:
+    log = EventLog(max_unacked=8)
+    log.add(STORED, [key(1)], pb.TIER_GPU)
+    log.add(STORED, [key(2)], pb.TIER_CPU)
+    log.add(STORED, [key(3)], pb.TIER_CPU)
+    batch = log.cut()
+    assert [(e.tier, len(e.page_keys) // 16) for e in batch.events] == [
+        (pb.TIER_GPU, 1), (pb.TIER_CPU, 2)]
+    log.add(STORED, [key(4)])
+    assert log.add(pb.PageEvent.KIND_CLEARED, []) is True  # cut at once
+    log.add(STORED, [key(5)])
+    batch = log.cut()
+    assert [(e.kind, e.page_keys) for e in batch.events] == [
+        (pb.PageEvent.KIND_CLEARED, b""), (STORED, key(5))]
 
 
 @pytest.fixture

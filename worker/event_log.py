@@ -1,6 +1,6 @@
-"""The worker side of the Sync sequence rules: pending page events, numbered batches, acks, and
-what to resend after a reconnect (docs/PROTOCOL.md §4). No I/O and no clock: the agent decides
-when to cut a batch and where to send it.
+"""The worker side of the Sync sequence rules: pending page events, numbered batches, acks, what
+to resend after a reconnect, and inventories cut under the message limit (docs/PROTOCOL.md §4).
+No I/O and no clock: ``worker.sync_client`` decides when to cut a batch and where to send it.
 
 Every page event sets a key's state (held / not held), so replaying events that an inventory
 snapshot already reflects is harmless: the last event for a key wins, and it matches the snapshot.
@@ -10,10 +10,14 @@ That is what lets ``restart`` and ``rebase`` drop pending events taken before a 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.wire import PAGE_KEY_BYTES
+
+Holdings = Mapping["pb.Tier", Sequence[bytes]]
+"""What a worker holds: page keys by tier (``pb.TIER_GPU``, ...)."""
 
 EVENT_OVERHEAD = 16  # bytes of protobuf framing per PageEvent, rounded up
 BATCH_OVERHEAD = 1024  # SyncRequest + EventBatch framing, with room to spare
@@ -22,6 +26,7 @@ BATCH_OVERHEAD = 1024  # SyncRequest + EventBatch framing, with room to spare
 @dataclass(slots=True)
 class _Pending:
     kind: pb.PageEvent.Kind
+    tier: pb.Tier
     keys: list[bytes]
 
 
@@ -38,7 +43,8 @@ class Resume:
 class EventLog:
     """Pending events and unacknowledged batches of one incarnation.
 
-    ``add`` queues an event (consecutive events of one kind merge); ``cut`` numbers the next batch
+    ``add`` queues an event (consecutive events of one kind and tier merge; a CLEARED event
+    supersedes everything pending before it); ``cut`` numbers the next batch
     (seq + 1), within ``max_events`` events and ``max_message_bytes``, and keeps it until ``ack``.
     At most ``max_unacked`` batches are kept: older ones are dropped and the loss is repaired by a
     resync at the next ``resume``. At most ``max_pending_keys`` keys wait unbatched; beyond that
@@ -68,14 +74,22 @@ class EventLog:
     def unacked(self) -> int:
         return len(self._unacked)
 
-    def add(self, kind: pb.PageEvent.Kind, keys: list[bytes]) -> bool:
-        """Queue one event; returns True when a full batch is waiting (cut it now)."""
+    def add(
+        self, kind: pb.PageEvent.Kind, keys: list[bytes], tier: pb.Tier = pb.TIER_GPU
+    ) -> bool:
+        """Queue one event; returns True when a batch should be cut now (a full one is waiting,
+        or a CLEARED event: the coordinator should drop the worker's entries without delay)."""
+        if kind == pb.PageEvent.KIND_CLEARED:
+            self._drop_pending()  # what it would have stored or removed is cleared anyway
+            self._pending.append(_Pending(kind, tier, []))
+            return True
         if not keys:
             return False
-        if self._pending and self._pending[-1].kind == kind:
-            self._pending[-1].keys.extend(keys)
+        last = self._pending[-1] if self._pending else None
+        if last is not None and last.kind == kind and last.tier == tier:
+            last.keys.extend(keys)
         else:
-            self._pending.append(_Pending(kind, list(keys)))
+            self._pending.append(_Pending(kind, tier, list(keys)))
         self._pending_keys += len(keys)
         if self._pending_keys > self._max_pending_keys:
             self._drop_pending()
@@ -99,7 +113,7 @@ class EventLog:
             if room <= 0:
                 break
             take, rest = head.keys[:room], head.keys[room:]
-            events.append(pb.PageEvent(kind=head.kind, page_keys=b"".join(take)))
+            events.append(pb.PageEvent(kind=head.kind, page_keys=b"".join(take), tier=head.tier))
             budget -= EVENT_OVERHEAD + PAGE_KEY_BYTES * len(take)
             self._pending_keys -= len(take)
             if rest:
@@ -148,22 +162,26 @@ class EventLog:
         self.lost = False
         return self.seq
 
-    def inventory_batches(self, keys: list[bytes]) -> list[pb.EventBatch]:
+    def inventory_batches(self, holdings: Holdings) -> list[pb.EventBatch]:
         """Number and keep the full holdings as STORED batches (a new incarnation announcing
-        what it holds), one message's worth of keys per batch."""
-        per = self.keys_per_message()
+        what it holds), one message's worth of keys of one tier per batch."""
         batches = []
-        for start in range(0, len(keys), per):
+        for tier, keys in _chunks(holdings, self.keys_per_message()):
             self.seq += 1
-            event = pb.PageEvent(
-                kind=pb.PageEvent.KIND_STORED, page_keys=b"".join(keys[start:start + per])
-            )
+            event = pb.PageEvent(kind=pb.PageEvent.KIND_STORED, page_keys=keys, tier=tier)
             batches.append(pb.EventBatch(seq=self.seq, events=[event]))
         self._unacked.extend(batches)
         while len(self._unacked) > self._max_unacked:
             self._unacked.popleft()
             self.lost = True
         return batches
+
+    def inventory_chunks(self, holdings: Holdings, resync_id: int) -> list[pb.InventoryChunk]:
+        """The answer to resync ``resync_id``: the full holdings in chunks of one tier, each
+        under the message limit; the last is marked and every chunk carries the current seq
+        (the coordinator resumes the sequence after it). An empty holding is one empty chunk."""
+        return inventory_chunks(holdings, resync_id=resync_id, seq=self.seq,
+                                keys_per_message=self.keys_per_message())
 
     def keys_per_message(self) -> int:
         """Page keys that fit one message (an event batch or an inventory chunk)."""
@@ -178,3 +196,23 @@ class EventLog:
     def _drop_pending(self) -> None:
         self._pending.clear()
         self._pending_keys = 0
+
+
+def inventory_chunks(
+    holdings: Holdings, *, resync_id: int, seq: int, keys_per_message: int
+) -> list[pb.InventoryChunk]:
+    """``holdings`` as the chunks of one resync answer: one tier per chunk, at most
+    ``keys_per_message`` keys each, the last marked; every chunk carries ``seq``."""
+    chunks = [pb.InventoryChunk(resync_id=resync_id, page_keys=keys, tier=tier, seq=seq)
+              for tier, keys in _chunks(holdings, keys_per_message)]
+    if not chunks:
+        chunks = [pb.InventoryChunk(resync_id=resync_id, tier=pb.TIER_GPU, seq=seq)]
+    chunks[-1].last = True
+    return chunks
+
+
+def _chunks(holdings: Holdings, per: int) -> Iterator[tuple[pb.Tier, bytes]]:
+    """(tier, up to ``per`` concatenated keys), tier by tier, in the holdings' order."""
+    for tier, keys in holdings.items():
+        for start in range(0, len(keys), per):
+            yield tier, b"".join(keys[start:start + per])

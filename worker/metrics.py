@@ -10,12 +10,17 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from worker.runtime import RuntimeStats
+from worker.sync_client import SyncCounters
+from worker.sync_metrics import SyncCollector
 
 
 class WorkerMetrics:
-    """Counters fed by the server wrapper and the agent; gauges from ``stats`` per scrape."""
+    """Counters fed by the server wrapper and the policy command handler; gauges from ``stats``
+    and the Sync client's ``sync`` counts per scrape."""
 
-    def __init__(self, stats: Callable[[], RuntimeStats] | None = None) -> None:
+    def __init__(
+        self, stats: Callable[[], RuntimeStats] | None = None, sync: SyncCounters | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -33,31 +38,14 @@ class WorkerMetrics:
         self.generated_tokens = Counter(
             "kvcoord_worker_generated_tokens_total", "Completion tokens generated", registry=r,
         )
-        self.sync_registrations = Counter(
-            "kvcoord_worker_sync_registrations_total", "Register calls that succeeded", registry=r,
-        )
-        self.sync_streams = Counter(
-            "kvcoord_worker_sync_streams_total", "Sync streams opened (welcome received)",
-            registry=r,
-        )
-        self.sync_batches = Counter(
-            "kvcoord_worker_sync_batches_total", "Event batches queued for the coordinator "
-            "(resends included)", registry=r,
-        )
-        self.sync_keys = Counter(
-            "kvcoord_worker_sync_keys_total", "Page keys reported, by event kind", ["kind"],
-            registry=r,
-        )
-        self.sync_resyncs = Counter(
-            "kvcoord_worker_sync_resyncs_total", "Resync requests answered with an inventory",
-            registry=r,
-        )
         self.sync_policy_commands = Counter(
             "kvcoord_worker_sync_policy_commands_total", "Policy commands handled, by kind",
             ["kind"], registry=r,
         )
         if stats is not None:
             r.register(_RuntimeCollector(stats))
+        if sync is not None:
+            r.register(SyncCollector(sync, "kvcoord_worker_sync"))
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Expose ``/metrics`` over HTTP; returns the bound port (``port=0`` picks a free one)."""
@@ -83,3 +71,4 @@ class _RuntimeCollector(Collector):
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+

@@ -28,6 +28,7 @@ from worker.metrics import WorkerMetrics
 from worker.relay import EventRelay
 from worker.runtime import GenerationAborted, InvalidRequest, PoolExhausted, WorkerRuntime
 from worker.servicer import SyncState, WorkerServicer
+from worker.sync_client import SyncCounters
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 
@@ -94,7 +95,8 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         prefix_caching=config.prefix_caching, events=relay,
         max_new_tokens_limit=config.max_new_tokens,
     )
-    metrics = WorkerMetrics(runtime.stats)
+    sync_counters = SyncCounters()
+    metrics = WorkerMetrics(runtime.stats, sync=sync_counters)
     gate = GenerationGate()
     server = grpc.aio.server(options=channel_options(config.max_message_bytes))
     security = ServerSecurity.from_config(config)
@@ -103,7 +105,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         raise OSError(f"could not bind {config.listen}")
     worker_id, address = config.identity(port)
     agent = CoordinatorAgent(config, runtime, gate, worker_id=worker_id, address=address,
-                             metrics=metrics)
+                             metrics=metrics, counters=sync_counters)
 
     def sync_state() -> SyncState:
         return SyncState(worker_id, agent.incarnation, agent.synced.is_set())

@@ -1,8 +1,9 @@
 """``kvcoord bridge vllm|sglang``: an unmodified engine's KV-cache events, as a coordinator worker.
 
 The bridge subscribes to the engine's ZMQ publisher (frames ``[topic, seq, payload]``), turns
-each batch into page events (``BlockMap``) and sends them on its own Sync stream, registered as
-an *external* worker: it stays out of policy barriers and serves the ``policy_version`` it is
+each batch into page events (``BlockMap``) and sends them through a ``SyncClient``
+(``worker.sync_client``: acks, resends, chunked inventories, heartbeats, failover), registered
+as an *external* worker: it stays out of policy barriers and serves the ``policy_version`` it is
 given. Engine sequence numbers are checked: a gap, or a first number above 0, is filled by the
 engine's replay socket (``[b"", start_seq]`` to a DEALER; replies in either the current vLLM or
 the older vLLM/SGLang form, up to the end marker seq -1). Without replay, or when it fails, the
@@ -15,24 +16,19 @@ when given.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
 import structlog
 import zmq
 import zmq.asyncio
 
-from coordinator.client.channels import ClientTls, client_channel_options, open_aio_channel
-from coordinator.client.targets import Targets
+from coordinator.client.channels import ClientTls
 from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, PageHasher
 from coordinator.core.index import Tier
 from coordinator.core.page_events import PageEvent
 from coordinator.v1 import coordinator_pb2 as pb
-from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from coordinator.wire import PROTOCOL_VERSION
 from worker.bridge.block_map import BlockMap
 from worker.bridge.engine_events import (
     AllBlocksCleared,
@@ -41,6 +37,8 @@ from worker.bridge.engine_events import (
     MalformedInput,
     decode_payload,
 )
+from worker.event_log import Holdings
+from worker.sync_client import SyncClient, SyncSettings, WorkerIdentity
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +67,10 @@ class BridgeConfig:
     hash_key: str | None = None
     heartbeat_ms: int | None = None
     engine: str = "vllm"
+    # What Register reports: the coordinator caps what it indexes for one worker at
+    # min(max_pages_per_worker, 4x this).
+    total_pages: int = 1 << 20
+    event_flush_ms: int = 5
 
     def __post_init__(self) -> None:
         block = self.engine_block_size or self.page_size
@@ -93,174 +95,100 @@ class BridgeConfig:
 
 
 class Bridge:
-    """One engine's events -> one external worker of the coordinator. ``token``: bearer token
-    sent on every call to the coordinator; ``tls``: TLS to it (plaintext when None)."""
+    """One engine's events -> one external worker of the coordinator, through a ``SyncClient``
+    (``worker.sync_client``: acks, resends, chunked inventories, heartbeats, failover).
+    ``token``: bearer token sent on every call to the coordinator; ``tls``: TLS to it."""
 
     def __init__(
         self, config: BridgeConfig, *, token: str | None = None, tls: ClientTls | None = None
     ) -> None:
         self.config = config
-        self._token = token
-        self._tls = tls
-        self._hash = config.hash_config()
-        self.blocks = BlockMap(PageHasher(self._hash), model=config.model,
+        hash_config = config.hash_config()
+        self.blocks = BlockMap(PageHasher(hash_config), model=config.model,
                                policy_version=config.policy_version, page_size=config.page_size)
         self.malformed: dict[str, int] = {}
         self.applied: dict[str, int] = {"stored": 0, "removed": 0, "cleared": 0}
         self.last_seq = -1
         self.replays = 0
         self.rebuilds = 0
-        self.incarnation = 0
-        self.synced = asyncio.Event()
-        self._targets = Targets.parse(config.coordinator)
-        # Sockets and channels are opened by start(): a Bridge built and never started (its
-        # metrics collector, a test) holds nothing that needs a loop or a clean-up.
+        identity = WorkerIdentity(
+            worker_id=config.worker_id, address=config.worker_address, model=config.model,
+            total_pages=config.total_pages, hash_config=hash_config, external=True,
+        )
+        settings = SyncSettings(targets=config.coordinator, heartbeat_ms=config.heartbeat_ms,
+                                event_flush_ms=config.event_flush_ms, token=token, tls=tls)
+        self.sync = SyncClient(identity, settings, self)
+        # Sockets are opened by start(): a Bridge built and never started (its metrics
+        # collector, a test) holds nothing that needs a loop or a clean-up.
         self._zmq: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
-        self._channels: list[grpc.aio.Channel] = []
-        self._target = 0
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._seq = 0  # our sequence numbers on the Sync stream
-        self._heartbeat_s = (config.heartbeat_ms or 1000) / 1000
-        self._tasks: list[asyncio.Task[None]] = []
-        self._reader: asyncio.Task[None] | None = None
+        self._engine: asyncio.Task[None] | None = None
+
+    @property
+    def incarnation(self) -> int:
+        return self.sync.incarnation
+
+    @property
+    def synced(self) -> asyncio.Event:
+        return self.sync.synced
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Subscribe, register, open the Sync stream; then follow the engine in the background."""
+        """Subscribe, register and open the Sync stream (waiting until it is welcomed); then
+        follow the engine in the background. Raises ``RegistrationRefused`` when the
+        coordinator refuses the registration for good (a hash key or protocol mismatch)."""
         self._zmq = zmq.asyncio.Context()
         self._sub = self._zmq.socket(zmq.SUB)
-        options = client_channel_options(16 << 20)
-        self._channels = [open_aio_channel(t, options, self._tls, token=self._token)
-                          for t in self._targets]
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(self.config.events)
-        await self._connect()
-        self._tasks = [asyncio.create_task(self._follow_engine(), name="bridge-engine"),
-                       asyncio.create_task(self._heartbeats(), name="bridge-heartbeat")]
+        self.sync.start()
+        synced = asyncio.create_task(self.sync.synced.wait())
+        failed = asyncio.create_task(self.sync.failed.wait())
+        await asyncio.wait([synced, failed], return_when=asyncio.FIRST_COMPLETED)
+        synced.cancel()
+        failed.cancel()
+        if self.sync.error is not None:
+            raise self.sync.error
+        self._engine = asyncio.create_task(self._follow_engine(), name="bridge-engine")
         log.info("bridge.started", worker=self.config.worker_id, engine=self.config.engine,
-                 events=self.config.events, replay=self.config.replay)
+                 events=self.config.events, replay=self.config.replay,
+                 incarnation=self.incarnation)
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *([self._reader] if self._reader is not None else [])]
-        self._call, call = None, self._call  # the reader must not reconnect
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=2.0)
-        self._tasks, self._reader = [], None
-        if call is not None:
-            call.cancel()
-        with contextlib.suppress(grpc.RpcError):
-            if self.incarnation:
-                await self._stub().Deregister(pb.DeregisterRequest(
-                    protocol_version=PROTOCOL_VERSION, worker_id=self.config.worker_id,
-                    incarnation=self.incarnation), timeout=2.0)
-        for channel in self._channels:
-            await channel.close()
-        self._channels = []
+        if self._engine is not None:
+            self._engine.cancel()
+            await asyncio.wait([self._engine], timeout=2.0)
+            self._engine = None
+        await self.sync.stop(deregister=True)
         if self._sub is not None:
             self._sub.close(linger=0)
         if self._zmq is not None:
             self._zmq.term()
         self._sub = self._zmq = None
 
-    # ------------------------------------------------------------------ the coordinator side
+    # ------------------------------------------------------------------ SyncOwner
 
-    def _stub(self) -> pb_grpc.CoordinatorStub:
-        return pb_grpc.CoordinatorStub(self._channels[self._target])
+    def policy_version(self) -> int:
+        return self.config.policy_version
 
-    async def _connect(self) -> None:
-        """Register (a new incarnation: the coordinator starts from nothing) and send what we
-        hold; on failure try the next target, with backoff."""
-        cfg, attempt = self.config, 0
-        while True:
-            try:
-                response = await self._stub().Register(pb.RegisterRequest(
-                    protocol_version=PROTOCOL_VERSION, worker_id=cfg.worker_id,
-                    address=cfg.worker_address, total_pages=1 << 20,
-                    policy_version=cfg.policy_version, external=True, model=cfg.model,
-                    hash_config=pb.HashConfig(algorithm=self._hash.algorithm.value,
-                                              page_size=self._hash.page_size,
-                                              fingerprint=self._hash.fingerprint()),
-                ), timeout=5.0)
-                self.incarnation = response.incarnation
-                if cfg.heartbeat_ms is None and response.heartbeat_ms:
-                    self._heartbeat_s = response.heartbeat_ms / 1000
-                call = self._stub().Sync()
-                hello = pb.SyncHello(worker_id=cfg.worker_id, incarnation=self.incarnation,
-                                     last_acked_seq=0)
-                await call.write(pb.SyncRequest(protocol_version=PROTOCOL_VERSION, hello=hello))
-                welcome = await call.read()
-                if welcome is grpc.aio.EOF or welcome.WhichOneof("body") != "welcome":
-                    raise ConnectionError("no welcome on the Sync stream")
-                self._call, self._seq = call, welcome.welcome.next_seq - 1
-                self._reader = asyncio.create_task(self._read_coordinator(call))
-                inventory = self.blocks.inventory()
-                if inventory:
-                    await self._send([PageEvent("stored", tuple(keys), tier)
-                                      for tier, keys in inventory.items()])
-                self.synced.set()
-                log.info("bridge.registered", worker=cfg.worker_id,
-                         incarnation=self.incarnation, blocks=len(self.blocks))
-                return
-            except (grpc.RpcError, ConnectionError) as exc:
-                attempt += 1
-                self._target = (self._target + 1) % len(self._channels)
-                log.warning("bridge.register_failed", worker=cfg.worker_id, error=str(exc)[:200])
-                await asyncio.sleep(min(5.0, 0.1 * 2 ** min(attempt, 6)))
+    async def holdings(self) -> Holdings:
+        """What the engine holds now, by tier (taken on the loop, where the map changes)."""
+        return {_TIER_PB[tier]: keys for tier, keys in self.blocks.inventory().items()}
 
-    async def _read_coordinator(self, call: grpc.aio.StreamStreamCall) -> None:
-        """Answer resync requests with our inventory; reconnect when the stream ends."""
-        try:
-            while True:
-                message = await call.read()
-                if message is grpc.aio.EOF:
-                    break
-                if message.WhichOneof("body") == "resync":
-                    await self._send_inventory(message.resync.resync_id)
-        except grpc.RpcError as exc:
-            log.warning("bridge.stream_ended", code=exc.code().name, details=exc.details())
-        if call is self._call:  # not stopping: come back under a new incarnation
-            self.synced.clear()
-            self._call = None
-            await self._connect()
+    def heartbeat(self) -> pb.Heartbeat:
+        return pb.Heartbeat(completed_routes=_SETTLE_ALL)
 
-    async def _send_inventory(self, resync_id: int) -> None:
-        assert self._call is not None
-        inventory = list(self.blocks.inventory().items()) or [(Tier.GPU, [])]
-        for i, (tier, keys) in enumerate(inventory):
-            await self._call.write(pb.SyncRequest(protocol_version=PROTOCOL_VERSION,
-                                                  inventory=pb.InventoryChunk(
-                resync_id=resync_id, page_keys=b"".join(keys), tier=_TIER_PB[tier],
-                last=i == len(inventory) - 1, seq=self._seq)))
+    async def registered(self, response: pb.RegisterResponse) -> None:
+        """An external worker serves the version it is given: nothing to load."""
 
-    async def _send(self, events: Sequence[PageEvent]) -> None:
-        if not events:
-            return
-        if self._call is None:
-            return  # the inventory sent at the next registration carries it
-        self._seq += 1
-        batch = pb.EventBatch(seq=self._seq, events=[
-            pb.PageEvent(kind=_KIND_PB[e.kind], page_keys=b"".join(e.keys), tier=_TIER_PB[e.tier])
-            for e in events])
-        try:
-            await self._call.write(pb.SyncRequest(protocol_version=PROTOCOL_VERSION,
-                                                  events=batch))
-        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
-            log.warning("bridge.send_failed", error=str(exc)[:200])
+    def command(self, command: pb.PolicyCommand) -> None:
+        log.warning("bridge.unexpected_command", worker=self.config.worker_id,
+                    kind=command.kind, version=command.version)
 
-    async def _heartbeats(self) -> None:
-        while True:
-            await asyncio.sleep(self._heartbeat_s)
-            call = self._call
-            if call is None:
-                continue
-            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
-                await call.write(pb.SyncRequest(protocol_version=PROTOCOL_VERSION,
-                                                heartbeat=pb.Heartbeat(
-                    completed_routes=_SETTLE_ALL, policy_version=self.config.policy_version)))
+    def _send(self, events: Sequence[PageEvent]) -> None:
+        for event in events:
+            self.sync.page_event(_KIND_PB[event.kind], list(event.keys), _TIER_PB[event.tier])
 
     # ------------------------------------------------------------------ the engine side
 
@@ -293,7 +221,7 @@ class Bridge:
     async def _drop_everything(self) -> None:
         """Forget every block and have the coordinator drop the worker's entries."""
         self.blocks.clear()
-        await self._send([PageEvent("cleared", ())])
+        self._send([PageEvent("cleared", ())])
         self.applied["cleared"] += 1
 
     async def _fill_gap(self, seen: int) -> None:
@@ -364,7 +292,7 @@ class Bridge:
                     self.applied["cleared"] += 1
             except MalformedInput as exc:
                 self._skip(exc.kind, str(exc))
-        await self._send(out)
+        self._send(out)
 
     def _skip(self, kind: str, message: str) -> None:
         count = self.malformed[kind] = self.malformed.get(kind, 0) + 1

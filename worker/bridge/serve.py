@@ -13,6 +13,8 @@ from prometheus_client.registry import Collector
 
 from coordinator.client.channels import ClientTls
 from worker.bridge.bridge import Bridge, BridgeConfig
+from worker.sync_client import RegistrationRefused
+from worker.sync_metrics import SyncCollector
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +47,14 @@ class BridgeCollector(Collector):
                                 value=b.last_seq)
 
 
+def bridge_registry(bridge: Bridge) -> CollectorRegistry:
+    """What ``/metrics`` serves: the bridge's counters and its Sync client's."""
+    registry = CollectorRegistry()
+    registry.register(BridgeCollector(bridge))
+    registry.register(SyncCollector(bridge.sync.counters, "kvcoord_bridge_sync"))
+    return registry
+
+
 async def serve_bridge(
     config: BridgeConfig, *, metrics_port: int | None = None, token: str | None = None,
     tls: ClientTls | None = None,
@@ -53,14 +63,17 @@ async def serve_bridge(
     whose worker_id is ``config.worker_id``)."""
     bridge = Bridge(config, token=token, tls=tls)
     if metrics_port is not None:
-        registry = CollectorRegistry()
-        registry.register(BridgeCollector(bridge))
-        start_http_server(metrics_port, registry=registry)
+        start_http_server(metrics_port, registry=bridge_registry(bridge))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await bridge.start()
+    try:
+        await bridge.start()
+    except RegistrationRefused as exc:  # a hash key or protocol mismatch: retrying cannot help
+        log.error("bridge.exit", worker=config.worker_id, reason=str(exc))
+        await bridge.stop()
+        return 1
     await stop.wait()
     await bridge.stop()
     log.info("bridge.stopped", worker=config.worker_id)

@@ -1,0 +1,493 @@
+"""The worker side of the ``Sync`` protocol, once, for every kind of worker: the reference worker's
+agent (``worker.agent``), the bridge of an unmodified engine (``worker.bridge.bridge``), and the
+scripted worker of the tests and benches (``bench/scripted_worker.py``). Protocol:
+docs/PROTOCOL.md §4.
+
+``Register`` (a new incarnation) -> one Sync stream: hello with the last acknowledged sequence ->
+welcome(next_seq). Page events are batched and numbered by the ``EventLog``, kept until
+acknowledged and resent from ``welcome.next_seq`` after a reconnect. A heartbeat carries the
+owner's load every heartbeat period (sooner after ``beat_soon``). A resync request is answered
+with the owner's holdings in chunks under the message limit; a new incarnation announces them as
+STORED batches from seq 1. Policy commands go to the owner. A broken stream is reopened with
+exponential backoff and jitter, on the next target when this one is unreachable. What the
+coordinator said when it ended a stream decides what comes next, by its reason only
+(``coordinator.client.outcomes``): register again, leave for good, or reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import random
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+import structlog
+
+from coordinator.client.channels import ClientTls, channel_options, open_aio_channel
+from coordinator.client.targets import Targets
+from coordinator.core.hashing import HashConfig
+from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import PROTOCOL_VERSION
+from worker.event_log import EventLog, Holdings
+
+log = structlog.get_logger(__name__)
+
+# Minimum spacing of early heartbeats (each renews the lease in the store, so this also bounds
+# store writes per worker).
+BEAT_COALESCE_S = 0.02
+# FAILED_PRECONDITION details meaning "this incarnation is gone": register again.
+_REREGISTER = ("unknown worker", "stale incarnation", "re-register")
+_DEREGISTERED = "worker deregistered"
+
+
+class StreamEnd(enum.Enum):
+    """What the client does after a stream (or a registration) ended with an error."""
+
+    RECONNECT = "reconnect"  # same incarnation, same target, after a backoff
+    NEXT_TARGET = "next_target"  # this target cannot serve: the next one, after a backoff
+    REGISTER_AGAIN = "register_again"  # the coordinator forgot this incarnation
+    LEAVE = "leave"  # removed from the fleet for good: never register again
+
+
+def stream_end(exc: grpc.RpcError) -> StreamEnd:
+    """Why the coordinator ended the stream -> what to do next."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.FAILED_PRECONDITION and _DEREGISTERED in details:
+        return StreamEnd.LEAVE
+    if code == grpc.StatusCode.FAILED_PRECONDITION and any(s in details for s in _REREGISTER):
+        return StreamEnd.REGISTER_AGAIN
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return StreamEnd.NEXT_TARGET
+    return StreamEnd.RECONNECT
+
+
+class RegistrationRefused(Exception):
+    """The coordinator refused ``Register`` for good (hash key/config or protocol mismatch, bad
+    identity): retrying cannot help, the worker's configuration must change."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    """What ``Register`` says about the worker. ``external``: an engine behind a bridge (kept
+    out of policy barriers, serves the version it is given)."""
+
+    worker_id: str
+    address: str
+    model: str
+    total_pages: int
+    hash_config: HashConfig
+    external: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SyncSettings:
+    """How the client talks. ``heartbeat_ms`` None: the period the coordinator asks for."""
+
+    targets: str
+    heartbeat_ms: int | None = None
+    event_flush_ms: int = 5
+    max_unacked_batches: int = 1024
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_pending_keys: int = 1 << 20
+    rpc_timeout_s: float = 5.0
+    backoff_initial_ms: int = 100
+    backoff_max_ms: int = 5_000
+    token: str | None = None
+    tls: ClientTls | None = None
+
+
+@dataclass(slots=True)
+class SyncCounters:
+    """What the client did, for the owner's metrics (plain counts, only ever increasing)."""
+
+    registrations: int = 0
+    streams: int = 0
+    batches: int = 0
+    resyncs: int = 0
+    keys_stored: int = 0
+    keys_removed: int = 0
+
+
+def register_request(identity: WorkerIdentity, policy_version: int) -> pb.RegisterRequest:
+    """``Register`` for ``identity`` serving ``policy_version`` (a new incarnation)."""
+    hashing = identity.hash_config
+    return pb.RegisterRequest(
+        protocol_version=PROTOCOL_VERSION, worker_id=identity.worker_id,
+        address=identity.address, total_pages=identity.total_pages,
+        policy_version=policy_version, external=identity.external, model=identity.model,
+        hash_config=pb.HashConfig(algorithm=hashing.algorithm.value,
+                                  page_size=hashing.page_size, fingerprint=hashing.fingerprint()),
+    )
+
+
+def hello_request(worker_id: str, incarnation: int, last_acked_seq: int) -> pb.SyncRequest:
+    """The first message of a Sync stream: which incarnation, and the last batch acked."""
+    hello = pb.SyncHello(worker_id=worker_id, incarnation=incarnation,
+                         last_acked_seq=last_acked_seq)
+    return pb.SyncRequest(protocol_version=PROTOCOL_VERSION, hello=hello)
+
+
+class SyncOwner(Protocol):
+    """What the client asks of the worker it speaks for."""
+
+    def policy_version(self) -> int:
+        """The policy version the worker serves now (Register and heartbeats carry it)."""
+
+    async def holdings(self) -> Holdings:
+        """Every page held, by tier, as one consistent snapshot (it may be large: an owner
+        whose state lives outside the loop takes it in a worker thread)."""
+
+    def heartbeat(self) -> pb.Heartbeat:
+        """The worker's load now (``policy_version`` is filled in by the client)."""
+
+    async def registered(self, response: pb.RegisterResponse) -> None:
+        """A new incarnation was registered: serve the version it names (a worker fenced by a
+        barrier or registering mid-update must load it) before its stream opens."""
+
+    def command(self, command: pb.PolicyCommand) -> None:
+        """A policy command arrived (DRAIN / APPLY / RESUME); must return at once."""
+
+
+class SyncClient:
+    """One worker identity's registration and Sync stream (see the module docstring).
+
+    Runs on the event loop. ``synced`` is set while a stream is welcomed; ``failed`` once the
+    coordinator refused the registration for good (``error`` says why); ``left`` once it
+    removed the worker for good (it never registers again).
+    """
+
+    def __init__(
+        self, identity: WorkerIdentity, settings: SyncSettings, owner: SyncOwner, *,
+        counters: SyncCounters | None = None,
+    ) -> None:
+        self.identity = identity
+        self.settings = settings
+        self.counters = counters or SyncCounters()
+        self.incarnation = 0
+        self.synced = asyncio.Event()
+        self.failed = asyncio.Event()
+        self.left = asyncio.Event()
+        self.error: BaseException | None = None
+        self._owner = owner
+        self._log = EventLog(
+            max_unacked=settings.max_unacked_batches,
+            max_message_bytes=settings.max_message_bytes,
+            max_pending_keys=settings.max_pending_keys,
+        )
+        self._targets = Targets.parse(settings.targets)
+        self._target = 0  # index of the target in use; moves on when it is unreachable
+        self._channels: list[grpc.aio.Channel] = []
+        self._registration: pb.RegisterResponse | None = None
+        self._outbox: asyncio.Queue[pb.SyncRequest] | None = None
+        self._announced = False  # this incarnation's holdings are queued (seq 1...)
+        self._holding = False  # a holdings snapshot is being sent: no batch may be cut
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._beat_soon = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Open the channels and start registering and syncing in the background."""
+        cfg = self.settings
+        options = [
+            *channel_options(cfg.max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", cfg.backoff_initial_ms),
+            ("grpc.min_reconnect_backoff_ms", cfg.backoff_initial_ms),
+            ("grpc.max_reconnect_backoff_ms", cfg.backoff_max_ms),
+        ]
+        # The token goes on through an interceptor: other clients of the worker (the rollout
+        # reporter) call through these channels too, with stubs they build themselves.
+        self._channels = [open_aio_channel(t, options, cfg.tls, token=cfg.token)
+                          for t in self._targets]
+        self._task = asyncio.create_task(self._run(), name=f"sync-{self.identity.worker_id}")
+
+    async def stop(self, *, deregister: bool = True) -> None:
+        """Stop syncing; with ``deregister`` remove this worker and its pages from the
+        coordinator at once (graceful shutdown) instead of waiting for the lease to run out."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if deregister and self.incarnation and not self.left.is_set() and self._channels:
+            request = pb.DeregisterRequest(
+                protocol_version=PROTOCOL_VERSION, worker_id=self.identity.worker_id,
+                incarnation=self.incarnation,
+            )
+            try:
+                await self.stub().Deregister(request, timeout=self.settings.rpc_timeout_s)
+                log.info("sync.deregistered", worker=self.identity.worker_id,
+                         incarnation=self.incarnation)
+            except grpc.RpcError as exc:
+                log.warning("sync.deregister_failed", worker=self.identity.worker_id,
+                            code=exc.code().name)
+        for channel in self._channels:
+            await channel.close()
+        self._channels = []
+
+    def stub(self) -> pb_grpc.CoordinatorStub:
+        """A stub on the coordinator in use (after ``start``)."""
+        return pb_grpc.CoordinatorStub(self._channels[self._target])
+
+    async def cordon_self(self) -> None:
+        """Ask the coordinator to stop routing here now (best effort, short): the start of a
+        graceful stop, so no route lands here while running generations drain."""
+        if not self.incarnation or self.left.is_set() or not self._channels:
+            return
+        request = pb.CordonRequest(protocol_version=PROTOCOL_VERSION,
+                                   worker_id=self.identity.worker_id, cordoned=True)
+        try:
+            await self.stub().Cordon(request, timeout=min(2.0, self.settings.rpc_timeout_s))
+            log.info("sync.cordoned", worker=self.identity.worker_id)
+        except grpc.RpcError as exc:
+            log.warning("sync.cordon_failed", worker=self.identity.worker_id, code=exc.code().name)
+
+    # ------------------------------------------------------------------ what the owner sends
+
+    def page_event(
+        self, kind: pb.PageEvent.Kind, keys: list[bytes], tier: pb.Tier = pb.TIER_GPU
+    ) -> None:
+        """One page event (on the loop): batch it; cut now when a batch is full (or on a
+        CLEARED event), else within ``event_flush_ms``."""
+        if kind == pb.PageEvent.KIND_STORED:
+            self.counters.keys_stored += len(keys)
+        elif kind == pb.PageEvent.KIND_REMOVED:
+            self.counters.keys_removed += len(keys)
+        if self._log.add(kind, keys, tier):
+            self.flush()
+        elif self._flush_timer is None:
+            loop = asyncio.get_running_loop()
+            self._flush_timer = loop.call_later(self.settings.event_flush_ms / 1000, self.flush)
+
+    def send(self, request: pb.SyncRequest) -> bool:
+        """Queue one message (a policy acknowledgement) on the current stream; False when
+        there is none."""
+        if self._outbox is None:
+            return False
+        request.protocol_version = PROTOCOL_VERSION
+        self._outbox.put_nowait(request)
+        return True
+
+    def beat_soon(self) -> None:
+        """Send the next heartbeat soon rather than after the full period (a finished
+        generation: a route still counted as queued work would push the conversation's next
+        turn away from its own cache)."""
+        self._beat_soon.set()
+
+    def flush(self) -> None:
+        """Cut every pending event into batches and queue them (kept until acked, so a batch
+        cut while disconnected is sent after the reconnect)."""
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        if self._holding or not self._announced:
+            return
+        while (batch := self._log.cut()) is not None:
+            if self._outbox is not None:
+                self._enqueue_batch(self._outbox, batch)
+
+    # ------------------------------------------------------------------ registration
+
+    async def _run(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                if not self.incarnation:
+                    await self._register()
+                await self._sync()  # returns only when the coordinator closed the stream
+                attempt = 0
+            except RegistrationRefused as exc:
+                self.error = exc
+                self.failed.set()
+                log.error("sync.registration_refused", worker=self.identity.worker_id,
+                          error=str(exc))
+                return
+            except grpc.RpcError as exc:
+                if self._stream_ended(stream_end(exc), exc):
+                    return
+            except (ConnectionError, TimeoutError) as exc:
+                log.warning("sync.stream_failed", worker=self.identity.worker_id, error=str(exc))
+            except Exception:
+                log.exception("sync.bug", worker=self.identity.worker_id)  # keep syncing
+            finally:
+                self._disconnected()
+            attempt += 1
+            await asyncio.sleep(self._backoff(attempt))
+
+    def _stream_ended(self, end: StreamEnd, exc: grpc.RpcError) -> bool:
+        """Act on why the stream or registration ended; True when the client must stop."""
+        details = exc.details() or ""
+        if end is StreamEnd.LEAVE:
+            # Removed on purpose (a pod's preStop, an operator): final. The worker keeps
+            # answering what it runs until it is stopped; it never comes back.
+            self.left.set()
+            log.info("sync.left_fleet", worker=self.identity.worker_id, details=details)
+            return True
+        if end is StreamEnd.REGISTER_AGAIN:
+            self.incarnation = 0  # forgotten by the coordinator: a new incarnation
+            self._announced = False
+        elif end is StreamEnd.NEXT_TARGET:
+            self._target = (self._target + 1) % len(self._channels)
+        log.warning("sync.stream_failed", worker=self.identity.worker_id, code=exc.code().name,
+                    details=details, reregister=not self.incarnation)
+        return False
+
+    def _backoff(self, attempt: int) -> float:
+        """Exponential in ``attempt`` (1-based), capped, with equal jitter."""
+        cfg = self.settings
+        ceiling: float = min(cfg.backoff_max_ms, cfg.backoff_initial_ms << min(attempt - 1, 16))
+        return (ceiling / 2 + random.uniform(0, ceiling / 2)) / 1000
+
+    def _disconnected(self) -> None:
+        self.synced.clear()
+        self._outbox = None
+        self._holding = False
+
+    async def _register(self) -> None:
+        me, version = self.identity, self._owner.policy_version()
+        request = register_request(me, version)
+        try:
+            response = await self.stub().Register(request, timeout=self.settings.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION,
+                              grpc.StatusCode.INVALID_ARGUMENT):
+                raise RegistrationRefused(exc.details() or exc.code().name) from None
+            raise
+        self._registration = response
+        self.incarnation = response.incarnation
+        self._announced = False
+        self._log.restart()
+        self._log.max_events = response.max_events_per_batch or self._log.max_events
+        self._log.max_message_bytes = min(
+            self.settings.max_message_bytes,
+            response.max_message_bytes or self.settings.max_message_bytes,
+        )
+        self.counters.registrations += 1
+        log.info("sync.registered", worker=me.worker_id, incarnation=self.incarnation,
+                 address=me.address, policy_version=version, lease_ms=response.lease_ms,
+                 heartbeat_ms=response.heartbeat_ms)
+        await self._owner.registered(response)
+
+    # ------------------------------------------------------------------ the stream
+
+    async def _sync(self) -> None:
+        """One Sync stream, from hello until it ends (raises the stream's error)."""
+        call = self.stub().Sync()
+        await call.write(hello_request(self.identity.worker_id, self.incarnation,
+                                       self._log.last_acked))
+        first = await call.read()
+        if first is grpc.aio.EOF or first.WhichOneof("body") != "welcome":
+            raise ConnectionError(f"expected a welcome, got {first!r}")
+        outbox: asyncio.Queue[pb.SyncRequest] = asyncio.Queue()
+        if not self._announced:
+            await self._announce(outbox)
+        else:
+            self._resume(first.welcome.next_seq, outbox)
+        self._outbox = outbox
+        self.synced.set()
+        self.counters.streams += 1
+        log.info("sync.synced", worker=self.identity.worker_id, incarnation=self.incarnation,
+                 next_seq=first.welcome.next_seq, resent=outbox.qsize())
+        self.flush()
+        await _until_first_ends(call, [
+            self._write(call, outbox), self._heartbeats(), self._read(call),
+        ])
+
+    async def _announce(self, outbox: asyncio.Queue[pb.SyncRequest]) -> None:
+        """A new incarnation starts with nothing indexed: send every held page (seq 1...)."""
+        self._log.restart()  # pending events are reflected in the snapshot
+        holdings = await self._owner.holdings()
+        for batch in self._log.inventory_batches(holdings):
+            self._enqueue_batch(outbox, batch)
+        self._announced = True
+        log.info("sync.announced", worker=self.identity.worker_id,
+                 pages=sum(len(keys) for keys in holdings.values()), seq=self._log.seq)
+
+    def _resume(self, next_seq: int, outbox: asyncio.Queue[pb.SyncRequest]) -> None:
+        resume = self._log.resume(next_seq)
+        for batch in resume.batches:
+            self._enqueue_batch(outbox, batch)
+        if resume.gap_seq is not None:
+            log.warning("sync.batches_lost", worker=self.identity.worker_id, next_seq=next_seq)
+            outbox.put_nowait(pb.SyncRequest(protocol_version=PROTOCOL_VERSION,
+                                             events=pb.EventBatch(seq=resume.gap_seq)))
+
+    def _enqueue_batch(self, outbox: asyncio.Queue[pb.SyncRequest], batch: pb.EventBatch) -> None:
+        outbox.put_nowait(pb.SyncRequest(protocol_version=PROTOCOL_VERSION, events=batch))
+        self.counters.batches += 1
+
+    async def _write(self, call: Any, outbox: asyncio.Queue[pb.SyncRequest]) -> None:
+        while True:
+            await call.write(await outbox.get())
+
+    async def _read(self, call: Any) -> None:
+        # read(), not `async for`: grpc.aio forbids mixing the iterator with read/write.
+        while (message := await call.read()) is not grpc.aio.EOF:
+            body = message.WhichOneof("body")
+            if body == "ack":
+                self._log.ack(message.ack.seq)
+            elif body == "resync":
+                await self._answer_resync(message.resync)
+            elif body == "command":
+                self._owner.command(message.command)
+            else:
+                log.warning("sync.unexpected_message", worker=self.identity.worker_id, body=body)
+
+    async def _answer_resync(self, resync: pb.ResyncRequest) -> None:
+        """Send the full holdings in chunks under the message limit; ``seq`` = last sent."""
+        self._holding = True
+        try:
+            self._log.rebase()
+            holdings = await self._owner.holdings()
+            for chunk in self._log.inventory_chunks(holdings, resync.resync_id):
+                self.send(pb.SyncRequest(inventory=chunk))
+        finally:
+            self._holding = False
+        self.counters.resyncs += 1
+        log.info("sync.resync_answered", worker=self.identity.worker_id, resync=resync.resync_id,
+                 reason=resync.reason, pages=sum(len(keys) for keys in holdings.values()),
+                 seq=self._log.seq)
+        self.flush()
+
+    async def _heartbeats(self) -> None:
+        registration = self._registration
+        assert registration is not None  # set by _register before any stream
+        period = (self.settings.heartbeat_ms or registration.heartbeat_ms or 1000) / 1000
+        while True:
+            self._beat_soon.clear()
+            beat = self._owner.heartbeat()
+            beat.policy_version = self._owner.policy_version()
+            self.send(pb.SyncRequest(heartbeat=beat))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_soon.wait(), period)
+            await asyncio.sleep(BEAT_COALESCE_S)  # a burst of early beats becomes one
+
+
+async def _until_first_ends(call: Any, jobs: list[Awaitable[None]]) -> None:
+    """Run the stream's writer, heartbeats and reader (``jobs``, the reader last) until one
+    ends; raise the stream's error, the reader's first: a write into a stream the coordinator
+    just ended fails with a bare transport error, while the reader receives the status that
+    says why (fenced, superseded...)."""
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    reader = tasks[-1]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if reader not in done:
+            await asyncio.wait([reader], timeout=1.0)
+            if reader.done():
+                done = {reader, *done}
+        for task in sorted(done, key=lambda t: t is not reader):
+            task.result()
+        raise ConnectionError("the coordinator closed the Sync stream")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        call.cancel()
+
