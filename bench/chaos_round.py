@@ -17,6 +17,7 @@ from bench.chaos_watch import Commit, Watch
 from coordinator.client import CoordinatorClient, KvcoordError, PolicyState, RolloutRecord
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import PROTOCOL_VERSION
 from tests.multihost_cluster import (
     LAG_BOUND_S,
     LEASE_S,
@@ -74,7 +75,8 @@ def index_digest(target: str, timeout: float = 5.0) -> str:
     """The replica's ``Stats.index_digest`` (hex), asked for explicitly."""
     with grpc.insecure_channel(target) as channel:
         stats = pb_grpc.CoordinatorStub(channel).GetStats(
-            pb.GetStatsRequest(protocol_version=1, index_digest=True), timeout=timeout)
+            pb.GetStatsRequest(protocol_version=PROTOCOL_VERSION, index_digest=True),
+            timeout=timeout)
     return bytes(stats.index_digest).hex()
 
 

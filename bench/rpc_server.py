@@ -22,6 +22,7 @@ from coordinator.logs import configure_logging
 from coordinator.server.main import start_coordinator
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import PROTOCOL_VERSION
 
 
 class EchoServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
@@ -29,7 +30,7 @@ class EchoServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     def __init__(self) -> None:
         self._reply = pb.RouteResponse(
-            protocol_version=1, worker_id="worker-00", address="10.0.0.1:7000",
+            protocol_version=PROTOCOL_VERSION, worker_id="worker-00", address="10.0.0.1:7000",
             matched_pages=128, matched_tokens=2048, policy_version=0, prompt_pages=256,
             routing_policy="kv_aware",
         )

@@ -19,6 +19,8 @@ from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import strategies as st
 
+from coordinator.wire import PROTOCOL_VERSION
+
 F = FieldDescriptor
 Strategy = st.SearchStrategy
 
@@ -117,7 +119,7 @@ PLAIN = Profile(
     blobs=blobs((0, 16, 32)), enums=_known_enum, counts=st.integers(0, 3),
     # A version this peer speaks, so the class under test reaches past the version check
     # (random_fields and wire_varints still send every other version).
-    pinned={"protocol_version": st.sampled_from((0, 1))},
+    pinned={"protocol_version": st.sampled_from((0, PROTOCOL_VERSION))},
 )
 PROFILES: dict[str, Profile] = {
     "random_fields": Profile(

@@ -12,10 +12,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bench.scripted_worker import ScriptedWorker
+from coordinator.client.outcomes import outcome_of
 from coordinator.rpc.identities import COORDINATOR_PERMISSIONS, Role
 from coordinator.server.main import RunningCoordinator
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import Reason
 from tests.auth_fixtures import IDENTITIES, IdentityFile
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 
@@ -187,6 +189,7 @@ async def test_a_worker_past_its_page_limit_is_refused(identities: IdentityFile)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await worker.store(worker.keys(list(range(100, 116))))  # a fifth
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert outcome_of(refused.value).reason is Reason.PAGE_CAP
         assert "max_pages_per_worker" in (refused.value.details() or "")
         assert running.service.index.held_count("w1") == 4
         await worker.close()

@@ -14,6 +14,7 @@ from bench.scripted_worker import ScriptedWorker
 from coordinator.core.index import PrefixIndex, Tier
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import PROTOCOL_VERSION
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 
 
@@ -29,7 +30,7 @@ async def test_get_stats_answers_the_digest_of_the_confirmed_entries_when_asked(
             held = await asyncio.to_thread(index_digest, target(running))
             async with grpc.aio.insecure_channel(target(running)) as channel:
                 plain = await pb_grpc.CoordinatorStub(channel).GetStats(
-                    pb.GetStatsRequest(protocol_version=1))
+                    pb.GetStatsRequest(protocol_version=PROTOCOL_VERSION))
         finally:
             await worker.close()
     expected = PrefixIndex(clock=time.monotonic)

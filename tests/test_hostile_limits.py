@@ -8,9 +8,11 @@ import grpc
 import pytest
 
 from bench.scripted_worker import ScriptedWorker
+from coordinator.client.outcomes import outcome_of
 from coordinator.rpc.interceptor import MAX_DETAILS_CHARS
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import Reason
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 
 SYNC = "/coordinator.v1.Coordinator/Sync"
@@ -53,6 +55,8 @@ async def test_a_worker_cannot_index_more_than_4x_its_pages() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await worker.store(worker.keys(list(range(1000, 1016))))
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        refusal = outcome_of(refused.value)
+        assert (refusal.reason, refusal.metadata) == (Reason.PAGE_CAP, {"limit": "8"})
         assert "4x its total_pages of 2" in (refused.value.details() or "")
         assert coord.service.index.held_count("w") == 8
         await worker.close()

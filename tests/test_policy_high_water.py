@@ -26,6 +26,7 @@ from coordinator.control.high_water import HighWater
 from coordinator.core.policy_state import PolicyPhase, PolicyRecord
 from coordinator.server.main import RunningCoordinator, start_coordinator
 from coordinator.store.protocol import MetadataStore
+from coordinator.wire import Reason
 from tests.coordinator_fixtures import DEV_HASH, FAST_KNOBS, eventually, running_coordinator, target
 from tests.redis_server import RedisServer, redis_server_available
 from worker.config import WorkerConfig
@@ -79,6 +80,9 @@ async def test_redis_losing_its_data_under_a_live_fleet_never_takes_versions_bac
             with pytest.raises(KvcoordError) as err:
                 await client.begin_policy_update(0)
             assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert err.value.reason is Reason.POLICY_RESTORED
+            assert err.value.retry_after_ms is not None
+            assert 0 < err.value.retry_after_ms <= LEASE_MS
             assert "restored" in str(err.value)
             with pytest.raises(KvcoordError) as err:
                 await client.begin_policy_update(2)

@@ -23,6 +23,7 @@ import redis
 from coordinator.client import AsyncCoordinatorClient, CoordinatorClient, KvcoordError
 from coordinator.config import CoordinatorConfig
 from coordinator.server.main import RunningCoordinator
+from coordinator.wire import Reason
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from tests.redis_server import RedisServer, redis_server_available
 from worker.config import WorkerConfig
@@ -36,6 +37,7 @@ pytestmark = [
 PAGE = 4
 PROMPT = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 1, 2]
 STALE_MS = 600
+B_RETRY_MS = 2_000  # replica B's route_retry_ms: longer than any client deadline here
 # Leases far longer than the test's cut: B's view of the worker stays routable throughout, so
 # only the staleness rule can make B refuse.
 KNOBS: dict[str, object] = {
@@ -68,7 +70,8 @@ async def route_or_refusal(coordinator: RunningCoordinator) -> int | KvcoordErro
 
 def is_stale_refusal(answer: int | KvcoordError) -> bool:
     return (isinstance(answer, KvcoordError) and answer.code == grpc.StatusCode.UNAVAILABLE
-            and "policy_stale_ms" in str(answer) and answer.retry_after_ms is not None)
+            and answer.reason is Reason.POLICY_STALE and answer.retry_after_ms == B_RETRY_MS
+            and "policy_stale_ms" in str(answer))
 
 
 async def test_a_replica_cut_from_redis_refuses_routes_after_policy_stale_ms() -> None:
@@ -76,7 +79,7 @@ async def test_a_replica_cut_from_redis_refuses_routes_after_policy_stale_ms() -
         admin.execute_command("ACL", "SETUSER", "b", "on", ">b-secret", "~*", "&*", "+@all")
         url_b = f"redis://b:b-secret@127.0.0.1:{server.port}/0"
         async with running_coordinator(redis=server.url, replica_id="A", **KNOBS) as a, \
-                running_coordinator(redis=url_b, replica_id="B", route_retry_ms=2_000,
+                running_coordinator(redis=url_b, replica_id="B", route_retry_ms=B_RETRY_MS,
                                     **KNOBS) as b, \
                 a_worker(target(a)), AsyncCoordinatorClient(target(a)) as trainer:
 
@@ -101,7 +104,7 @@ async def test_a_replica_cut_from_redis_refuses_routes_after_policy_stale_ms() -
                 assert is_stale_refusal(err.value)
 
             # A client given both replicas, the stale one first, is served by A at once: it
-            # does not wait out B's retry-after-ms (2 s, longer than its whole deadline).
+            # does not wait out B's RetryInfo delay (2 s, longer than its whole deadline).
             both = f"{target(b)},{target(a)}"
             async with AsyncCoordinatorClient(both, timeout=1.5) as failover:
                 assert (await failover.route(PROMPT)).policy_version == 0

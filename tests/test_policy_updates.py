@@ -12,6 +12,7 @@ import pytest
 
 from coordinator.client import AsyncCoordinatorClient, KvcoordError
 from coordinator.server.main import RunningCoordinator
+from coordinator.wire import Reason
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from worker.client import AsyncWorkerClient
 from worker.config import WorkerConfig
@@ -286,7 +287,9 @@ async def test_a_command_lost_with_a_broken_stream_is_resent_when_the_worker_rec
     async with AsyncCoordinatorClient(target(coord)) as client:
         await client.begin_policy_update(0)
         assert dropped == ["w0"]
-        sessions.close_stream("w0", "injected stream failure")  # w0 reconnects
+        # w0 reconnects under the same incarnation, as after any stream the coordinator ends
+        # with LEASE_LAPSED.
+        sessions.close_stream("w0", "injected stream failure", Reason.LEASE_LAPSED)
         state = await client.commit_policy_update(1, timeout=5)
         assert sorted(state.acked_workers) == ["w0", "w1", "w2"]
         assert state.fenced_workers == ()

@@ -17,11 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient, CoordinatorClient
+from coordinator.client.outcomes import outcome_of
 from coordinator.core.page_events import PageEvent
 from coordinator.core.rollout_records import Rollout
 from coordinator.replication.events import Pages, encode
 from coordinator.server.main import RunningCoordinator
 from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.wire import Reason
 from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
 from tests.redis_server import RedisServer, free_port
 from worker.client import AsyncWorkerClient
@@ -157,6 +159,7 @@ async def test_a_stale_stream_ends_when_its_worker_attaches_to_another_replica(
             while True:
                 await old.next_message(timeout=LAG_BOUND_S)
         assert ended.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert outcome_of(ended.value).reason is Reason.SUPERSEDED
         assert "attached to coordinator replica B" in (ended.value.details() or "")
         await old.close()
         await new.close()

@@ -7,9 +7,12 @@ import pytest
 
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient, KvcoordError
+from coordinator.client.outcomes import outcome_of
 from coordinator.core.hashing import HashConfig
+from coordinator.server.main import STORE_RETRY_MS
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import Reason
 from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
 
 PROMPT = list(range(1000, 1000 + 16 * 8 + 5))  # 8 full pages and a partial one
@@ -84,6 +87,7 @@ async def test_unknown_worker_and_stale_incarnation_are_refused() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await ghost.connect()
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert outcome_of(err.value).reason is Reason.REREGISTER
         assert "unknown worker" in (err.value.details() or "")
         await ghost.close()
 
@@ -95,6 +99,7 @@ async def test_unknown_worker_and_stale_incarnation_are_refused() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await w.connect()
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert outcome_of(err.value).reason is Reason.REREGISTER
         assert "stale incarnation" in (err.value.details() or "")
         await w.close()
 
@@ -114,6 +119,7 @@ async def test_register_with_a_different_hash_config_is_refused(
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await w.register()
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert outcome_of(err.value).reason is Reason.HASH_CONFIG
         assert needle in (err.value.details() or "")
         await w.close()
 
@@ -134,7 +140,8 @@ async def test_closed_stream_makes_worker_unroutable_at_once_and_reconnect_resto
             with pytest.raises(KvcoordError) as err:  # a short deadline: the SDK retries
                 await AsyncCoordinatorClient(target(coord), timeout=0.3).route(PROMPT)
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
-            assert err.value.retry_after_ms is not None
+            assert err.value.reason is Reason.NO_WORKER
+            assert err.value.retry_after_ms == 500
             welcome = await w.connect()
             assert welcome.welcome.next_seq == 2
             route = await client.route(PROMPT)
@@ -365,6 +372,9 @@ async def test_redis_outage_answers_unavailable_and_lookups_keep_serving() -> No
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await other.register()
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            refusal = outcome_of(err.value)
+            assert (refusal.reason, refusal.retry_after_ms) == (Reason.STORE_UNAVAILABLE,
+                                                                STORE_RETRY_MS)
             assert "metadata store unavailable" in (err.value.details() or "")
             async with AsyncCoordinatorClient(target(coord)) as client:
                 assert (await client.lookup(PROMPT)).matches == {"w": 128}
@@ -390,6 +400,7 @@ async def test_a_newer_stream_closes_the_older_one_at_once() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await first.next_message()
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert outcome_of(err.value).reason is Reason.SUPERSEDED
         assert "superseded by a newer stream" in (err.value.details() or "")
         assert (await second.store(second.keys(list(range(64))))).ack.seq == 2
         async with AsyncCoordinatorClient(target(coord)) as client:

@@ -8,7 +8,9 @@ import pytest
 
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
+from coordinator.client.outcomes import outcome_of
 from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.wire import Reason
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 
 PAGE = 16
@@ -36,6 +38,9 @@ async def test_batch_over_the_page_cap_is_asked_for_again_after_reconnect() -> N
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await w.next_message()
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        refusal = outcome_of(err.value)
+        assert (refusal.reason, refusal.metadata) == (Reason.PAGE_CAP, {"limit": str(CAP)})
+        assert refusal.retry_after_ms is None  # retrying the same batch cannot help
         assert "max_pages_per_worker" in (err.value.details() or "")
 
         async with AsyncCoordinatorClient(target(coord)) as client:

@@ -10,9 +10,11 @@ import grpc
 import pytest
 
 from bench.scripted_worker import ScriptedWorker
+from coordinator.client.outcomes import outcome_of
 from coordinator.server.main import RunningCoordinator
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import Reason
 from tests.auth_fixtures import IdentityFile
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 
@@ -90,9 +92,10 @@ async def test_a_flood_from_one_identity_is_throttled_while_another_is_served(
     refused = [r for r in flooded if r is not None]
     assert burst <= served <= burst + rate * elapsed + 1
     assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
-    trailers = dict(refused[0].trailing_metadata() or ())
-    assert 0 < int(trailers["retry-after-ms"]) <= 1000 / rate + 1
-    assert "rate limit" in (refused[0].details() or "")
+    outcome = outcome_of(refused[0])
+    assert outcome.reason is Reason.RATE_LIMITED
+    assert outcome.retry_after_ms is not None and 0 < outcome.retry_after_ms <= 1000 / rate + 1
+    assert "rate limit" in outcome.message
 
 
 async def test_open_streams_per_identity_are_limited(identities: IdentityFile) -> None:
@@ -110,6 +113,8 @@ async def test_open_streams_per_identity_are_limited(identities: IdentityFile) -
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await third.read()
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        outcome = outcome_of(refused.value)
+        assert (outcome.reason, outcome.retry_after_ms) == (Reason.STREAM_LIMIT, None)
         other = stub.WatchPolicy(pb.WatchPolicyRequest(), metadata=identities.metadata("admin"))
         await other.read()  # another identity's slots are its own
         watches[0].cancel()

@@ -4,9 +4,9 @@
 validation raises ``ValueError`` before a round trip; a refused call raises
 ``coordinator.client.KvcoordError`` whose ``.code`` is the gRPC status (INVALID_ARGUMENT for bad
 input, RESOURCE_EXHAUSTED when the prompt cannot fit the worker's KV pool, UNAVAILABLE with
-``retry_after_ms`` while the worker drains for a policy update). ``token`` goes out as
-``authorization: Bearer`` metadata on every call; ``tls`` (a ``ClientTls``) makes the channel TLS,
-mutual when it carries a client certificate. Imports no torch.
+reason DRAINING and ``retry_after_ms`` while the worker drains for a policy update). ``token``
+goes out as ``authorization: Bearer`` metadata on every call; ``tls`` (a ``ClientTls``) makes the
+channel TLS, mutual when it carries a client certificate. Imports no torch.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class WorkerClient:
         self._channel.close()
 
     def _call(self, method: str, request: Any) -> Any:
-        """One call; a worker answering with ``retry-after-ms`` (UNAVAILABLE: draining for a
+        """One call; a worker answering with ``RetryInfo`` (UNAVAILABLE: draining for a
         policy update, resuming after one; RESOURCE_EXHAUSTED: over the rate limit) is retried
         within the call's timeout."""
         deadline = time.monotonic() + self._timeout

@@ -10,7 +10,7 @@ batch whose answer was lost is sent again (readers de-duplicate by ``rollout_id`
   survive reconnects and coordinator restarts.
 - FAILED_PRECONDITION or INVALID_ARGUMENT: the coordinator refused the batch for good (e.g. a
   version this incarnation was not registered at); the batch is logged and dropped. Except a
-  FAILED_PRECONDITION that says the coordinator does not know this worker (yet): after a
+  refusal with reason REREGISTER (the coordinator does not know this worker, yet): after a
   coordinator restart the agent registers again, and the batch is retried then.
 - The queue is bounded (``max_pending``): beyond it the oldest records are dropped, counted in
   ``dropped`` and logged.
@@ -31,18 +31,16 @@ from itertools import islice, takewhile
 import grpc
 import structlog
 
+from coordinator.client.outcomes import outcome_of
 from coordinator.core.rollout_records import Rollout
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from coordinator.wire import PROTOCOL_VERSION
+from coordinator.wire import PROTOCOL_VERSION, Reason
 
 log = structlog.get_logger(__name__)
 
 _REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
 _MAX_BACKOFF_S = 5.0
-# FAILED_PRECONDITION details meaning "not registered (any more)": the agent re-registers, so
-# retry. The same phrases as the agent's ``_REREGISTER`` (which imports this module).
-_NOT_REGISTERED = ("unknown worker", "stale incarnation", "re-register")
 
 
 class RolloutReporter:
@@ -144,16 +142,18 @@ class RolloutReporter:
         try:
             await stub.ReportRollouts(request, timeout=timeout_s)
         except grpc.RpcError as exc:
-            code: grpc.StatusCode = exc.code()
-            details = exc.details() or ""
-            if code not in _REFUSED or any(s in details for s in _NOT_REGISTERED):
-                log.info("rollouts.report_failed", worker=self.worker_id, code=code.name,
-                         details=details, pending=len(self._pending))
+            outcome = outcome_of(exc)
+            # Not registered (any more): the agent registers again, then this batch is retried.
+            if outcome.code not in _REFUSED or outcome.reason is Reason.REREGISTER:
+                log.info("rollouts.report_failed", worker=self.worker_id,
+                         code=outcome.code.name, reason=outcome.reason,
+                         details=outcome.message, pending=len(self._pending))
                 return False
             self._settle(len(batch), self.dropped - dropped_before)
             self.refused += len(batch)
-            log.error("rollouts.refused", worker=self.worker_id, code=code.name,
-                      details=details, records=len(batch), policy_version=version)
+            log.error("rollouts.refused", worker=self.worker_id, code=outcome.code.name,
+                      reason=outcome.reason, details=outcome.message, records=len(batch),
+                      policy_version=version)
             return True
         self._settle(len(batch), self.dropped - dropped_before)
         self.sent += len(batch)

@@ -20,6 +20,7 @@ from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.health import add_health_and_reflection, warn_if_open
 from coordinator.rpc.identities import WORKER_PERMISSIONS
 from coordinator.rpc.interceptor import ErrorMappingInterceptor, Mapped
+from coordinator.wire import Reason
 from worker.agent import CoordinatorAgent
 from worker.config import WorkerConfig
 from worker.engine import ModelConfig
@@ -40,7 +41,7 @@ DRAIN_RETRY_MS = 100  # a drain or resume takes milliseconds to seconds
 EXPECTED_ERRORS = {
     InvalidRequest: Mapped("INVALID_ARGUMENT"),
     PoolExhausted: Mapped("RESOURCE_EXHAUSTED"),
-    Draining: Mapped("UNAVAILABLE", retry_after_ms=DRAIN_RETRY_MS),
+    Draining: Mapped("UNAVAILABLE", retry_after_ms=DRAIN_RETRY_MS, reason=Reason.DRAINING),
     # Not retried on this worker: the caller re-routes (the fleet is moving to new weights).
     GenerationAborted: Mapped("ABORTED"),
 }

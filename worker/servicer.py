@@ -20,9 +20,10 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from coordinator.core.errors import FailedPrecondition, InvalidArgument
+from coordinator.core.errors import InvalidArgument
 from coordinator.core.rollout_records import MAX_ROLLOUT_ID_CHARS, Rollout
 from coordinator.rpc.guard import caller
+from coordinator.rpc.versions import check_protocol
 from coordinator.wire import PROTOCOL_VERSION
 from worker.gate import GenerationGate
 from worker.metrics import WorkerMetrics
@@ -39,14 +40,6 @@ class SyncState:
     worker_id: str
     incarnation: int
     synced: bool
-
-
-def check_protocol(version: int) -> None:
-    """0 reads as 1; a newer peer is refused rather than misread."""
-    if version > PROTOCOL_VERSION:
-        raise FailedPrecondition(
-            f"protocol version {version} is newer than this worker's {PROTOCOL_VERSION}"
-        )
 
 
 def tokens_from(request: wpb.GenerateRequest, max_tokens: int) -> list[int]:

@@ -6,6 +6,7 @@ credentials; refusals raise ``KvcoordError``. The package's modules:
 - ``blocking`` / ``aio``: the two clients;
 - ``types``: the values they return; ``messages``: request builders and response parsers;
 - ``errors``: ``KvcoordError`` and the retry rules; ``targets``: failover order;
+- ``outcomes``: ``outcome_of``, how a failed call ended (code, ``Reason``, ``RetryInfo`` delay);
 - ``channels``: channel options, TLS and bearer credentials (the worker uses these too).
 """
 
@@ -13,6 +14,7 @@ from coordinator.client.aio import AsyncCoordinatorClient
 from coordinator.client.blocking import DEFAULT_TIMEOUT, CoordinatorClient
 from coordinator.client.channels import ClientTls
 from coordinator.client.errors import KvcoordError
+from coordinator.client.outcomes import Outcome, outcome_of
 from coordinator.client.types import (
     LookupResult,
     PageKeys,
@@ -32,6 +34,7 @@ __all__ = [
     "CoordinatorClient",
     "KvcoordError",
     "LookupResult",
+    "Outcome",
     "PageKeys",
     "PolicyState",
     "PolicyUpdate",
@@ -40,4 +43,5 @@ __all__ = [
     "RouteBatch",
     "Stats",
     "WorkerInfo",
+    "outcome_of",
 ]

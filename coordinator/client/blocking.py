@@ -4,9 +4,10 @@ It takes TARGETS: ``host:port``, a comma-separated list of them, or a gRPC name 
 ``dns:///name:port``. With a list, a unary call answered UNAVAILABLE (the target unreachable,
 or a replica that cannot serve now: its policy state stale, its store down, the fleet
 draining) moves on to the next target at once; once every target refused, it waits out the
-coordinator's ``retry-after-ms`` and goes round again, within its deadline. Server streams
+coordinator's ``RetryInfo`` delay and goes round again, within its deadline. Server streams
 move on only when the transport fails. Client-side validation raises
-``ValueError``; a refused call raises ``KvcoordError`` whose ``.code`` is the gRPC status.
+``ValueError``; a refused call raises ``KvcoordError`` whose ``.code`` is the gRPC status and
+``.reason`` the coordinator's ``coordinator.wire.Reason``.
 ``token`` goes out as ``authorization: Bearer`` metadata on every call; ``tls`` (a ``ClientTls``)
 makes every channel TLS, mutual when it carries a client certificate.
 Request building and response parsing live in ``coordinator.client.messages``, shared by both
@@ -94,7 +95,7 @@ class CoordinatorClient:
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         """One call, failing over across targets on UNAVAILABLE (module docstring) and
         retrying, within the call's deadline, when the coordinator answers with
-        ``retry-after-ms`` (UNAVAILABLE from every target: an update draining the fleet, no
+        ``RetryInfo`` (UNAVAILABLE from every target: an update draining the fleet, no
         worker yet, stale policy state; RESOURCE_EXHAUSTED: over the rate limit)."""
         deadline = time.monotonic() + (timeout or self._timeout)
         while True:

@@ -6,7 +6,8 @@ fencing, waiting routes and watchers. The transitions themselves are
 Sync mode (on-policy RL): Begin(v) -> DRAINING(v->v+1); every live worker gets DRAIN, acks
 DRAINED, gets APPLY(v+1) and acks APPLIED once it has loaded v+1 and dropped v's pages; Commit
 waits for APPLIED from every worker live at Begin until its deadline, fences the missing, writes
-SERVING(v+1) and sends RESUME. Routes wait (or fail UNAVAILABLE with retry-after-ms) meanwhile.
+SERVING(v+1) and sends RESUME. Routes wait (or fail UNAVAILABLE, reason DRAINING, with RetryInfo)
+meanwhile.
 Async mode: no drain; workers get APPLY one at a time while routes keep flowing to any version
 within ``max_staleness``; Commit waits for the same barrier.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -30,6 +32,7 @@ from coordinator.core.errors import Aborted, FailedPrecondition, Unavailable
 from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
 from coordinator.core.policy_state import PolicyRecord
 from coordinator.store.protocol import MetadataStore, StoreUnavailable
+from coordinator.wire import Reason
 
 log = structlog.get_logger(__name__)
 
@@ -168,7 +171,7 @@ class PolicyUpdates:
                 f"this coordinator has not read the policy state for {age * 1000:.0f} ms "
                 f"(policy_stale_ms is {self._config.policy_stale_s * 1000:.0f}): the metadata "
                 "store is unreachable from here; retry, or another coordinator",
-                retry_after_ms=self._config.route_retry_ms,
+                reason=Reason.POLICY_STALE, retry_after_ms=self._config.route_retry_ms,
             )
 
     def _check_not_restoring(self, current: PolicyRecord) -> None:
@@ -181,7 +184,8 @@ class PolicyUpdates:
             raise FailedPrecondition(
                 f"the policy state was restored to version {current.version} after the "
                 "metadata store lost it; policy updates resume once every live worker has "
-                f"reported its version (one lease): retry in {left_ms:.0f} ms"
+                f"reported its version (one lease): retry in {left_ms:.0f} ms",
+                reason=Reason.POLICY_RESTORED, retry_after_ms=math.ceil(left_ms),
             )
 
     def servable_versions(self) -> range:
@@ -354,7 +358,8 @@ class PolicyUpdates:
         session.draining = False
         log.warning("worker.fenced", worker=worker_id, version=version)
         self._sessions.close_stream(
-            worker_id, f"fenced: missed the barrier for policy version {version}; re-register"
+            worker_id, f"fenced: missed the barrier for policy version {version}; re-register",
+            Reason.FENCED,
         )
 
     async def _members(self, version: int) -> frozenset[str]:

@@ -3,7 +3,8 @@
 Keeps the index true: event batches apply in sequence order per incarnation, a gap asks the
 worker for its full inventory instead of guessing, a regression or a stale incarnation is a
 protocol violation (FailedPrecondition ends the stream). A closed stream or a lapsed lease makes a
-worker unroutable at once; its entries go after a grace period.
+worker unroutable at once; its entries go after a grace period. Every stream this module ends
+names its ``coordinator.wire.Reason`` (the details text is for people and logs).
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ from coordinator.core.index import PrefixIndex
 from coordinator.core.page_events import PageEvent, apply_page_events
 from coordinator.core.policy_state import PolicyRecord
 from coordinator.store.protocol import MetadataStore, StoreUnavailable
+from coordinator.wire import Reason
 
 log = structlog.get_logger(__name__)
 
 
 DEREGISTERED = "deregistered"
-"""The word a deregistered worker's stream ends with (workers must not register again)."""
+"""The drop reason replicas tell each other for a worker that left for good (its stream ends
+with ``Reason.DEREGISTERED``: it must not register again)."""
 
 
 class ReplicationSink(Protocol):
@@ -152,16 +155,17 @@ class WorkerSync:
         if req.algorithm != ours.algorithm.value:
             raise FailedPrecondition(
                 f"hash algorithm mismatch: worker uses {req.algorithm!r}, "
-                f"coordinator uses {ours.algorithm.value!r}"
+                f"coordinator uses {ours.algorithm.value!r}", reason=Reason.HASH_CONFIG,
             )
         if req.page_size != ours.page_size:
             raise FailedPrecondition(
                 f"page size mismatch: worker uses {req.page_size}, coordinator uses "
-                f"{ours.page_size}"
+                f"{ours.page_size}", reason=Reason.HASH_CONFIG,
             )
         if req.fingerprint != ours.fingerprint():
             raise FailedPrecondition(
-                "hash key mismatch: the worker's KVCOORD_HASH_KEY differs from the coordinator's"
+                "hash key mismatch: the worker's KVCOORD_HASH_KEY differs from the coordinator's",
+                reason=Reason.HASH_CONFIG,
             )
 
     async def register(self, req: RegistrationRequest) -> Registration:
@@ -220,7 +224,7 @@ class WorkerSync:
 
     async def deregister(self, worker_id: str, incarnation: int) -> None:
         """Remove a worker for good (graceful shutdown, a pod's preStop); refused for a stale
-        incarnation. Its stream ends with FAILED_PRECONDITION naming DEREGISTERED, which a
+        incarnation. Its stream ends with FAILED_PRECONDITION, reason DEREGISTERED, which a
         worker takes as final (it does not register again)."""
         self._fleet.require(worker_id, incarnation)
         await self._store.deregister_worker(worker_id, incarnation)
@@ -238,13 +242,14 @@ class WorkerSync:
             return None
         return set(departed[0])
 
-    def install(self, session: RegisteredWorker, reason: str) -> None:
+    def install(self, session: RegisteredWorker, message: str) -> None:
         """Make ``session`` the worker's current one: an older incarnation's entries go, and
-        its stream (if on this replica) ends with FAILED_PRECONDITION(reason)."""
+        its stream (if on this replica) ends with FAILED_PRECONDITION, reason REREGISTER, and
+        ``message``."""
         self.high_water.saw_incarnation(session.worker_id, session.incarnation)
         if self._fleet.put(session) is not None:
             self._index.drop_worker(session.worker_id)
-        self._detach(session.worker_id, reason)
+        self._detach(session.worker_id, message, Reason.REREGISTER)
         self._staging.pop(session.worker_id, None)
 
     def is_local(self, session: RegisteredWorker) -> bool:
@@ -258,16 +263,19 @@ class WorkerSync:
         self.forget(worker_id, reason, final=final)
 
     def forget(self, worker_id: str, reason: str, *, final: bool = False) -> None:
-        """Remove the worker and its entries here (its stream, if any, ends: with
-        ``DEREGISTERED`` when ``final``, else asking it to register again)."""
+        """Remove the worker and its entries here (its stream, if any, ends: with reason
+        DEREGISTERED when ``final``, else REREGISTER)."""
         session = self._fleet.remove(worker_id)
         if session is not None:
             grace = self._config.drop_grace_ms / 1000
             self._departed[worker_id] = (frozenset(session.served_versions),
                                          self._clock() + grace)
         dropped = self._index.drop_worker(worker_id)
-        self._detach(worker_id, f"worker {DEREGISTERED}: it left the fleet" if final
-                     else f"worker dropped ({reason}): re-register")
+        if final:
+            self._detach(worker_id, f"worker {DEREGISTERED}: it left the fleet",
+                         Reason.DEREGISTERED)
+        else:
+            self._detach(worker_id, f"worker dropped ({reason}): re-register", Reason.REREGISTER)
         self._staging.pop(worker_id, None)
         log.info("worker.dropped", worker=worker_id, reason=reason, entries=dropped)
 
@@ -279,15 +287,16 @@ class WorkerSync:
     ) -> tuple[RegisteredWorker, int, list[Outbound]]:
         """Attach a stream to a session. A newer stream supersedes an older one (the worker
         reconnected before we noticed the old one die): the older one is closed with
-        FAILED_PRECONDITION at once. ``close`` ends this stream the same way later; ``send``
-        pushes a coordinator-initiated message (a policy command) onto it. Returns (session,
-        stream id, replies)."""
+        FAILED_PRECONDITION, reason SUPERSEDED, at once. ``close`` ends this stream with an
+        error later (``_detach``); ``send`` pushes a coordinator-initiated message (a policy
+        command) onto it. Returns (session, stream id, replies)."""
         # Kept even when refused: a worker a restarted coordinator forgot says here which
         # incarnation it had, and its next registration must get a higher one.
         self.high_water.saw_incarnation(worker_id, incarnation)
         session = self._fleet.require(worker_id, incarnation)
         stream_id = next(self._stream_ids)
-        self._detach(worker_id, "superseded by a newer stream of the same worker")
+        self._detach(worker_id, "superseded by a newer stream of the same worker",
+                     Reason.SUPERSEDED)
         self._streams[worker_id] = (stream_id, close, send)
         session.connected = True
         session.disconnected_at = None
@@ -327,15 +336,17 @@ class WorkerSync:
         """Whether the worker's Sync stream is attached to this replica."""
         return worker_id in self._streams
 
-    def close_stream(self, worker_id: str, reason: str) -> None:
-        """End the worker's current stream with FAILED_PRECONDITION(reason), if it has one."""
-        self._detach(worker_id, reason)
+    def close_stream(self, worker_id: str, message: str, reason: Reason) -> None:
+        """End the worker's current stream, if it has one, with FAILED_PRECONDITION naming
+        ``reason`` (``message`` is for people)."""
+        self._detach(worker_id, message, reason)
 
-    def _detach(self, worker_id: str, reason: str) -> None:
-        """Forget the worker's stream, if any, and end it with FAILED_PRECONDITION(reason)."""
+    def _detach(self, worker_id: str, message: str, reason: Reason) -> None:
+        """Forget the worker's stream, if any, and end it with FAILED_PRECONDITION naming
+        ``reason``."""
         owner = self._streams.pop(worker_id, None)
         if owner is not None:
-            owner[1](FailedPrecondition(f"{reason}: reconnect"))
+            owner[1](FailedPrecondition(f"{message}: reconnect", reason=reason))
 
     def disconnect(self, session: RegisteredWorker, stream_id: int) -> None:
         """The stream ended: the worker is unroutable from now on (entries kept for the grace)."""
@@ -395,7 +406,8 @@ class WorkerSync:
                 f"4x its total_pages of {session.total_pages}")
             raise ResourceExhausted(
                 f"worker {session.worker_id!r} holds {held} pages; {stored} more would pass "
-                f"the limit of {limit} ({which})"
+                f"the limit of {limit} ({which})",
+                reason=Reason.PAGE_CAP, metadata={"limit": str(limit)},
             )
 
     async def heartbeat(self, session: RegisteredWorker, beat: HeartbeatIn) -> list[Outbound]:
@@ -414,7 +426,7 @@ class WorkerSync:
         if not renewed:
             raise FailedPrecondition(
                 f"lease of worker {session.worker_id!r} incarnation {session.incarnation} "
-                "is gone (expired or superseded): re-register"
+                "is gone (expired or superseded): re-register", reason=Reason.REREGISTER,
             )
         session.lease_deadline = self._clock() + cfg.lease_ms / 1000
         try:
@@ -460,7 +472,9 @@ class WorkerSync:
         if staging.count > self._config.max_pages_per_worker:
             raise ResourceExhausted(
                 f"inventory of {staging.count} pages is over the limit of "
-                f"{self._config.max_pages_per_worker} per worker (max_pages_per_worker)"
+                f"{self._config.max_pages_per_worker} per worker (max_pages_per_worker)",
+                reason=Reason.PAGE_CAP,
+                metadata={"limit": str(self._config.max_pages_per_worker)},
             )
         staging.keys_by_tier.setdefault(chunk.tier.value, []).extend(chunk.keys)
         if not chunk.last:
@@ -484,7 +498,7 @@ class WorkerSync:
             session.disconnected_at = now
             if self.is_local(session):
                 self.replication.detached(session)
-            self._detach(session.worker_id, "lease lapsed")
+            self._detach(session.worker_id, "lease lapsed", Reason.LEASE_LAPSED)
             self._fleet.changed()
             log.warning("worker.lease_lapsed", worker=session.worker_id)
         for session in self._fleet.expired(now, self._config.drop_grace_ms / 1000):

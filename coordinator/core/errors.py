@@ -1,16 +1,36 @@
 """Domain errors of the coordinator.
 
 The core raises these; exactly one place (``coordinator.rpc.interceptor``) maps them to gRPC status
-codes, so servicers never pick codes themselves. Each class names the status it becomes.
+codes, so servicers never pick codes themselves. Each class names the status it becomes; an
+error may also name its ``reason`` (``coordinator.wire.Reason``, sent as ``google.rpc.ErrorInfo``),
+``metadata`` for that ErrorInfo, and ``retry_after_ms`` (sent as ``google.rpc.RetryInfo``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from coordinator.wire import Reason
+
 
 class DomainError(Exception):
-    """Base of every error the coordinator answers with a status code and message."""
+    """Base of every error the coordinator answers with a status code and message.
+
+    ``reason`` says why where the code alone is ambiguous (clients branch on it, never on the
+    message); ``retry_after_ms`` is set only when retrying after that delay may succeed."""
 
     status_name = "INTERNAL"
+
+    def __init__(
+        self, message: str, *, reason: Reason | None = None, retry_after_ms: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        if retry_after_ms is not None and retry_after_ms < 0:
+            raise ValueError(f"retry_after_ms must be >= 0, got {retry_after_ms}")
+        self.reason = reason
+        self.retry_after_ms = retry_after_ms
+        self.metadata: Mapping[str, str] = dict(metadata or {})
 
 
 class InvalidArgument(DomainError):
@@ -42,10 +62,6 @@ class Unavailable(DomainError):
     """No worker can take the request now (none eligible, policy update draining)."""
 
     status_name = "UNAVAILABLE"
-
-    def __init__(self, message: str, *, retry_after_ms: int | None = None) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
 
 
 class Aborted(DomainError):

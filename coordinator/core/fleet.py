@@ -14,6 +14,7 @@ from operator import attrgetter
 
 from coordinator.core.errors import FailedPrecondition
 from coordinator.core.routing import Candidate, WorkerLoad
+from coordinator.wire import Reason
 
 
 class WorkerStatus(enum.StrEnum):
@@ -207,11 +208,12 @@ class Fleet:
         """The session of exactly this incarnation; FailedPrecondition for unknown or stale."""
         session = self._sessions.get(worker_id)
         if session is None:
-            raise FailedPrecondition(f"unknown worker {worker_id!r}: register first")
+            raise FailedPrecondition(f"unknown worker {worker_id!r}: register first",
+                                     reason=Reason.REREGISTER)
         if session.incarnation != incarnation:
             raise FailedPrecondition(
                 f"stale incarnation {incarnation} for worker {worker_id!r} "
-                f"(current is {session.incarnation}): re-register"
+                f"(current is {session.incarnation}): re-register", reason=Reason.REREGISTER,
             )
         return session
 

@@ -28,6 +28,7 @@ from coordinator.core.routing import (
     group_identical,
     make_chooser,
 )
+from coordinator.wire import Reason
 
 _FLOOR = attrgetter("load_floor")
 
@@ -294,7 +295,7 @@ class Router:
                 f"{versions}" + (
                     f" (min {min_policy_version})" if min_policy_version is not None else ""
                 ),
-                retry_after_ms=self.retry_after_ms,
+                reason=Reason.NO_WORKER, retry_after_ms=self.retry_after_ms,
             ) from None
         session = self._fleet.get(decision.worker_id)
         assert session is not None  # candidates come from the fleet

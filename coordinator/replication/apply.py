@@ -38,6 +38,7 @@ from coordinator.replication.events import (
     ReplicaEvent,
     State,
 )
+from coordinator.wire import Reason
 
 log = structlog.get_logger(__name__)
 
@@ -144,7 +145,8 @@ class ReplicaApplier:
     def _attached(self, origin: str, session: RegisteredWorker, event: Attached) -> None:
         if self._sessions.has_stream(session.worker_id):
             self._sessions.close_stream(
-                session.worker_id, f"the worker attached to coordinator replica {origin}"
+                session.worker_id, f"the worker attached to coordinator replica {origin}",
+                Reason.SUPERSEDED,
             )
         session.owner = origin
         session.connected = True

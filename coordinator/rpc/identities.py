@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.core.errors import DomainError, ResourceExhausted
+from coordinator.wire import Reason
 
 
 class Unauthenticated(DomainError):
@@ -326,11 +327,11 @@ class RateLimiter:
 
 
 class RateLimited(ResourceExhausted):
-    """Over the per-identity request rate; ``retry_after_ms`` says when a token is back."""
+    """Over the per-identity request rate (reason RATE_LIMITED); ``retry_after_ms`` says when
+    a token is back."""
 
     def __init__(self, message: str, *, retry_after_ms: int) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
+        super().__init__(message, reason=Reason.RATE_LIMITED, retry_after_ms=retry_after_ms)
 
 
 class StreamSlots:
@@ -345,7 +346,8 @@ class StreamSlots:
         n = self._open.get(key, 0)
         if 0 < self.limit <= n:
             raise ResourceExhausted(
-                f"{what}: {n} streams already open, the limit per identity is {self.limit}"
+                f"{what}: {n} streams already open, the limit per identity is {self.limit}",
+                reason=Reason.STREAM_LIMIT,
             )
         self._open[key] = n + 1
 

@@ -1,9 +1,13 @@
 """The one place where errors become gRPC status codes (and where RPCs are counted and guarded).
 
-Servicers raise ``coordinator.core.errors.DomainError`` subclasses, which name their status; a
-server may add a table for other exception types it expects (the coordinator: a store outage; the
-worker: its runtime's errors). The call is aborted with that status and the exception's message.
-Anything else is a bug: it is logged with its traceback and answered INTERNAL without details.
+Servicers raise ``coordinator.core.errors.DomainError`` subclasses, which name their status and
+may name a reason and a retry delay; a server may add a table for other exception types it
+expects (the coordinator: a store outage; the worker: its runtime's errors). The call is aborted
+with that status and the exception's message, and a reason or delay travels as ``google.rpc``
+status details (``ErrorInfo`` in domain ``coordinator.wire.ERROR_DOMAIN``, ``RetryInfo``) in the
+``grpc-status-details-bin`` trailer that grpcio-status writes and clients read
+(``coordinator.client.outcomes.outcome_of``). Anything else is a bug: it is logged with its
+traceback and answered INTERNAL without details.
 Before the handler runs, ``coordinator.rpc.guard.Guard`` admits the call (identity, role, rate);
 its refusals are domain errors like any other, so they are counted and answered the same way.
 """
@@ -13,16 +17,19 @@ from __future__ import annotations
 import time
 import types
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
 import structlog
 from google.protobuf.descriptor import ServiceDescriptor
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from coordinator.core.errors import DomainError
 from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.identities import Role
+from coordinator.wire import ERROR_DOMAIN, Reason
 
 log = structlog.get_logger(__name__)
 
@@ -38,10 +45,13 @@ class RpcMetrics(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Mapped:
-    """How an expected non-domain exception is answered."""
+    """How an exception is answered: its status, and the reason, ErrorInfo metadata and retry
+    delay sent as status details (none when ``reason`` and ``retry_after_ms`` are None)."""
 
     status: str  # a grpc.StatusCode name
     retry_after_ms: int | None = None
+    reason: Reason | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict)
 
 
 class ErrorMappingInterceptor:
@@ -146,8 +156,8 @@ class ErrorMappingInterceptor:
         if isinstance(exc, grpc.aio.AbortError):
             return "ABORTED_IN_HANDLER", None  # a handler called context.abort itself
         if isinstance(exc, DomainError):
-            retry = getattr(exc, "retry_after_ms", None)
-            return exc.status_name, Mapped(exc.status_name, retry)
+            return exc.status_name, Mapped(exc.status_name, exc.retry_after_ms, exc.reason,
+                                           exc.metadata)
         for cls, mapped in self._expected.items():
             if isinstance(exc, cls):
                 return mapped.status, mapped
@@ -181,11 +191,28 @@ def details(exc: Exception) -> str:
     return message
 
 
+def rich_status(answer: Mapped, message: str) -> status_pb2.Status:
+    """``answer`` as a ``google.rpc.Status``: its code and ``message``, then an ``ErrorInfo``
+    when it has a reason and a ``RetryInfo`` when it has a retry delay (in that order)."""
+    code = grpc.StatusCode[answer.status]
+    status = status_pb2.Status(code=code.value[0], message=message)
+    if answer.reason is not None:
+        status.details.add().Pack(error_details_pb2.ErrorInfo(
+            reason=answer.reason.value, domain=ERROR_DOMAIN, metadata=dict(answer.metadata),
+        ))
+    if answer.retry_after_ms is not None:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromMilliseconds(answer.retry_after_ms)
+        status.details.add().Pack(retry)
+    return status
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, answer: Mapped | None) -> None:
     """End the call with ``answer`` (its message is the exception's, except for INTERNAL)."""
     if answer is None:
         raise exc
-    if answer.retry_after_ms is not None:
-        context.set_trailing_metadata((("retry-after-ms", str(answer.retry_after_ms)),))
     message = "internal error" if answer.status == "INTERNAL" else details(exc)
-    await context.abort(grpc.StatusCode[answer.status], message)
+    if answer.reason is None and answer.retry_after_ms is None:
+        await context.abort(grpc.StatusCode[answer.status], message)
+    else:
+        await context.abort_with_status(rpc_status.to_status(rich_status(answer, message)))

@@ -1,8 +1,8 @@
 """Proto <-> domain conversion and request validation for the coordinator API.
 
 Every decodable message is validated here before the core sees it: a bad field becomes an
-``InvalidArgument`` (or ``FailedPrecondition`` for a newer protocol) with a message that names
-the field and the limit.
+``InvalidArgument`` (or ``FailedPrecondition`` for another protocol version) with a message that
+names the field and the limit.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from coordinator.control.sync_messages import (
     Resync,
     Welcome,
 )
-from coordinator.core.errors import FailedPrecondition, InvalidArgument
+from coordinator.core.errors import InvalidArgument
 from coordinator.core.hashing import split_page_keys, tokens_to_bytes
 from coordinator.core.index import Tier
 from coordinator.core.page_events import PageEvent
@@ -26,6 +26,7 @@ from coordinator.core.policy_state import PolicyPhase, PolicyRecord
 from coordinator.core.rollout_records import Rollout
 from coordinator.core.router import LookupResult, PromptInput, RouteResult, Scope
 from coordinator.core.routing import WorkerLoad
+from coordinator.rpc.versions import check_protocol
 from coordinator.service import StatsSnapshot, WorkerView
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.wire import PAGE_KEY_BYTES, PROTOCOL_VERSION
@@ -53,15 +54,6 @@ ACK_STAGE_FROM_PB = {
 PHASE_TO_PB = {
     PolicyPhase.SERVING: pb.POLICY_PHASE_SERVING, PolicyPhase.DRAINING: pb.POLICY_PHASE_DRAINING,
 }
-
-
-def check_protocol(version: int) -> None:
-    """0 reads as 1; a newer peer is refused rather than misread."""
-    if version > PROTOCOL_VERSION:
-        raise FailedPrecondition(
-            f"protocol version {version} is newer than this coordinator's {PROTOCOL_VERSION}: "
-            "upgrade the coordinator first"
-        )
 
 
 def page_keys_from(blob: bytes, what: str) -> list[bytes]:

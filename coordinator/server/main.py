@@ -24,6 +24,7 @@ from coordinator.service import CoordinatorService
 from coordinator.store.protocol import StoreUnavailable
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import Reason
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +60,8 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     errors = ErrorMappingInterceptor(
         metrics,
         {
-            StoreUnavailable: Mapped("UNAVAILABLE", retry_after_ms=STORE_RETRY_MS),
+            StoreUnavailable: Mapped("UNAVAILABLE", retry_after_ms=STORE_RETRY_MS,
+                                     reason=Reason.STORE_UNAVAILABLE),
             # A Sync message that does not parse surfaces in our reader (a unary request that
             # does not parse is answered by grpc before any handler runs).
             DecodeError: Mapped("INVALID_ARGUMENT"),

@@ -24,12 +24,13 @@ from coordinator.rpc.identities import (
     may_send_page_keys,
     visible_workers,
 )
+from coordinator.rpc.versions import check_protocol
 from coordinator.server import convert
-from coordinator.server.convert import check_protocol, prompt_from, scope_from
+from coordinator.server.convert import prompt_from, scope_from
 from coordinator.service import CoordinatorService
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from coordinator.wire import PROTOCOL_VERSION
+from coordinator.wire import PROTOCOL_VERSION, Reason
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
@@ -63,8 +64,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     async def _await_routable(self, scope: pb.Scope, context: Context) -> None:
         """While a sync update drains, a route without an explicit version waits for it (up
-        to the caller's deadline and ``route_wait_ms``), then is refused UNAVAILABLE with
-        ``retry-after-ms``: no generation may start between DRAIN and RESUME."""
+        to the caller's deadline and ``route_wait_ms``), then is refused UNAVAILABLE, reason
+        DRAINING, with RetryInfo: no generation may start between DRAIN and RESUME."""
         updates = self._service.updates
         if scope.HasField("policy_version") or not policy_state.routes_blocked(updates.record):
             return
@@ -76,7 +77,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         if policy_state.routes_blocked(updates.record):
             raise Unavailable(
                 f"policy update to version {updates.record.target_version} is draining the "
-                "fleet: retry", retry_after_ms=self._config.route_retry_ms,
+                "fleet: retry", reason=Reason.DRAINING, retry_after_ms=self._config.route_retry_ms,
+                metadata={"target_version": str(updates.record.target_version)},
             )
 
     async def Route(self, request: pb.RouteRequest, context: Context) -> pb.RouteResponse:
@@ -254,7 +256,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         check_worker(caller(), worker_id)  # and rollouts.append checks every record is its own
         served = self._service.sessions.served_versions_of(worker_id)
         if served is None:
-            raise FailedPrecondition(f"unknown worker {worker_id!r}: register first")
+            raise FailedPrecondition(f"unknown worker {worker_id!r}: register first",
+                                     reason=Reason.REREGISTER)
         accepted = await self._service.rollouts.append(
             worker_id, served, [convert.rollout_from(r) for r in request.records]
         )
