@@ -12,10 +12,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.client import AsyncCoordinatorClient, KvcoordError
+from coordinator.client.outcomes import outcome_of
+from coordinator.wire import PROTOCOL_VERSION, Reason
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from worker.client import AsyncWorkerClient
 from worker.config import WorkerConfig
-from worker.server import SERVICE_NAME, RunningWorker, start_worker
+from worker.server import DRAIN_RETRY_MS, SERVICE_NAME, RunningWorker, start_worker
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 
@@ -49,6 +51,33 @@ async def test_generate_reuses_the_prompt_pages_on_the_second_call(worker: Runni
     assert (first.cached_tokens, first.computed_tokens) == (0, len(PROMPT))
     assert (second.cached_tokens, second.computed_tokens) == (2 * PAGE, len(PROMPT) - 2 * PAGE)
     assert second.tokens == first.tokens
+
+
+async def test_generate_at_another_protocol_version_is_told_naming_both(
+    worker: RunningWorker,
+) -> None:
+    async with grpc.aio.insecure_channel(_addr(worker)) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await wpb_grpc.WorkerStub(channel).Generate(
+                wpb.GenerateRequest(protocol_version=1, token_ids=PROMPT, max_new_tokens=1))
+    outcome = outcome_of(refused.value)
+    assert (outcome.code, outcome.reason, outcome.metadata) == (
+        grpc.StatusCode.FAILED_PRECONDITION, Reason.PROTOCOL_VERSION,
+        {"peer_version": "1", "server_version": str(PROTOCOL_VERSION)})
+
+
+async def test_generate_while_draining_is_told_draining_with_a_retry_delay(
+    worker: RunningWorker,
+) -> None:
+    worker.gate.close()  # what a DRAIN command does
+    async with grpc.aio.insecure_channel(_addr(worker)) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await wpb_grpc.WorkerStub(channel).Generate(
+                wpb.GenerateRequest(token_ids=PROMPT, max_new_tokens=1))
+    worker.gate.open()
+    outcome = outcome_of(refused.value)
+    assert (outcome.code, outcome.reason, outcome.retry_after_ms) == (
+        grpc.StatusCode.UNAVAILABLE, Reason.DRAINING, DRAIN_RETRY_MS)
 
 
 BAD_GENERATES = [
