@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
-from coordinator.core.index import Tier
+from coordinator.core.index_types import Tier
 from worker.bridge.block_map import BlockMap
 from worker.bridge.engine_events import (
     AllBlocksCleared,

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from coordinator.core.index import Tier
+from coordinator.core.index_types import Tier
 from tests.coordinator_fixtures import eventually, running_coordinator
 from tests.engine_publisher import EnginePublisher, Stored
 from worker.bridge.bridge import Bridge, BridgeConfig

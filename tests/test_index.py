@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.index import IndexIntegrityError, IndexStats, MatchDetail, PrefixIndex, Tier
+from coordinator.core.index import PrefixIndex
+from coordinator.core.index_types import IndexIntegrityError, IndexStats, MatchDetail, Tier
 
 
 class FakeClock:

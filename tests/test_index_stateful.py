@@ -10,7 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.core.index import MatchDetail, PrefixIndex, Tier
+from coordinator.core.index import PrefixIndex
+from coordinator.core.index_types import MatchDetail, Tier
 
 TTL = 2.0
 WORKERS = ["w0", "w1", "w2", "w3"]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from coordinator.core.index import Tier
+from coordinator.core.index_types import Tier
 from coordinator.core.page_events import PageEvent
 from coordinator.core.routing import WorkerLoad
 from coordinator.replication.events import (

@@ -12,7 +12,7 @@ import structlog
 from coordinator.core.errors import (
     DomainError,
 )
-from coordinator.core.index import Tier
+from coordinator.core.index_types import Tier
 from coordinator.core.policy_state import PolicyRecord
 from coordinator.core.routing import WorkerLoad
 

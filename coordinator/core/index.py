@@ -17,59 +17,34 @@ Pure core: no I/O; time comes from the injected ``clock`` (monotonic seconds). N
 
 from __future__ import annotations
 
-import enum
-import hashlib
 import heapq
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, groupby, repeat
-from operator import and_, countOf, or_
-from typing import NamedTuple, TypeVar, cast
 
-from coordinator.core.hashing import PAGE_KEY_BYTES
+from coordinator.core import index_audit
+from coordinator.core.holder_masks import (
+    by_depth,
+    clear_bit,
+    clear_bits,
+    prefix_runs,
+    set_bits,
+    slot_names,
+    tier_counts,
+)
+from coordinator.core.index_types import (
+    IndexStats,
+    MatchDetail,
+    Tier,
+    check_keys,
+    check_read_keys,
+    check_worker,
+)
 
-_V = TypeVar("_V")
-# bin(mask) digits -> 0/1 selector bytes for itertools.compress: bit -> worker in C, no loop.
-_BITS_TO_SELECTORS = bytes.maketrans(b"01", b"\x00\x01")
-# Up to this many blocks, _by_depth writes whole blocks (at most this many times the holders
-# of keys[0]) instead of decoding a fresh "lost at this end" mask per block.
-_OVERWRITE_BLOCKS = 4
+# Importers mid-change elsewhere still take these value types from here.
+__all__ = ["MatchDetail", "PrefixIndex", "Tier"]
+
 _NAMES_MEMO = 1024  # masks whose worker lists are memoised (each a tuple of names)
-
-
-class Tier(enum.StrEnum):
-    """Where a worker holds a page; lower tiers cost a copy before reuse."""
-
-    GPU = "gpu"
-    CPU = "cpu"
-    DISK = "disk"
-
-
-@dataclass(frozen=True, slots=True)
-class MatchDetail:
-    """One worker's match: ``pages`` deep, of which ``lower_tier_pages`` are held only in CPU or
-    DISK and ``pending_pages`` are pending (unconfirmed) entries. ``confirmed_pages`` is the
-    leading run of confirmed holdings alone (pending ignored): what :meth:`PrefixIndex.match`
-    reports, at most ``pages``; equal to ``pages`` when pending entries were not counted."""
-
-    pages: int
-    lower_tier_pages: int
-    pending_pages: int
-    confirmed_pages: int
-
-
-class IndexStats(NamedTuple):
-    """Sizes, for metrics and GetStats."""
-
-    keys: int  # distinct keys with at least one confirmed holder
-    holdings: int  # confirmed (worker, key) pairs
-    pending: int  # live pending (worker, key) entries
-    workers: int
-
-
-class IndexIntegrityError(Exception):
-    """The index's internal structures disagree (a bug, never bad input)."""
 
 
 @dataclass(slots=True)
@@ -118,14 +93,14 @@ class PrefixIndex:
         confirmed (they stop being pending).
         """
         tier = Tier(tier)
-        _check_worker(worker_id)
-        _check_keys(keys)
+        check_worker(worker_id)
+        check_keys(keys)
         w = self._worker(worker_id)
         before = len(w.held)
-        _set_bits(self._holders, keys, w.bit)
+        set_bits(self._holders, keys, w.bit)
         w.held.update(keys)
         if tier is not Tier.GPU:
-            _set_bits(self._lower, keys, w.bit)
+            set_bits(self._lower, keys, w.bit)
             w.spilled.update(dict.fromkeys(keys, tier))
         elif w.spilled:  # most workers never spill: skip the scan
             self._unspill(w, w.spilled.keys() & set(keys))
@@ -139,8 +114,8 @@ class PrefixIndex:
         Keys it does not hold are ignored; an unknown worker is a no-op. Returns how many
         holdings were removed.
         """
-        _check_worker(worker_id)
-        _check_keys(keys)
+        check_worker(worker_id)
+        check_keys(keys)
         w = self._workers.get(worker_id)
         if w is None:
             return 0
@@ -151,7 +126,7 @@ class PrefixIndex:
     def drop_worker(self, worker_id: str) -> int:
         """Forget the worker entirely (holdings, pending entries, slot); returns holdings
         dropped. O(its pages). A later worker reusing the slot starts with nothing."""
-        _check_worker(worker_id)
+        check_worker(worker_id)
         w = self._workers.pop(worker_id, None)
         if w is None:
             return 0
@@ -167,11 +142,11 @@ class PrefixIndex:
         A key listed under several tiers is kept in the fastest (GPU over CPU over DISK).
         Pending entries for keys in the inventory are confirmed; other pending entries stay.
         """
-        _check_worker(worker_id)
+        check_worker(worker_id)
         inventory = {Tier(tier): keys for tier, keys in keys_by_tier.items()}
         wanted: set[bytes] = set()
         for keys in inventory.values():
-            _check_keys(keys)
+            check_keys(keys)
             wanted.update(keys)
         w = self._worker(worker_id)
         self._release(w, w.held - wanted)
@@ -185,8 +160,8 @@ class PrefixIndex:
 
         Exact even when a worker lost a middle page: its depth stops there. Does not mutate.
         """
-        _check_read_keys(keys)
-        return self._by_depth(self._runs(keys, with_pending=False), int)
+        check_read_keys(keys)
+        return by_depth(prefix_runs(keys, self._holders, None), self._workers_in, int)
 
     def match_detail(
         self, keys: Sequence[bytes], *, include_pending: bool = False
@@ -198,21 +173,21 @@ class PrefixIndex:
         no second :meth:`match`. Expired entries are dropped first (the only mutation,
         invisible to callers but for the memory it frees).
         """
-        _check_read_keys(keys)
+        check_read_keys(keys)
         if include_pending:
             self.expire_pending()
         with_pending = include_pending and bool(self._pending)
-        runs = self._runs(keys, with_pending)
-        lower = self._tier_counts(self._lower, keys, runs)
+        runs = prefix_runs(keys, self._holders, self._pending if with_pending else None)
+        lower = tier_counts(self._lower, keys, runs, self._workers_in)
         first_pending: dict[str, int] = {}
         pend = (
-            self._tier_counts(self._pending, keys, runs, first_pending)
+            tier_counts(self._pending, keys, runs, self._workers_in, first_pending)
             if with_pending
             else Counter[str]()
         )
         # Details are immutable: share one per depth among the (usual) workers with nothing in
         # lower tiers or pending, so a 1,000-worker answer builds a handful of objects.
-        out = self._by_depth(runs, _plain_detail)
+        out = by_depth(runs, self._workers_in, _plain_detail)
         for worker in lower.keys() | pend.keys():
             depth = out[worker].pages
             # Held and pending keys are disjoint, so the confirmed run ends at the first
@@ -266,14 +241,7 @@ class PrefixIndex:
         2**128 of each entry's BLAKE2b, so two indexes holding the same entries agree whatever
         order they were built in (replicas compare it). Pending entries are left out. All zero
         for an empty index. O(entries); for operators and checks, not for a hot path."""
-        total = 0
-        for worker_id, w in self._workers.items():
-            name = worker_id.encode() + b"\0"
-            for key in w.held:
-                tier = w.spilled.get(key, Tier.GPU).value.encode()
-                entry = hashlib.blake2b(name + key + tier, digest_size=PAGE_KEY_BYTES).digest()
-                total += int.from_bytes(entry, "big")
-        return (total % (1 << (8 * PAGE_KEY_BYTES))).to_bytes(PAGE_KEY_BYTES, "big")
+        return index_audit.digest(self)
 
     # ---- pending entries ------------------------------------------------------------------
 
@@ -284,8 +252,8 @@ class PrefixIndex:
         At most ``max_pending`` keys are queued: the oldest records are evicted first, and a
         call longer than the bound keeps its leading keys.
         """
-        _check_worker(worker_id)
-        _check_keys(keys)
+        check_worker(worker_id)
+        check_keys(keys)
         self.expire_pending()
         w = self._worker(worker_id)
         fresh = tuple(dict.fromkeys(k for k in keys if k not in w.held))[: self._max_pending]
@@ -296,7 +264,7 @@ class PrefixIndex:
         deadline = self._clock() + self._pending_ttl
         added = len(fresh) - len(w.pending.keys() & fresh)
         w.pending.update(dict.fromkeys(fresh, deadline))
-        _set_bits(self._pending, fresh, w.bit)
+        set_bits(self._pending, fresh, w.bit)
         self._queue.append((deadline, worker_id, fresh))
         self._queued += len(fresh)
         self._pending_count += added
@@ -314,37 +282,7 @@ class PrefixIndex:
 
     def check_integrity(self) -> None:
         """Raise IndexIntegrityError unless every structure agrees with every other. O(size)."""
-        occupied = {w.slot: name for name, w in self._workers.items()}
-        _require(
-            occupied == {s: n for s, n in enumerate(self._slots) if n is not None}
-            and set(self._free_slots) == set(range(len(self._slots))) - occupied.keys(),
-            "slot table, free slots and workers disagree",
-        )
-        expected: tuple[dict[bytes, int], ...] = ({}, {}, {})
-        queued = {(name, k, d) for d, name, keys in self._queue for k in keys}
-        for name, w in self._workers.items():
-            _require(w.bit == 1 << w.slot, f"{name}: bit does not match slot")
-            _require(w.spilled.keys() <= w.held, f"{name}: a spilled key is not held")
-            _require(w.pending.keys().isdisjoint(w.held), f"{name}: a held key is pending")
-            sets: tuple[Iterable[bytes], ...] = (w.held, w.spilled, w.pending)
-            for masks, keys in zip(expected, sets, strict=True):
-                for key in keys:
-                    masks[key] = masks.get(key, 0) | w.bit
-            _require(
-                all((name, k, d) in queued for k, d in w.pending.items()),
-                f"{name}: a pending entry has no queue record",
-            )
-        for actual, wanted, label in zip(
-            (self._holders, self._lower, self._pending),
-            expected,
-            ("holders", "lower", "pending"),
-            strict=True,
-        ):
-            _require(actual == wanted, f"{label} masks disagree with the workers' key sets")
-        live = sum(len(w.pending) for w in self._workers.values())
-        _require(live == self._pending_count, "pending count is wrong")
-        _require(self._queued == sum(len(r[2]) for r in self._queue), "queued count is wrong")
-        _require(self._queued <= self._max_pending, "pending bound exceeded")
+        index_audit.check_integrity(self)
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -363,19 +301,19 @@ class PrefixIndex:
 
     def _release(self, w: _Worker, keys: set[bytes]) -> int:
         self._unspill(w, keys & w.spilled.keys())
-        _clear_bits(self._holders, keys, w.bit)
+        clear_bits(self._holders, keys, w.bit)
         w.held -= keys
         return len(keys)
 
     def _unspill(self, w: _Worker, keys: Iterable[bytes]) -> None:
         for key in keys:
             del w.spilled[key]
-            _clear_bit(self._lower, key, w.bit)
+            clear_bit(self._lower, key, w.bit)
 
     def _drop_pending(self, w: _Worker, keys: Iterable[bytes]) -> None:
         # Their queue records stay until they expire or are evicted; _pop_oldest skips them.
         gone = [k for k in keys if w.pending.pop(k, None) is not None]
-        _clear_bits(self._pending, gone, w.bit)
+        clear_bits(self._pending, gone, w.bit)
         self._pending_count -= len(gone)
 
     def _pop_oldest(self) -> None:
@@ -387,83 +325,10 @@ class PrefixIndex:
             # add_pending refreshed the others, or store/remove/drop_worker took them.
             self._drop_pending(w, [k for k in keys if w.pending.get(k) == deadline])
 
-    def _runs(self, keys: Sequence[bytes], with_pending: bool) -> list[tuple[int, int]]:
-        """The running intersection of holder masks as blocks ``(mask, end)``.
-
-        ``mask`` is the set of workers holding every key before ``end`` (and none of the
-        blocks' masks is 0); consecutive blocks have distinct, shrinking masks. Holder masks
-        are fetched and grouped in C (``groupby`` collapses the long runs of identical masks a
-        shared prefix produces); Python only sees one step per distinct mask.
-        """
-        masks = map(self._holders.get, keys, repeat(0))
-        if with_pending:
-            masks = map(or_, masks, map(self._pending.get, keys, repeat(0)))
-        runs: list[tuple[int, int]] = []
-        running, end = -1, 0  # -1: every bit set
-        try:
-            for mask, group in groupby(masks):
-                running &= mask
-                if not running:
-                    break
-                end += countOf(group, mask)
-                if runs and runs[-1][0] == running:
-                    runs[-1] = (running, end)
-                else:
-                    runs.append((running, end))
-        except TypeError:  # an unhashable "key" (bytearray, list) reached dict.get
-            raise ValueError("page keys must be bytes") from None
-        return runs
-
-    def _by_depth(self, runs: list[tuple[int, int]], value: Callable[[int], _V]) -> dict[str, _V]:
-        """``{worker: value(depth)}``; ``value`` is called once per distinct depth."""
-        out: dict[str, _V] = {}
-        if len(runs) <= _OVERWRITE_BLOCKS:
-            # Masks shrink block by block, so writing every block's workers in order leaves
-            # each worker at its deepest block. Block masks are holder masks of shared
-            # prefixes, which recur across lookups and hit the names memo.
-            for mask, end in runs:
-                out.update(zip(self._workers_in(mask), repeat(value(end))))
-            return out
-        # Many blocks: write each worker once. The workers a block loses at its end are
-        # exactly those whose depth is that end.
-        for i, (mask, end) in enumerate(runs):
-            after = runs[i + 1][0] if i + 1 < len(runs) else 0
-            out.update(zip(self._workers_in(mask & ~after), repeat(value(end))))
-        return out
-
-    def _tier_counts(
-        self,
-        masks: dict[bytes, int],
-        keys: Sequence[bytes],
-        runs: list[tuple[int, int]],
-        first: dict[str, int] | None = None,
-    ) -> Counter[str]:
-        """Per worker, how many of its matched keys carry its bit in ``masks`` (a worker
-        matched the keys of every block whose mask contains it); ``first`` receives each
-        counted worker's first such position."""
-        counts: Counter[str] = Counter()
-        if masks:
-            get = masks.get
-            start = 0
-            for running, end in runs:
-                hits = map(and_, map(get, keys[start:end], repeat(0)), repeat(running))
-                # Entries come in runs (a route marks a whole tail pending): count per group.
-                for hit, group in groupby(hits):
-                    n = countOf(group, hit)
-                    if hit:
-                        for worker in self._workers_in(hit):
-                            counts[worker] += n
-                            if first is not None:
-                                first.setdefault(worker, start)
-                    start += n
-        return counts
-
     def _workers_in(self, mask: int) -> tuple[str, ...]:
         names = self._names.get(mask)
         if names is None:
-            selectors = bin(mask)[:1:-1].encode().translate(_BITS_TO_SELECTORS)  # LSB first
-            # Bits are only ever set for occupied slots, so no None is selected.
-            names = tuple(cast("Iterable[str]", compress(self._slots, selectors)))
+            names = slot_names(mask, self._slots)
             if len(self._names) >= _NAMES_MEMO:
                 self._names.clear()
             self._names[mask] = names
@@ -473,57 +338,3 @@ class PrefixIndex:
 def _plain_detail(depth: int) -> MatchDetail:
     """A worker's detail with nothing in lower tiers or pending."""
     return MatchDetail(depth, 0, 0, depth)
-
-
-def _set_bits(masks: dict[bytes, int], keys: Iterable[bytes], bit: int) -> None:
-    # A plain loop: on CPython 3.11 it measured ~30% faster than dict.update over map/zip.
-    get = masks.get
-    for key in keys:
-        masks[key] = get(key, 0) | bit
-
-
-def _clear_bits(masks: dict[bytes, int], keys: Iterable[bytes], bit: int) -> None:
-    for key in keys:
-        _clear_bit(masks, key, bit)
-
-
-def _clear_bit(masks: dict[bytes, int], key: bytes, bit: int) -> None:
-    left = masks[key] & ~bit
-    if left:
-        masks[key] = left
-    else:
-        del masks[key]  # no zero masks: `key in masks` means someone has it
-
-
-def _check_worker(worker_id: str) -> None:
-    if not isinstance(worker_id, str) or not worker_id:
-        raise ValueError("worker id must be a non-empty string")
-
-
-def _check_keys(keys: Sequence[bytes]) -> None:
-    # Two C-level passes instead of a Python loop: store() runs at millions of keys/s.
-    if isinstance(keys, (bytes, bytearray, memoryview, str)):
-        raise ValueError("keys must be a sequence of 16-byte keys, not one blob")
-    if set(map(type, keys)) - {bytes}:
-        raise ValueError("page keys must be bytes")
-    if set(map(len, keys)) - {PAGE_KEY_BYTES}:
-        raise ValueError(f"page keys must be {PAGE_KEY_BYTES} bytes")
-
-
-def _check_read_keys(keys: Sequence[bytes]) -> None:
-    # Reads cannot corrupt anything and only validated keys are ever stored, so a cheaper
-    # check suffices: one C-level join (bytes-like, 16 bytes per key on average); an
-    # unhashable key is caught at lookup. A key of another length simply matches nothing.
-    if isinstance(keys, (bytes, bytearray, memoryview, str)):
-        raise ValueError("keys must be a sequence of 16-byte keys, not one blob")
-    try:
-        total = len(b"".join(keys))
-    except TypeError:
-        raise ValueError("page keys must be bytes") from None
-    if total != PAGE_KEY_BYTES * len(keys):
-        raise ValueError(f"page keys must be {PAGE_KEY_BYTES} bytes")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise IndexIntegrityError(message)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from coordinator.core.index import PrefixIndex, Tier
+from coordinator.core.index import PrefixIndex
+from coordinator.core.index_types import Tier
 
 log = structlog.get_logger(__name__)
 

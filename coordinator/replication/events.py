@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.core.hashing import split_page_keys
-from coordinator.core.index import Tier
+from coordinator.core.index_types import Tier
 from coordinator.core.page_events import PageEvent
 from coordinator.core.routing import WorkerLoad
 

@@ -41,7 +41,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from coordinator.core.index import MatchDetail, PrefixIndex
+from coordinator.core.index import PrefixIndex
+from coordinator.core.index_types import MatchDetail
 from kvcoord.simulate.routers import RouterContext
 from kvcoord.simulate.simworker import Job
 

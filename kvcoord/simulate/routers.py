@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from coordinator.core.index import MatchDetail, PrefixIndex
+from coordinator.core.index import PrefixIndex
+from coordinator.core.index_types import MatchDetail
 from coordinator.core.routing import (
     Candidate,
     KvAwareWeights,

@@ -1,0 +1,74 @@
+"""Whole-index audits of a :class:`~coordinator.core.index.PrefixIndex`: O(size) scans for
+tests, operators and replicas, never on a hot path. Both read the index's private structures
+(this module is the index's friend) and mutate nothing.
+
+- :func:`check_integrity`: raise :class:`IndexIntegrityError` unless the slot table, the
+  per-worker records, the three mask dicts and the pending queue all agree.
+- :func:`digest`: 16 bytes naming the confirmed ``(worker, key, tier)`` entries as a set.
+
+Pure core: no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from coordinator.core.hashing import PAGE_KEY_BYTES
+from coordinator.core.index_types import IndexIntegrityError, Tier
+
+if TYPE_CHECKING:
+    from coordinator.core.index import PrefixIndex
+
+
+def check_integrity(index: PrefixIndex) -> None:
+    """What :meth:`PrefixIndex.check_integrity` checks."""
+    occupied = {w.slot: name for name, w in index._workers.items()}
+    _require(
+        occupied == {s: n for s, n in enumerate(index._slots) if n is not None}
+        and set(index._free_slots) == set(range(len(index._slots))) - occupied.keys(),
+        "slot table, free slots and workers disagree",
+    )
+    expected: tuple[dict[bytes, int], ...] = ({}, {}, {})
+    queued = {(name, k, d) for d, name, keys in index._queue for k in keys}
+    for name, w in index._workers.items():
+        _require(w.bit == 1 << w.slot, f"{name}: bit does not match slot")
+        _require(w.spilled.keys() <= w.held, f"{name}: a spilled key is not held")
+        _require(w.pending.keys().isdisjoint(w.held), f"{name}: a held key is pending")
+        sets: tuple[Iterable[bytes], ...] = (w.held, w.spilled, w.pending)
+        for masks, keys in zip(expected, sets, strict=True):
+            for key in keys:
+                masks[key] = masks.get(key, 0) | w.bit
+        _require(
+            all((name, k, d) in queued for k, d in w.pending.items()),
+            f"{name}: a pending entry has no queue record",
+        )
+    for actual, wanted, label in zip(
+        (index._holders, index._lower, index._pending),
+        expected,
+        ("holders", "lower", "pending"),
+        strict=True,
+    ):
+        _require(actual == wanted, f"{label} masks disagree with the workers' key sets")
+    live = sum(len(w.pending) for w in index._workers.values())
+    _require(live == index._pending_count, "pending count is wrong")
+    _require(index._queued == sum(len(r[2]) for r in index._queue), "queued count is wrong")
+    _require(index._queued <= index._max_pending, "pending bound exceeded")
+
+
+def digest(index: PrefixIndex) -> bytes:
+    """The sum mod 2**128 of each confirmed entry's BLAKE2b: see :meth:`PrefixIndex.digest`."""
+    total = 0
+    for worker_id, w in index._workers.items():
+        name = worker_id.encode() + b"\0"
+        for key in w.held:
+            tier = w.spilled.get(key, Tier.GPU).value.encode()
+            entry = hashlib.blake2b(name + key + tier, digest_size=PAGE_KEY_BYTES).digest()
+            total += int.from_bytes(entry, "big")
+    return (total % (1 << (8 * PAGE_KEY_BYTES))).to_bytes(PAGE_KEY_BYTES, "big")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise IndexIntegrityError(message)
