@@ -19,7 +19,7 @@ from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from worker.event_log import inventory_chunks
-from worker.sync_client import WorkerIdentity, hello_request, register_request
+from worker.sync_protocol import WorkerIdentity, hello_request, register_request
 
 
 class ScriptedWorker:

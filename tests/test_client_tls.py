@@ -27,7 +27,7 @@ from worker.engine import ModelConfig
 from worker.gate import GenerationGate
 from worker.metrics import WorkerMetrics
 from worker.runtime import WorkerRuntime
-from worker.sync_client import SyncCounters
+from worker.sync_protocol import SyncCounters
 
 
 @pytest.fixture(scope="module")

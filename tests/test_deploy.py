@@ -1436,7 +1436,7 @@ def exported_metrics() -> dict[str, set[str]]:
     from coordinator.service import StatsSnapshot
     from worker.metrics import WorkerMetrics
     from worker.runtime import RuntimeStats
-    from worker.sync_client import SyncCounters
+    from worker.sync_protocol import SyncCounters
 
     # replica_id set: the replication metrics appear only with replicas.
     stats = StatsSnapshot(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, types.SimpleNamespace(version=0),

@@ -22,7 +22,7 @@ from worker.bridge.serve import bridge_registry
 from worker.config import WorkerConfig
 from worker.metrics import WorkerMetrics
 from worker.runtime import RuntimeStats
-from worker.sync_client import SyncCounters
+from worker.sync_protocol import SyncCounters
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

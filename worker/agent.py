@@ -24,13 +24,8 @@ from worker.metrics import WorkerMetrics
 from worker.policy_commands import PolicyCommandHandler
 from worker.rollout_reporter import RolloutReporter
 from worker.runtime import WorkerRuntime
-from worker.sync_client import (
-    RegistrationRefused,
-    SyncClient,
-    SyncCounters,
-    SyncSettings,
-    WorkerIdentity,
-)
+from worker.sync_client import SyncClient
+from worker.sync_protocol import RegistrationRefused, SyncCounters, SyncSettings, WorkerIdentity
 
 __all__ = ["CoordinatorAgent", "RegistrationRefused"]
 

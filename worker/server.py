@@ -29,7 +29,7 @@ from worker.metrics import WorkerMetrics
 from worker.relay import EventRelay
 from worker.runtime import GenerationAborted, InvalidRequest, PoolExhausted, WorkerRuntime
 from worker.servicer import SyncState, WorkerServicer
-from worker.sync_client import SyncCounters
+from worker.sync_protocol import SyncCounters
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 

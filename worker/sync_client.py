@@ -18,139 +18,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import random
 from collections.abc import Awaitable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 import structlog
 
-from coordinator.client.channels import ClientTls, channel_options, open_aio_channel
+from coordinator.client.channels import channel_options, open_aio_channel
 from coordinator.client.targets import Targets
-from coordinator.core.hashing import HashConfig
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from coordinator.wire import PROTOCOL_VERSION
-from worker.event_log import EventLog, Holdings
+from worker.event_log import EventLog
+from worker.sync_protocol import (
+    RegistrationRefused,
+    StreamEnd,
+    SyncCounters,
+    SyncOwner,
+    SyncSettings,
+    WorkerIdentity,
+    hello_request,
+    refused_for_good,
+    register_request,
+    stream_end,
+)
 
 log = structlog.get_logger(__name__)
+
 
 # Minimum spacing of early heartbeats (each renews the lease in the store, so this also bounds
 # store writes per worker).
 BEAT_COALESCE_S = 0.02
-# FAILED_PRECONDITION details meaning "this incarnation is gone": register again.
-_REREGISTER = ("unknown worker", "stale incarnation", "re-register")
-_DEREGISTERED = "worker deregistered"
-
-
-class StreamEnd(enum.Enum):
-    """What the client does after a stream (or a registration) ended with an error."""
-
-    RECONNECT = "reconnect"  # same incarnation, same target, after a backoff
-    NEXT_TARGET = "next_target"  # this target cannot serve: the next one, after a backoff
-    REGISTER_AGAIN = "register_again"  # the coordinator forgot this incarnation
-    LEAVE = "leave"  # removed from the fleet for good: never register again
-
-
-def stream_end(exc: grpc.RpcError) -> StreamEnd:
-    """Why the coordinator ended the stream -> what to do next."""
-    code, details = exc.code(), exc.details() or ""
-    if code == grpc.StatusCode.FAILED_PRECONDITION and _DEREGISTERED in details:
-        return StreamEnd.LEAVE
-    if code == grpc.StatusCode.FAILED_PRECONDITION and any(s in details for s in _REREGISTER):
-        return StreamEnd.REGISTER_AGAIN
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return StreamEnd.NEXT_TARGET
-    return StreamEnd.RECONNECT
-
-
-class RegistrationRefused(Exception):
-    """The coordinator refused ``Register`` for good (hash key/config or protocol mismatch, bad
-    identity): retrying cannot help, the worker's configuration must change."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerIdentity:
-    """What ``Register`` says about the worker. ``external``: an engine behind a bridge (kept
-    out of policy barriers, serves the version it is given)."""
-
-    worker_id: str
-    address: str
-    model: str
-    total_pages: int
-    hash_config: HashConfig
-    external: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class SyncSettings:
-    """How the client talks. ``heartbeat_ms`` None: the period the coordinator asks for."""
-
-    targets: str
-    heartbeat_ms: int | None = None
-    event_flush_ms: int = 5
-    max_unacked_batches: int = 1024
-    max_message_bytes: int = 16 * 1024 * 1024
-    max_pending_keys: int = 1 << 20
-    rpc_timeout_s: float = 5.0
-    backoff_initial_ms: int = 100
-    backoff_max_ms: int = 5_000
-    token: str | None = None
-    tls: ClientTls | None = None
-
-
-@dataclass(slots=True)
-class SyncCounters:
-    """What the client did, for the owner's metrics (plain counts, only ever increasing)."""
-
-    registrations: int = 0
-    streams: int = 0
-    batches: int = 0
-    resyncs: int = 0
-    keys_stored: int = 0
-    keys_removed: int = 0
-
-
-def register_request(identity: WorkerIdentity, policy_version: int) -> pb.RegisterRequest:
-    """``Register`` for ``identity`` serving ``policy_version`` (a new incarnation)."""
-    hashing = identity.hash_config
-    return pb.RegisterRequest(
-        protocol_version=PROTOCOL_VERSION, worker_id=identity.worker_id,
-        address=identity.address, total_pages=identity.total_pages,
-        policy_version=policy_version, external=identity.external, model=identity.model,
-        hash_config=pb.HashConfig(algorithm=hashing.algorithm.value,
-                                  page_size=hashing.page_size, fingerprint=hashing.fingerprint()),
-    )
-
-
-def hello_request(worker_id: str, incarnation: int, last_acked_seq: int) -> pb.SyncRequest:
-    """The first message of a Sync stream: which incarnation, and the last batch acked."""
-    hello = pb.SyncHello(worker_id=worker_id, incarnation=incarnation,
-                         last_acked_seq=last_acked_seq)
-    return pb.SyncRequest(protocol_version=PROTOCOL_VERSION, hello=hello)
-
-
-class SyncOwner(Protocol):
-    """What the client asks of the worker it speaks for."""
-
-    def policy_version(self) -> int:
-        """The policy version the worker serves now (Register and heartbeats carry it)."""
-
-    async def holdings(self) -> Holdings:
-        """Every page held, by tier, as one consistent snapshot (it may be large: an owner
-        whose state lives outside the loop takes it in a worker thread)."""
-
-    def heartbeat(self) -> pb.Heartbeat:
-        """The worker's load now (``policy_version`` is filled in by the client)."""
-
-    async def registered(self, response: pb.RegisterResponse) -> None:
-        """A new incarnation was registered: serve the version it names (a worker fenced by a
-        barrier or registering mid-update must load it) before its stream opens."""
-
-    def command(self, command: pb.PolicyCommand) -> None:
-        """A policy command arrived (DRAIN / APPLY / RESUME); must return at once."""
 
 
 class SyncClient:
@@ -355,8 +254,7 @@ class SyncClient:
         try:
             response = await self.stub().Register(request, timeout=self.settings.rpc_timeout_s)
         except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION,
-                              grpc.StatusCode.INVALID_ARGUMENT):
+            if refused_for_good(exc):
                 raise RegistrationRefused(exc.details() or exc.code().name) from None
             raise
         self._registration = response

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from worker.sync_client import SyncCounters
+from worker.sync_protocol import SyncCounters
 
 
 class SyncCollector(Collector):

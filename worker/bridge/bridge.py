@@ -38,7 +38,8 @@ from worker.bridge.engine_events import (
     decode_payload,
 )
 from worker.event_log import Holdings
-from worker.sync_client import SyncClient, SyncSettings, WorkerIdentity
+from worker.sync_client import SyncClient
+from worker.sync_protocol import SyncSettings, WorkerIdentity
 
 log = structlog.get_logger(__name__)
 

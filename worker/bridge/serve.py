@@ -13,8 +13,8 @@ from prometheus_client.registry import Collector
 
 from coordinator.client.channels import ClientTls
 from worker.bridge.bridge import Bridge, BridgeConfig
-from worker.sync_client import RegistrationRefused
 from worker.sync_metrics import SyncCollector
+from worker.sync_protocol import RegistrationRefused
 
 log = structlog.get_logger(__name__)
 
