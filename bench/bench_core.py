@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.core.hashing import HashAlgorithm, HashConfig, Namespace, PageHasher
+from coordinator.core.hash_config import HashAlgorithm, HashConfig, Namespace
+from coordinator.core.hashing import PageHasher
 from coordinator.core.index import PrefixIndex
 
 PAGE = 16

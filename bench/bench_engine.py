@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from coordinator.core.hashing import HashConfig
+from coordinator.core.hash_config import HashConfig
 from worker.engine import ModelConfig
 from worker.runtime import WorkerRuntime
 

@@ -13,7 +13,8 @@ from typing import Any
 from bench.workload import conversation_pool, fresh_prompts, populate
 from coordinator.config import CoordinatorConfig
 from coordinator.core.fleet import WorkerStatus
-from coordinator.core.hashing import Namespace, tokens_to_bytes
+from coordinator.core.hash_config import Namespace
+from coordinator.core.hashing import tokens_to_bytes
 from coordinator.core.router import Scope
 from coordinator.server.convert import prompt_from
 from coordinator.service import CoordinatorService

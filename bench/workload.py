@@ -6,7 +6,7 @@ import math
 import random
 
 from coordinator.core.fleet import RegisteredWorker
-from coordinator.core.hashing import Namespace
+from coordinator.core.hash_config import Namespace
 from coordinator.service import CoordinatorService
 
 PROMPT_TOKENS = 4096

@@ -170,7 +170,7 @@ class CoordinatorConfig:
 
     def _check_choices(self) -> None:
         # Imported here: config is read by every entry point; keep its import light.
-        from coordinator.core.hashing import HashAlgorithm
+        from coordinator.core.hash_config import HashAlgorithm
         from coordinator.core.routing import POLICIES
 
         algorithms = [a.value for a in HashAlgorithm]

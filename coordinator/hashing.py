@@ -1,17 +1,15 @@
 """Contract import path (DESIGN): ``coordinator.hashing.page_keys``. Hashing lives in
-``coordinator.core.hashing``; this module re-exports its public names."""
+``coordinator.core.hashing`` (the hasher) and ``coordinator.core.hash_config`` (its parameters);
+this module re-exports their public names."""
 
-from coordinator.core.hashing import (
+from coordinator.core.hash_config import (
     DEV_HASH_KEY,
     HashAlgorithm,
     HashConfig,
     Namespace,
-    PageHasher,
     load_hash_config,
-    page_keys,
-    split_page_keys,
-    tokens_to_bytes,
 )
+from coordinator.core.hashing import PageHasher, page_keys, split_page_keys, tokens_to_bytes
 
 __all__ = [
     "DEV_HASH_KEY",

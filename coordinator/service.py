@@ -21,7 +21,8 @@ from coordinator.control.rollouts import RolloutLog
 from coordinator.control.worker_sync import WorkerSync
 from coordinator.core.errors import NotFound
 from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
-from coordinator.core.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig, PageHasher
+from coordinator.core.hash_config import DEV_HASH_KEY, HashAlgorithm, HashConfig
+from coordinator.core.hashing import PageHasher
 from coordinator.core.index import PrefixIndex
 from coordinator.core.policy_state import PolicyRecord
 from coordinator.core.router import Router

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.core.hashing import HashConfig
+from coordinator.core.hash_config import HashConfig
 from worker.engine import ModelConfig, ReferenceEngine
 from worker.runtime import InvalidRequest, WorkerRuntime
 

@@ -9,17 +9,15 @@ import pytest
 import structlog.testing
 
 from coordinator.core import hashing
-from coordinator.core.hashing import (
+from coordinator.core.hash_config import (
     DEV_HASH_KEY,
     HashAlgorithm,
     HashConfig,
     Namespace,
-    PageHasher,
     encode_root,
     load_hash_config,
-    split_page_keys,
-    tokens_to_bytes,
 )
+from coordinator.core.hashing import PageHasher, split_page_keys, tokens_to_bytes
 
 KEY = bytes(range(32))
 NS = Namespace(model="llama-3-8b", tenant="acme", policy_version=7, page_size=4)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.hash_config import HashConfig, Namespace
+from coordinator.core.hashing import PageHasher
 from worker.allocator import AllocatorIntegrityError, PageAllocator
 from worker.prefix_cache import CacheInUse, PrefixCache, PrefixHit
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from coordinator.core.hashing import HashConfig
+from coordinator.core.hash_config import HashConfig
 from worker.engine import ModelConfig
 from worker.runtime import Generation, InvalidRequest, PoolExhausted, WorkerRuntime
 

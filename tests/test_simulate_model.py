@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.core.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.hash_config import HashConfig, Namespace
+from coordinator.core.hashing import PageHasher
 from kvcoord.simulate import engine, views
 from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS, jittered_arrivals
 from kvcoord.simulate.cost_model import CostModel

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import random
 
-from coordinator.core.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.hash_config import HashConfig, Namespace
+from coordinator.core.hashing import PageHasher
 from worker.engine import ModelConfig
 from worker.runtime import WorkerRuntime
 

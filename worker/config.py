@@ -18,7 +18,7 @@ from typing import Any
 from coordinator.client.channels import ClientTls, read_token_file
 from coordinator.client.targets import Targets
 from coordinator.config import ConfigError, build_config, check_security_settings
-from coordinator.core.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig
+from coordinator.core.hash_config import DEV_HASH_KEY, HashAlgorithm, HashConfig
 
 __all__ = ["ConfigError", "WorkerConfig"]
 

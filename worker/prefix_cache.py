@@ -20,7 +20,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from coordinator.core.hashing import Namespace, PageHasher
+from coordinator.core.hash_config import Namespace
+from coordinator.core.hashing import PageHasher
 from worker.allocator import AllocatorIntegrityError, PageAllocator
 
 KeysCallback = Callable[[list[bytes]], None]

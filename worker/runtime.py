@@ -17,7 +17,8 @@ from typing import Protocol
 
 import torch
 
-from coordinator.core.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.hash_config import HashConfig, Namespace
+from coordinator.core.hashing import PageHasher
 from worker.allocator import AllocatorIntegrityError, OutOfPages, PageAllocator
 from worker.engine import ModelConfig, ReferenceEngine
 from worker.prefix_cache import PrefixCache

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from coordinator.core.hashing import Namespace
+from coordinator.core.hash_config import Namespace
 from worker.allocator import OutOfPages, PageAllocator
 from worker.prefix_cache import PrefixCache
 

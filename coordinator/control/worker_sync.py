@@ -36,7 +36,7 @@ from coordinator.core.errors import (
     ResourceExhausted,
 )
 from coordinator.core.fleet import BatchVerdict, Fleet, RegisteredWorker
-from coordinator.core.hashing import HashConfig
+from coordinator.core.hash_config import HashConfig
 from coordinator.core.index import PrefixIndex
 from coordinator.core.page_events import PageEvent, apply_page_events
 from coordinator.core.policy_state import PolicyRecord

@@ -15,7 +15,7 @@ import hashlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from coordinator.core.hashing import PAGE_KEY_BYTES
+from coordinator.core.hash_config import PAGE_KEY_BYTES
 from coordinator.core.index_types import IndexIntegrityError, Tier
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from coordinator.core.hashing import PAGE_KEY_BYTES
+from coordinator.core.hash_config import PAGE_KEY_BYTES
 
 
 class Tier(enum.StrEnum):

@@ -16,7 +16,8 @@ from operator import attrgetter
 
 from coordinator.core.errors import InvalidArgument, Unavailable
 from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
-from coordinator.core.hashing import Namespace, PageHasher
+from coordinator.core.hash_config import Namespace
+from coordinator.core.hashing import PageHasher
 from coordinator.core.index import MatchDetail, PrefixIndex
 from coordinator.core.routing import (
     Candidate,

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
 
-from coordinator.core.hashing import Namespace, PageHasher
+from coordinator.core.hash_config import Namespace
+from coordinator.core.hashing import PageHasher
 from coordinator.core.index import PrefixIndex
 from coordinator.core.routing import KvAwareWeights, WorkerLoad
 from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS, jittered_arrivals

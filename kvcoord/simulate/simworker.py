@@ -29,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from coordinator.core.hashing import Namespace, PageHasher
+from coordinator.core.hash_config import Namespace
+from coordinator.core.hashing import PageHasher
 from coordinator.core.routing import WorkerLoad
 from kvcoord.simulate.cost_model import CostModel
 from kvcoord.simulate.trace import TraceRequest
