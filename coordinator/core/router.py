@@ -18,7 +18,8 @@ from coordinator.core.errors import InvalidArgument, Unavailable
 from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
 from coordinator.core.hash_config import Namespace
 from coordinator.core.hashing import PageHasher
-from coordinator.core.index import MatchDetail, PrefixIndex
+from coordinator.core.index import PrefixIndex
+from coordinator.core.index_types import MatchDetail
 from coordinator.core.routing import (
     Candidate,
     KvAwareWeights,

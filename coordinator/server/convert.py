@@ -20,7 +20,7 @@ from coordinator.control.sync_messages import (
 )
 from coordinator.core.errors import InvalidArgument
 from coordinator.core.hashing import split_page_keys, tokens_to_bytes
-from coordinator.core.index import Tier
+from coordinator.core.index_types import Tier
 from coordinator.core.page_events import PageEvent
 from coordinator.core.policy_state import PolicyPhase, PolicyRecord
 from coordinator.core.rollout_records import Rollout
