@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import grpc
 
 from coordinator.client.channels import call_metadata
-from coordinator.core.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.hash_config import HashConfig, Namespace
+from coordinator.core.hashing import PageHasher
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from worker.event_log import inventory_chunks

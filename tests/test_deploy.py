@@ -49,7 +49,7 @@ import kvcoord.cli
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.client.channels import read_token_file
 from coordinator.config import ENV_PREFIX, ConfigError, CoordinatorConfig
-from coordinator.core.hashing import load_hash_config
+from coordinator.core.hash_config import load_hash_config
 from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.identities import IdentityTable, Role, Unauthenticated
 from coordinator.store import REDIS_SCHEMES

@@ -15,7 +15,7 @@ import grpc
 
 from coordinator.client.channels import ClientTls
 from coordinator.client.outcomes import outcome_of
-from coordinator.core.hashing import HashConfig
+from coordinator.core.hash_config import HashConfig
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.wire import PROTOCOL_VERSION, Reason
 from worker.event_log import Holdings

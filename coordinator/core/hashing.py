@@ -34,7 +34,6 @@ from array import array
 from collections.abc import Callable, Sequence
 
 from coordinator.core.hash_config import (
-    DEV_HASH_KEY,
     PAGE_KEY_BYTES,
     HashAlgorithm,
     HashConfig,
@@ -42,20 +41,6 @@ from coordinator.core.hash_config import (
     encode_root,
     load_hash_config,
 )
-
-# Importers mid-change elsewhere still take DEV_HASH_KEY, HashConfig, Namespace and
-# load_hash_config from here.
-__all__ = [
-    "CHUNK_PAGES",
-    "DEV_HASH_KEY",
-    "HashConfig",
-    "Namespace",
-    "PageHasher",
-    "load_hash_config",
-    "page_keys",
-    "split_page_keys",
-    "tokens_to_bytes",
-]
 
 # array('I') is 4 bytes on every platform CPython supports; pick 'L' only if that ever changes.
 _U32_TYPECODE = next(code for code in ("I", "L") if array(code).itemsize == 4)

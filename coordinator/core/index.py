@@ -41,9 +41,6 @@ from coordinator.core.index_types import (
     check_worker,
 )
 
-# worker/bridge/bridge.py (mid-change elsewhere) still takes Tier from here.
-__all__ = ["PrefixIndex", "Tier"]
-
 _NAMES_MEMO = 1024  # masks whose worker lists are memoised (each a tuple of names)
 
 

@@ -25,8 +25,9 @@ import zmq
 import zmq.asyncio
 
 from coordinator.client.channels import ClientTls
-from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, PageHasher
-from coordinator.core.index import Tier
+from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig
+from coordinator.core.hashing import PageHasher
+from coordinator.core.index_types import Tier
 from coordinator.core.page_events import PageEvent
 from coordinator.v1 import coordinator_pb2 as pb
 from worker.bridge.block_map import BlockMap
