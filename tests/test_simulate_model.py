@@ -20,7 +20,7 @@ from kvcoord.simulate.runner import DEFAULT_SEEDS, simulate
 from kvcoord.simulate.simworker import Job, PageEvent, SimWorker
 from kvcoord.simulate.summary import Spread, verdict
 from kvcoord.simulate.trace import TraceRequest, load_trace
-from worker import agent
+from worker import sync_client
 
 TRACE = Path(__file__).parent / "data" / "mooncake_300.jsonl"
 
@@ -93,7 +93,7 @@ def test_the_simulator_uses_the_production_defaults() -> None:
     assert config.heartbeat_ms == views.HEARTBEAT_S * 1000
     assert config.pending_ttl_ms == engine.PENDING_TTL_S * 1000
     assert config.max_inflight_per_worker == views.MAX_INFLIGHT
-    assert views.COMPLETION_COALESCE_S == agent.COMPLETION_COALESCE_S
+    assert views.COMPLETION_COALESCE_S == sync_client.BEAT_COALESCE_S
 
 
 def write_trace(path: Path, rows: list[tuple[float, int, int, list[int]]]) -> Path:

@@ -15,7 +15,7 @@ No simulated router reads a worker's exact state: each sees what its real system
 - ``dynamo_like`` reads its own books of active blocks and prefill tokens (updated as the
   router sees the first token and the end of each response) plus the delayed index.
 
-Heartbeats follow the reference worker (``worker/agent.py``): one every
+Heartbeats follow the worker's Sync client (``worker/sync_client.py``): one every
 :data:`HEARTBEAT_S`, or :data:`COMPLETION_COALESCE_S` after the first generation that finishes
 since the last one (whichever comes first); every worker beats at time 0.
 
@@ -25,7 +25,7 @@ Constants (the production defaults; the same for every policy):
   ``worker/config.py``) and a coordinator applies one in ~0.2 ms (docs/ARCHITECTURE.md); 10 ms
   leaves a few ms for the network hop.
 - ``HEARTBEAT_S = 2.0``: ``heartbeat_ms`` (``coordinator/config.py``).
-- ``COMPLETION_COALESCE_S = 0.02``: ``worker/agent.py``.
+- ``COMPLETION_COALESCE_S = 0.02``: ``BEAT_COALESCE_S`` (``worker/sync_client.py``).
 - ``MAX_INFLIGHT = 65_536``: ``max_inflight_per_worker`` (``coordinator/config.py``).
 """
 
