@@ -37,7 +37,7 @@ def bench_route_work(workers: int, quick: bool = False) -> dict[str, Any]:
     config = CoordinatorConfig(log_level="error")
     service = CoordinatorService(config, MemoryStore(namespace="bench"))
     populate(service, workers, conversations=32 if quick else 256)
-    scheduler = service.scheduler
+    scheduler = service.router
     pool = conversation_pool(32 if quick else 256)
     ns = Namespace()
     by_keys = [pb.Prompt(page_keys=b"".join(service.hasher.page_keys(t, ns)), token_count=len(t))
@@ -77,7 +77,7 @@ def _wrong_routes(service: CoordinatorService, pool: list[list[int]]) -> int:
     ns = Namespace(page_size=config.page_size)
     wrong = 0
     for tokens in pool:
-        result = service.scheduler.route(prompt_from(pb.Prompt(token_bytes=tokens_to_bytes(
+        result = service.router.route(prompt_from(pb.Prompt(token_bytes=tokens_to_bytes(
             tokens)), config), Scope())
         session = service.fleet.get(result.worker_id)
         depth = service.index.match(service.hasher.page_keys(tokens, ns)).get(result.worker_id, 0)

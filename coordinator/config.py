@@ -70,12 +70,12 @@ class CoordinatorConfig:
     route_wait_ms: int = 2_000
     """How long a route waits for a draining (sync) update before UNAVAILABLE."""
     route_retry_ms: int = 200
-    """retry-after-ms told to routes refused while an update drains."""
+    """The delay (``google.rpc.RetryInfo``) told to routes refused while an update drains."""
     policy_poll_ms: int = 250
     """How often watchers re-read the store for changes made through other replicas."""
     policy_stale_ms: int | None = None
     """A replica that has not read the policy state from the store for this long refuses
-    Route and RouteBatch (UNAVAILABLE, retry-after-ms): it may have missed a commit. Unset =
+    Route and RouteBatch (UNAVAILABLE, with RetryInfo): it may have missed a commit. Unset =
     one lease (``lease_ms``). The state is re-read every ``policy_poll_ms`` or a quarter of
     this, whichever is shorter."""
     max_rollouts: int = 1_000_000

@@ -1,5 +1,6 @@
-"""The coordinator's domain service: one object that owns the index, fleet, scheduler, sessions
-and store, and answers the operator questions (workers, stats, cordon, policy state).
+"""The coordinator's domain service: the composition root that builds the index, fleet, router,
+policy view and updates, worker sessions and replication in dependency order, and answers the
+operator questions (workers, stats, cordon, policy state).
 
 The gRPC servicer is a thin adapter over this; tests and the benchmark can drive it directly.
 """
@@ -7,6 +8,7 @@ The gRPC servicer is a thin adapter over this; tests and the benchmark can drive
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import Callable
@@ -17,7 +19,10 @@ import structlog
 from coordinator.config import CoordinatorConfig
 from coordinator.control.high_water import HighWater
 from coordinator.control.policy_updates import PolicyUpdates
+from coordinator.control.policy_view import PolicyView
+from coordinator.control.replication_sink import NoReplication, ReplicationSink
 from coordinator.control.rollouts import RolloutLog
+from coordinator.control.worker_streams import WorkerStreams
 from coordinator.control.worker_sync import WorkerSync
 from coordinator.core.errors import NotFound
 from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
@@ -27,6 +32,7 @@ from coordinator.core.index import PrefixIndex
 from coordinator.core.policy_state import PolicyRecord
 from coordinator.core.router import Router
 from coordinator.core.routing import load_floor
+from coordinator.replication.outbox import ReplicationOutbox
 from coordinator.replication.replicator import Replicator, default_replica_id
 from coordinator.store import open_store
 from coordinator.store.protocol import MetadataStore, StoreUnavailable
@@ -97,6 +103,7 @@ class CoordinatorService:
         self.config = config
         self.store = store
         self.clock = clock
+        # Parts in dependency order; each is handed what it uses, nothing is patched later.
         self.hash_config = hash_config_from(config)
         self.hasher = PageHasher(self.hash_config, cache_pages=config.hash_cache_pages)
         self.index = PrefixIndex(
@@ -105,48 +112,54 @@ class CoordinatorService:
             max_pending=config.max_pending_entries,
         )
         weights = config.kv_weights()
-        self.fleet = Fleet(load_floor=lambda load: load_floor(load, weights))
-        self.scheduler = Router(
+        self.fleet = Fleet(load_floor=functools.partial(load_floor, weights=weights))
+        # What this process has seen of versions and incarnations: a store that forgets them
+        # (Redis without persistence, the embedded store after a restart) is caught by it.
+        high_water = HighWater()
+        self.policy_view = PolicyView(config=config, store=store, high_water=high_water,
+                                      clock=clock)
+        self.router = Router(
             hasher=self.hasher,
             index=self.index,
             fleet=self.fleet,
             page_size=config.page_size,
             default_model=config.default_model,
-            default_policy=config.routing_policy,
-            serving_version=lambda: self.updates.record.version,
-            servable_versions=lambda: self.updates.servable_versions(),
+            default_routing=config.routing_policy,
+            serving_version=self.policy_view.serving_version,
+            servable_versions=self.policy_view.servable_versions,
             clock=clock,
             rng=rng,
             weights=weights,
             max_inflight=config.max_inflight_per_worker,
         )
-        # What this process has seen of versions and incarnations: a store that forgets them
-        # (Redis without persistence, the embedded store after a restart) is caught by it.
-        high_water = HighWater()
-        self.sessions = WorkerSync(
+        self.streams = WorkerStreams()
+        self.outbox = ReplicationOutbox() if replicate else None
+        replication: ReplicationSink = self.outbox or NoReplication()
+        self.replication = replication
+        self.worker_sync = WorkerSync(
             config=config,
             hash_config=self.hash_config,
             index=self.index,
             fleet=self.fleet,
             store=store,
-            policy=lambda: self.updates.record,
+            policy=self.policy_view,
+            streams=self.streams,
+            replication=replication,
+            high_water=high_water,
             clock=clock,
             replica_id=config.replica_id or default_replica_id(),
-            high_water=high_water,
         )
         self.updates = PolicyUpdates(
-            config=config, store=store, fleet=self.fleet, sessions=self.sessions, clock=clock,
-            high_water=high_water,
+            config=config, store=store, fleet=self.fleet, view=self.policy_view,
+            streams=self.streams, replication=replication, clock=clock,
         )
-        self.sessions.version_reported = self.updates.worker_reported
         self.replicator: Replicator | None = None
-        if replicate:
+        if self.outbox is not None:
             self.replicator = Replicator(
                 config=config, store=store, fleet=self.fleet, index=self.index,
-                sessions=self.sessions, updates=self.updates, clock=clock,
+                sessions=self.worker_sync, streams=self.streams, updates=self.updates,
+                outbox=self.outbox, clock=clock,
             )
-            self.sessions.replication = self.replicator
-            self.updates.on_change = self.replicator.policy_changed
         self.rollouts = RolloutLog(store, maxlen=config.max_rollouts)
         self._reaper: asyncio.Task[None] | None = None
         self._policy_reader: asyncio.Task[None] | None = None
@@ -155,7 +168,7 @@ class CoordinatorService:
     @property
     def policy(self) -> PolicyRecord:
         """This coordinator's view of the policy state (the store holds the truth)."""
-        return self.updates.record
+        return self.policy_view.record
 
     @classmethod
     async def open(cls, config: CoordinatorConfig, **kwargs: object) -> CoordinatorService:
@@ -167,7 +180,7 @@ class CoordinatorService:
                                  timeout_s=timeout)
         kwargs.setdefault("replicate", config.redis is not None and config.replication)
         service = cls(config, store, **kwargs)  # type: ignore[arg-type]
-        await service.updates.refresh()
+        await service.policy_view.refresh()
         if config.redis is None:  # a fresh logger, as MemoryStore's own warning
             structlog.get_logger(__name__).warning(
                 "coordinator.embedded_store_restarts",
@@ -179,7 +192,7 @@ class CoordinatorService:
 
     @property
     def replica_id(self) -> str:
-        return self.sessions.replica_id
+        return self.worker_sync.replica_id
 
     async def start(self) -> None:
         """Start the reaper and, with replicas, replication (``wait_ready`` for its bootstrap)."""
@@ -222,7 +235,7 @@ class CoordinatorService:
         while not self._stopping:  # not only cancel: see Replicator._stopping
             await asyncio.sleep(interval)
             try:
-                self.sessions.reap()
+                self.worker_sync.reap()
                 await self.updates.expire()
             except Exception:  # the reaper must outlive any one bad pass
                 log.exception("reaper.failed")
@@ -250,7 +263,7 @@ class CoordinatorService:
 
     async def refresh_policy(self) -> PolicyRecord:
         """Re-read the policy state from the store (the source of truth across replicas)."""
-        return await self.updates.refresh()
+        return await self.policy_view.refresh()
 
     def workers(self) -> list[WorkerView]:
         now = self.clock()
@@ -267,8 +280,7 @@ class CoordinatorService:
             raise NotFound(f"unknown worker {worker_id!r}")
         session.cordoned = cordoned
         self.fleet.changed()
-        if self.replicator is not None:
-            self.replicator.cordoned(session)
+        self.replication.cordoned(session)
         log.info("worker.cordoned" if cordoned else "worker.uncordoned", worker=worker_id)
         cached = len(self.index.worker_keys(worker_id))
         return WorkerView(session, session.status(self.clock()), cached)
@@ -276,7 +288,7 @@ class CoordinatorService:
     def stats(self) -> StatsSnapshot:
         now = self.clock()
         index = self.index.stats()
-        counters = self.scheduler.counters
+        counters = self.router.counters
         replication: dict[str, object] = {}
         replicator = self.replicator
         if replicator is not None:
@@ -299,8 +311,8 @@ class CoordinatorService:
             routes=counters.routes,
             prompt_tokens=counters.prompt_tokens,
             cached_tokens=counters.cached_tokens,
-            events_applied=self.sessions.counters.events_applied,
-            resyncs=self.sessions.counters.resyncs,
+            events_applied=self.worker_sync.counters.events_applied,
+            resyncs=self.worker_sync.counters.resyncs,
             policy=self.policy,
             store=type(self.store).__name__,
             **replication,  # type: ignore[arg-type]

@@ -1441,9 +1441,9 @@ def exported_metrics() -> dict[str, set[str]]:
     # replica_id set: the replication metrics appear only with replicas.
     stats = StatsSnapshot(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, types.SimpleNamespace(version=0),
                           "RedisStore", replica_id="r1")
-    # What CoordinatorMetrics reads of the service: its stats and the policy-update counters.
+    # What CoordinatorMetrics reads of the service: its stats and the policy view's restores.
     coordinator = CoordinatorMetrics(types.SimpleNamespace(
-        stats=lambda: stats, updates=types.SimpleNamespace(restores=0)))
+        stats=lambda: stats, policy_view=types.SimpleNamespace(restores=0)))
     worker = WorkerMetrics(lambda: RuntimeStats(0, 0, 0, 0, 0, 0), sync=SyncCounters())
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
     labelled = {m._name: set(m._labelnames)  # the collectors created with label names

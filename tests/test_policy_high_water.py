@@ -73,7 +73,7 @@ async def test_redis_losing_its_data_under_a_live_fleet_never_takes_versions_bac
             # The first answer after the loss is already the version served before it.
             state = await client.policy()
             assert (state.version, state.phase) == (2, "serving")
-            assert coord.service.updates.restores == 1
+            assert coord.service.policy_view.restores == 1
 
             # Two weight sets must never carry one version: a trainer starting over from 0 is
             # refused, and so is everyone until every live worker has reported (one lease).
@@ -95,7 +95,7 @@ async def test_redis_losing_its_data_under_a_live_fleet_never_takes_versions_bac
                 with pytest.raises(KvcoordError) as err:
                     await late_client.begin_policy_update(2)
                 assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
-                assert late.service.updates.restores == 0
+                assert late.service.policy_view.restores == 0
 
             # The workers' leases went with the data: they register again, under
             # incarnations above every one handed out before.
@@ -200,7 +200,7 @@ async def test_an_embedded_store_coordinator_restarted_keeps_version_and_incarna
             assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
             route = await client.route(list(range(32)))
             assert route.policy_version == 3
-            assert second.service.updates.restores == 1
+            assert second.service.policy_view.restores == 1
         for w in workers:
             await w.close()
     # Said at start: the embedded store keeps no rollout records across restarts.
@@ -306,5 +306,5 @@ async def test_a_worker_on_an_aborted_target_is_no_evidence_of_a_lost_version(
         answer = await late.register()
         assert answer.policy_version == 0
         assert (await client.policy()).version == 0
-        assert second.service.updates.restores == 0
+        assert second.service.policy_view.restores == 0
         await late.close()

@@ -273,8 +273,8 @@ async def test_a_command_lost_with_a_broken_stream_is_resent_when_the_worker_rec
     fleet: tuple[RunningCoordinator, list[RunningWorker]],
 ) -> None:
     coord, _ = fleet
-    sessions = coord.service.sessions
-    original_send = sessions.send
+    streams = coord.service.streams
+    original_send = streams.send
     dropped: list[str] = []
 
     def lossy_send(worker_id: str, message: object) -> bool:
@@ -283,13 +283,13 @@ async def test_a_command_lost_with_a_broken_stream_is_resent_when_the_worker_rec
             return True
         return original_send(worker_id, message)  # type: ignore[arg-type]
 
-    sessions.send = lossy_send  # type: ignore[method-assign]
+    streams.send = lossy_send  # type: ignore[method-assign]
     async with AsyncCoordinatorClient(target(coord)) as client:
         await client.begin_policy_update(0)
         assert dropped == ["w0"]
         # w0 reconnects under the same incarnation, as after any stream the coordinator ends
         # with LEASE_LAPSED.
-        sessions.close_stream("w0", "injected stream failure", Reason.LEASE_LAPSED)
+        streams.close("w0", "injected stream failure", Reason.LEASE_LAPSED)
         state = await client.commit_policy_update(1, timeout=5)
         assert sorted(state.acked_workers) == ["w0", "w1", "w2"]
         assert state.fenced_workers == ()

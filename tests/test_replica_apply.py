@@ -36,7 +36,8 @@ class Replica:
         self.wanted: list[str] = []
         self.applier = ReplicaApplier(
             config=self.service.config, fleet=self.service.fleet, index=self.service.index,
-            sessions=self.service.sessions, clock=self.clock, want_snapshot=self.wanted.append,
+            sessions=self.service.worker_sync, streams=self.service.streams, clock=self.clock,
+            want_snapshot=self.wanted.append,
         )
 
     def held(self, worker_id: str = "w1") -> set[bytes]:
@@ -111,14 +112,14 @@ def test_state_from_a_former_owner_is_ignored_and_fencing_never_reverts() -> Non
 
 async def test_a_worker_streaming_here_is_ours_until_another_replica_says_it_moved() -> None:
     r = Replica()
-    registration = await r.service.sessions.register(RegistrationRequest(
+    registration = await r.service.worker_sync.register(RegistrationRequest(
         "w1", "10.0.0.1:7000", "blake2b-128", 16, r.service.hash_config.fingerprint(), 64, 0,
         False, "default"))
     closed: list[DomainError] = []
     sent: list[Outbound] = []
-    session, stream, _ = r.service.sessions.hello(
+    session, stream, _ = r.service.worker_sync.hello(
         "w1", registration.incarnation, 0, close=closed.append, send=sent.append)
-    r.service.sessions.events(session, 1, [PageEvent("stored", (K[0],))])
+    r.service.worker_sync.events(session, 1, [PageEvent("stored", (K[0],))])
     r.applier.apply("c2", stored(2, K[1], incarnation=registration.incarnation))
     r.applier.apply("c2", Replaced("w1", registration.incarnation, 9, {}))
     assert r.held() == {K[0]} and closed == []
@@ -126,4 +127,4 @@ async def test_a_worker_streaming_here_is_ours_until_another_replica_says_it_mov
     assert len(closed) == 1
     assert "attached to coordinator replica c2" in str(closed[0])
     assert session.owner == "c2"
-    assert not r.service.sessions.owns(session, stream)  # the servicer stops reading it
+    assert not r.service.worker_sync.owns(session, stream)  # the servicer stops reading it

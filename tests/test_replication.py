@@ -138,7 +138,7 @@ async def test_a_worker_moving_to_another_replica_resumes_from_its_acked_sequenc
         welcome = await worker.connect()
         assert welcome.welcome.next_seq == 3
         await worker.store(worker.keys(PROMPTS[2]))  # acked by B: no resync was asked for
-        assert b.service.sessions.counters.resyncs == 0
+        assert b.service.worker_sync.counters.resyncs == 0
         await agree(a, b, expect=lambda got: got == [{"w1": 64}, {"w1": 48}, {"w1": 32}])
         async with AsyncCoordinatorClient(target(a)) as client:
             assert [w.owner_replica for w in await client.workers()] == ["B"]

@@ -60,7 +60,7 @@ async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
 async def test_the_worker_registers_with_its_own_token_and_obeys_the_role_table(
     fleet: Fleet,
 ) -> None:
-    assert fleet.coordinator.service.sessions.served_versions_of("w1") is not None
+    assert fleet.coordinator.service.worker_sync.served_versions_of("w1") is not None
     requests = {
         "Generate": wpb.GenerateRequest(token_ids=PROMPT, max_new_tokens=1),
         "LoadWeights": wpb.LoadWeightsRequest(version=0),

@@ -1,7 +1,8 @@
 """Policy updates end to end on one coordinator: Begin/Commit/Abort through the store's
 compare-and-set, DRAIN/APPLY/RESUME commands to this coordinator's workers, the APPLIED barrier,
-fencing, waiting routes and watchers. The transitions themselves are
-``coordinator.core.policy_state``.
+fencing, and following updates made through other replicas. The transitions themselves are
+``coordinator.core.policy_state``; the record held here, and the routes and watchers waiting on
+it, are ``coordinator.control.policy_view``.
 
 Sync mode (on-policy RL): Begin(v) -> DRAINING(v->v+1); every live worker gets DRAIN, acks
 DRAINED, gets APPLY(v+1) and acks APPLIED once it has loaded v+1 and dropped v's pages; Commit
@@ -16,19 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import structlog
 
 from coordinator.config import CoordinatorConfig
-from coordinator.control.high_water import HighWater
+from coordinator.control.policy_view import READ_ATTEMPTS, PolicyView
+from coordinator.control.replication_sink import ReplicationSink
 from coordinator.control.sync_messages import Command
-from coordinator.control.worker_sync import WorkerSync
+from coordinator.control.worker_streams import WorkerStreams
+from coordinator.control.worker_sync import set_serving_version
 from coordinator.core import policy_state
-from coordinator.core.errors import Aborted, FailedPrecondition, Unavailable
+from coordinator.core.errors import Aborted
 from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
 from coordinator.core.policy_state import PolicyRecord
 from coordinator.store.protocol import MetadataStore, StoreUnavailable
@@ -36,7 +38,6 @@ from coordinator.wire import Reason
 
 log = structlog.get_logger(__name__)
 
-_CAS_ATTEMPTS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,22 +64,20 @@ class PolicyUpdates:
 
     def __init__(
         self, *, config: CoordinatorConfig, store: MetadataStore, fleet: Fleet,
-        sessions: WorkerSync, clock: Callable[[], float] = time.monotonic,
-        high_water: HighWater | None = None, wall_clock: Callable[[], float] = time.time,
+        view: PolicyView, streams: WorkerStreams, replication: ReplicationSink,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``view``: the record read and written here (routes wait on it); ``streams``: how
+        commands reach this replica's workers; ``replication``: told after each change made
+        here (Begin's abort_running flag), so the other replicas hear of it at once rather
+        than at their next poll."""
         self._config = config
         self._store = store
         self._fleet = fleet
-        self._sessions = sessions
+        self._view = view
+        self._streams = streams
+        self._replication = replication
         self._clock = clock
-        self.record = PolicyRecord()
-        self.high_water = high_water or HighWater()
-        self.restores = 0  # times the store was found behind the high-water mark and restored
-        self._wall_clock = wall_clock  # restored_at_ms is compared across replicas
-        # Clock at the start of the newest successful read of the stored state: routes are
-        # refused once it is older than policy_stale_ms (see ``check_fresh``).
-        self.read_at = clock()
-        self._changed = asyncio.Event()  # replaced (set, then renewed) on every change
         self._rolling: asyncio.Task[None] | None = None
         # target version -> worker -> last stage seen here ("member", "drained", "applied"): the
         # barrier counts these at once; the store's copy covers acks taken by other replicas.
@@ -93,114 +92,22 @@ class PolicyUpdates:
         # One change at a time per replica: a ``follow`` must not relay an update this replica
         # is itself beginning or finishing.
         self._lock = asyncio.Lock()
-        # Told after each change made here (Begin's abort_running flag), so the other replicas
-        # hear of it at once rather than at their next poll.
-        self.on_change: Callable[[bool], None] = lambda abort_running: None
 
-    # ------------------------------------------------------------------ state
-
-    def _set(self, record: PolicyRecord) -> None:
-        if record != self.record:
-            self.record = record
-            changed, self._changed = self._changed, asyncio.Event()
-            changed.set()
-
-    async def refresh(self) -> PolicyRecord:
-        """Re-read the store (the truth shared by every replica)."""
-        self._set(await self._read())
-        return self.record
-
-    async def _read(self) -> PolicyRecord:
-        """The stored state, never behind the high-water mark: a store that went back (it lost
-        data) is restored first (``_restore``). Every read goes through here: it is what keeps
-        this replica fresh (``check_fresh``) and what catches a store that forgot."""
-        for _ in range(_CAS_ATTEMPTS):
-            started = self._clock()
-            stored = await self._store.get_policy()
-            if self.high_water.behind(stored):
-                restored = await self._restore(stored)
-                if restored is None:
-                    continue  # the store changed meanwhile (or the read was an old one)
-                stored = restored
-            self.high_water.saw(stored)
-            self.read_at = max(self.read_at, started)
-            return stored
-        raise Aborted("the policy state kept changing under concurrent updates: retry")
-
-    async def _restore(self, stored: PolicyRecord) -> PolicyRecord | None:
-        """Write the high-water state over ``stored`` by compare-and-set; None when the store
-        no longer holds ``stored``."""
-        now_ms = int(self._wall_clock() * 1000)
-        restored = self.high_water.restoration(stored, self.record, now_ms)
-        if not await self._store.restore_policy(stored, restored):
-            return None
-        self.restores += 1
-        # A fresh logger: a rare alarm, and log capture (tests) must see it whatever is cached.
-        structlog.get_logger(__name__).error(
-            "policy.version_restored", alarm=True, stored_version=stored.version,
-            stored_epoch=stored.epoch, restored_version=restored.version,
-            restored_phase=restored.phase.value, restored_target=restored.target_version,
-            restored_epoch=restored.epoch,
-            detail="the metadata store went back (data lost, or an old backup): restored the "
-            "highest policy state seen here; BeginPolicyUpdate is refused for one lease",
-        )
-        return restored
-
-    async def worker_reported(self, version: int) -> None:
-        """A worker (Register, heartbeat) has loaded ``version``. A version above every one
-        seen here is checked against the store at once, so nothing lower is answered again;
-        raises StoreUnavailable when the store cannot be read."""
-        if not self.high_water.report(version):
-            return
-        if await self._store.get_acks(version):
-            # An update to it was begun in this store (since aborted, or followed here
-            # late): the worker holds a target's weights, not a version the store forgot.
-            self.high_water.saw_target(version)
-        else:
-            log.warning("policy.version_reported_above_store", version=version,
-                        held=self.record.version)
-        await self.refresh()
-
-    def check_fresh(self) -> None:
-        """Unavailable (with a retry hint) when this replica has not read the policy state for
-        ``policy_stale_ms``: a commit may have happened that it has not seen, and a route it
-        answers could carry the old version."""
-        age = self._clock() - self.read_at
-        if age > self._config.policy_stale_s:
-            raise Unavailable(
-                f"this coordinator has not read the policy state for {age * 1000:.0f} ms "
-                f"(policy_stale_ms is {self._config.policy_stale_s * 1000:.0f}): the metadata "
-                "store is unreachable from here; retry, or another coordinator",
-                reason=Reason.POLICY_STALE, retry_after_ms=self._config.route_retry_ms,
-            )
-
-    def _check_not_restoring(self, current: PolicyRecord) -> None:
-        """FailedPrecondition within one lease of a restore (by any replica: the time is in
-        the record): workers that have not reported yet may hold a higher version."""
-        if not current.restored_at_ms:
-            return
-        left_ms = current.restored_at_ms + self._config.lease_ms - self._wall_clock() * 1000
-        if left_ms > 0:
-            raise FailedPrecondition(
-                f"the policy state was restored to version {current.version} after the "
-                "metadata store lost it; policy updates resume once every live worker has "
-                f"reported its version (one lease): retry in {left_ms:.0f} ms",
-                reason=Reason.POLICY_RESTORED, retry_after_ms=math.ceil(left_ms),
-            )
-
-    def servable_versions(self) -> range:
-        return policy_state.servable_versions(self.record, self._config.max_staleness)
+    @property
+    def record(self) -> PolicyRecord:
+        """The policy state this replica holds (``PolicyView.record``)."""
+        return self._view.record
 
     async def _cas(self, step: Callable[[PolicyRecord], PolicyRecord]) -> PolicyRecord:
         """Apply ``step`` to the stored record by compare-and-set, re-reading and re-validating
         on a lost race (so a stale caller gets ``Aborted`` from ``step``, never a double bump)."""
-        for _ in range(_CAS_ATTEMPTS):
-            current = await self._read()
+        for _ in range(READ_ATTEMPTS):
+            current = await self._view.read()
             new = step(current)
             if await self._store.cas_policy(current, new):
                 written = replace(new, epoch=current.epoch + 1)
-                self.high_water.saw(written)
-                self._set(written)
+                self._view.high_water.saw(written)
+                self._view.set(written)
                 return written
         raise Aborted("the policy state kept changing under concurrent updates: retry")
 
@@ -211,14 +118,14 @@ class PolicyUpdates:
     ) -> PolicyRecord:
         async with self._lock:
             record = await self._begin(expected_version, mode, weights_uri, abort_running)
-        self.on_change(abort_running)
+        self._replication.policy_changed(abort_running)
         return record
 
     async def _begin(
         self, expected_version: int, mode: str, weights_uri: str, abort_running: bool
     ) -> PolicyRecord:
         def step(current: PolicyRecord) -> PolicyRecord:
-            self._check_not_restoring(current)  # on the state read: the read may restore
+            self._view.check_not_restoring(current)  # on the state read: the read may restore
             return policy_state.begin(current, expected_version, mode, weights_uri)
 
         record = await self._cas(step)
@@ -237,12 +144,12 @@ class PolicyUpdates:
         log.info("policy_state.begin", version=record.version, target=target, mode=record.mode,
                  members=[s.worker_id for s in members])
         relayed = self._relayed.setdefault(target, set())
-        relayed.update(s.worker_id for s in members if self._sessions.has_stream(s.worker_id))
+        relayed.update(s.worker_id for s in members if self._streams.has_stream(s.worker_id))
         self._abort_running[target] = abort_running
         if record.mode == "sync":
             for session in members:  # the other replicas' workers get theirs from them
                 session.draining = True
-                self._sessions.send(session.worker_id,
+                self._streams.send(session.worker_id,
                                     Command("drain", target, abort_running=abort_running))
             self._fleet.changed()
         else:
@@ -255,11 +162,11 @@ class PolicyUpdates:
         for session in members:
             if self.record.target_version != target:
                 return  # aborted or committed meanwhile
-            if not self._sessions.send(session.worker_id, Command("apply", target, uri)):
+            if not self._streams.send(session.worker_id, Command("apply", target, uri)):
                 continue
             deadline = self._clock() + self._config.barrier_timeout_ms / 1000
             while session.policy_version != target and self._clock() < deadline:
-                await self._wait_change(0.05)
+                await self._view.wait_change(0.05)
 
     async def ack(self, session: RegisteredWorker, stage: str, version: int) -> None:
         """A worker's PolicyAck. DRAINED -> send it APPLY; APPLIED -> it now serves ``version``."""
@@ -277,11 +184,11 @@ class PolicyUpdates:
                 log.warning("policy.ack_not_persisted", worker=session.worker_id, stage=stage,
                             version=version)
         if stage == "drained" and version == record.target_version and record.mode == "sync":
-            self._sessions.send(
+            self._streams.send(
                 session.worker_id, Command("apply", version, record.target_weights_uri)
             )
         elif stage == "applied":
-            self._sessions.set_version(session, version)
+            set_serving_version(self._fleet, self._replication, session, version)
             try:
                 await self._store.update_worker(
                     session.worker_id, session.incarnation, policy_version=str(version)
@@ -289,20 +196,12 @@ class PolicyUpdates:
             except StoreUnavailable:
                 log.warning("policy.version_not_persisted", worker=session.worker_id,
                             version=version)
-        self._notify()
-
-    def _notify(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
-
-    async def _wait_change(self, timeout: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout)
+        self._view.notify()
 
     async def commit(self, version: int, timeout: float) -> CommitResult:
         """Wait for APPLIED(version) from every member up to ``timeout`` seconds, fence the
         missing, then SERVING(version) and RESUME to the rest."""
-        record = await self.refresh()
+        record = await self._view.refresh()
         policy_state.commit(record, version)  # refuses a wrong target before any waiting
         members = await self._members(version)
         deadline = self._clock() + timeout
@@ -315,12 +214,12 @@ class PolicyUpdates:
             barrier = policy_state.barrier(members, _latest(stored, self._stages.get(version, {})))
             if barrier.done or self._clock() >= deadline:
                 break
-            await self._wait_change(min(0.05, max(0.0, deadline - self._clock())))
+            await self._view.wait_change(min(0.05, max(0.0, deadline - self._clock())))
         async with self._lock:
             record = await self._cas(lambda cur: policy_state.commit(cur, version))
             self._stages[version] = _latest(stored, self._stages.get(version, {}))
             self._finish(version, committed=True, acked=barrier.acked)
-        self.on_change(False)
+        self._replication.policy_changed(False)
         result = CommitResult(record, tuple(sorted(barrier.acked)), tuple(sorted(barrier.missing)))
         self.last = result
         log.info("policy_state.commit", version=version, acked=result.acked, fenced=result.fenced)
@@ -340,11 +239,11 @@ class PolicyUpdates:
             if not committed:
                 # Always: an APPLY of the abandoned version may still be in flight to it. The
                 # worker runs commands in order and skips a reload of what it already serves.
-                self._sessions.send(worker_id, Command("apply", record.version,
+                self._streams.send(worker_id, Command("apply", record.version,
                                                        record.weights_uri))
-                self._sessions.send(worker_id, Command("resume", record.version))
+                self._streams.send(worker_id, Command("resume", record.version))
             elif worker_id in acked:
-                self._sessions.send(worker_id, Command("resume", target))
+                self._streams.send(worker_id, Command("resume", target))
             else:
                 self._fence(worker_id, target)
         self._fleet.changed()
@@ -357,7 +256,7 @@ class PolicyUpdates:
         session.fenced = True
         session.draining = False
         log.warning("worker.fenced", worker=worker_id, version=version)
-        self._sessions.close_stream(
+        self._streams.close(
             worker_id, f"fenced: missed the barrier for policy version {version}; re-register",
             Reason.FENCED,
         )
@@ -386,7 +285,7 @@ class PolicyUpdates:
             self._fleet.changed()
             self._command_for(session, record, stage)
         else:
-            self._sessions.send(
+            self._streams.send(
                 session.worker_id, Command("apply", target, record.target_weights_uri)
             )
         log.info("policy.command_resent", worker=session.worker_id, stage=stage, target=target)
@@ -398,7 +297,7 @@ class PolicyUpdates:
             record = await self._cas(lambda cur: policy_state.abort(cur, version))
             await self._load_members(version)
             self._finish(version, committed=False, acked=frozenset())
-        self.on_change(False)
+        self._replication.policy_changed(False)
         log.info("policy_state.abort", version=version, back_to=record.version)
         return record
 
@@ -418,10 +317,10 @@ class PolicyUpdates:
         this replica's members the command their stage calls for, once each."""
         async with self._lock:
             old = self.record
-            new = await self._read()
+            new = await self._view.read()
             if new.epoch < old.epoch:
                 return  # a read older than what we already hold
-            self._set(new)
+            self._view.set(new)
             ended = old.target_version
             if ended is not None and ended != new.target_version:
                 stages = await self._load_members(ended)
@@ -443,7 +342,7 @@ class PolicyUpdates:
         for worker_id, stage in sorted(stages.items()):
             session = self._fleet.get(worker_id)
             if (worker_id in relayed or session is None
-                    or not self._sessions.has_stream(worker_id)):
+                    or not self._streams.has_stream(worker_id)):
                 continue
             relayed.add(worker_id)
             if record.mode == "async":
@@ -464,10 +363,10 @@ class PolicyUpdates:
         assert target is not None
         if stage == "member":
             abort_running = self._abort_running.get(target, False)
-            self._sessions.send(session.worker_id,
+            self._streams.send(session.worker_id,
                                 Command("drain", target, abort_running=abort_running))
         elif stage == "drained":
-            self._sessions.send(session.worker_id,
+            self._streams.send(session.worker_id,
                                 Command("apply", target, record.target_weights_uri))
 
     async def expire(self) -> None:
@@ -491,22 +390,4 @@ class PolicyUpdates:
             await self.abort(target)
 
     # ------------------------------------------------------------------ routes and watchers
-
-    async def wait_routable(self, timeout: float) -> None:
-        """Return once routes may flow (no sync update draining), or after ``timeout`` seconds:
-        the caller decides what to answer when still blocked."""
-        deadline = self._clock() + timeout
-        while policy_state.routes_blocked(self.record) and self._clock() < deadline:
-            await self._wait_change(min(0.05, deadline - self._clock()))
-
-    async def watch(self) -> AsyncIterator[PolicyRecord]:
-        """The current state, then every change (local at once; other replicas' within a poll)."""
-        poll = self._config.policy_poll_ms / 1000
-        last: PolicyRecord | None = None
-        while True:
-            record = await self.refresh()
-            if record != last:
-                last = record
-                yield record
-            await self._wait_change(poll)
 

@@ -9,15 +9,17 @@ names its ``coordinator.wire.Reason`` (the details text is for people and logs).
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import structlog
 
 from coordinator.config import CoordinatorConfig
 from coordinator.control.high_water import HighWater
+from coordinator.control.policy_view import PolicyView
+from coordinator.control.registration_checks import check_registration
+from coordinator.control.replication_sink import ReplicationSink
+from coordinator.control.resync_staging import InventoryStaging
 from coordinator.control.sync_messages import (
     Ack,
     HeartbeatIn,
@@ -30,6 +32,7 @@ from coordinator.control.sync_messages import (
     StreamSender,
     Welcome,
 )
+from coordinator.control.worker_streams import WorkerStreams
 from coordinator.core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -39,7 +42,6 @@ from coordinator.core.fleet import BatchVerdict, Fleet, RegisteredWorker
 from coordinator.core.hash_config import HashConfig
 from coordinator.core.index import PrefixIndex
 from coordinator.core.page_events import PageEvent, apply_page_events
-from coordinator.core.policy_state import PolicyRecord
 from coordinator.store.protocol import MetadataStore, StoreUnavailable
 from coordinator.wire import Reason
 
@@ -51,61 +53,10 @@ DEREGISTERED = "deregistered"
 with ``Reason.DEREGISTERED``: it must not register again)."""
 
 
-class ReplicationSink(Protocol):
-    """Where the sessions report what their own workers changed, for the other replicas
-    (``coordinator.replication``). Each call must return at once (it queues)."""
-
-    def registered(self, session: RegisteredWorker) -> None: ...
-    def attached(self, session: RegisteredWorker) -> None: ...
-    def detached(self, session: RegisteredWorker) -> None: ...
-    def pages(self, session: RegisteredWorker, seq: int, events: Sequence[PageEvent]) -> None: ...
-    def replaced(self, session: RegisteredWorker, seq: int,
-                 keys_by_tier: Mapping[str, Sequence[bytes]]) -> None: ...
-    def state(self, session: RegisteredWorker, completed_routes: int) -> None: ...
-    def dropped(self, session: RegisteredWorker, reason: str) -> None: ...
-
-
-class NoReplication:
-    """The sink of a coordinator without replicas (the embedded store): reports go nowhere."""
-
-    def registered(self, session: RegisteredWorker) -> None:
-        pass
-
-    def attached(self, session: RegisteredWorker) -> None:
-        pass
-
-    def detached(self, session: RegisteredWorker) -> None:
-        pass
-
-    def pages(self, session: RegisteredWorker, seq: int, events: Sequence[PageEvent]) -> None:
-        pass
-
-    def replaced(self, session: RegisteredWorker, seq: int,
-                 keys_by_tier: Mapping[str, Sequence[bytes]]) -> None:
-        pass
-
-    def state(self, session: RegisteredWorker, completed_routes: int) -> None:
-        pass
-
-    def dropped(self, session: RegisteredWorker, reason: str) -> None:
-        pass
-
-
-async def _ignore_version(version: int) -> None:
-    return None
-
-
 @dataclass(slots=True)
 class SyncCounters:
     events_applied: int = 0
     resyncs: int = 0
-
-
-@dataclass(slots=True)
-class _Staging:
-    resync_id: int
-    keys_by_tier: dict[str, list[bytes]] = field(default_factory=dict)
-    count: int = 0
 
 
 class WorkerSync:
@@ -119,30 +70,29 @@ class WorkerSync:
         index: PrefixIndex,
         fleet: Fleet,
         store: MetadataStore,
-        policy: Callable[[], PolicyRecord],
+        policy: PolicyView,
+        streams: WorkerStreams,
+        replication: ReplicationSink,
+        high_water: HighWater,
         clock: Callable[[], float],
         replica_id: str = "local",
-        high_water: HighWater | None = None,
     ) -> None:
+        """``policy``: the state a Register is answered with; told (before the answer) the
+        version each worker reports having loaded, to check it against the store.
+        ``streams``: the stream table shared with policy updates. ``replication``: told what
+        this replica's workers changed."""
         self.replica_id = replica_id
-        self.replication: ReplicationSink = NoReplication()
-        self.high_water = high_water or HighWater()
-        # Told the version a worker has loaded (Register, heartbeats) before it is answered:
-        # the policy side checks it against the store (``PolicyUpdates.worker_reported``).
-        self.version_reported: Callable[[int], Awaitable[None]] = _ignore_version
+        self.high_water = high_water
         self._config = config
         self._hash_config = hash_config
         self._index = index
         self._fleet = fleet
         self._store = store
         self._policy = policy
+        self._streams = streams
+        self._replication = replication
         self._clock = clock
-        self._resync_ids = itertools.count(1)
-        self._stream_ids = itertools.count(1)
-        # worker id -> (id, closer) of the stream that owns it; the closer ends that stream
-        # with an error, so a superseded or dropped stream learns at once, not on its next send.
-        self._streams: dict[str, tuple[int, StreamCloser, StreamSender]] = {}
-        self._staging: dict[str, _Staging] = {}
+        self._resyncs = InventoryStaging(config.max_pages_per_worker)
         # worker id -> (versions its last incarnation served, until when): rollout records of
         # generations that finish after the worker was dropped are still attributable.
         self._departed: dict[str, tuple[frozenset[int], float]] = {}
@@ -150,39 +100,15 @@ class WorkerSync:
 
     # ------------------------------------------------------------------ registration
 
-    def _check_hash_config(self, req: RegistrationRequest) -> None:
-        ours = self._hash_config
-        if req.algorithm != ours.algorithm.value:
-            raise FailedPrecondition(
-                f"hash algorithm mismatch: worker uses {req.algorithm!r}, "
-                f"coordinator uses {ours.algorithm.value!r}", reason=Reason.HASH_CONFIG,
-            )
-        if req.page_size != ours.page_size:
-            raise FailedPrecondition(
-                f"page size mismatch: worker uses {req.page_size}, coordinator uses "
-                f"{ours.page_size}", reason=Reason.HASH_CONFIG,
-            )
-        if req.fingerprint != ours.fingerprint():
-            raise FailedPrecondition(
-                "hash key mismatch: the worker's KVCOORD_HASH_KEY differs from the coordinator's",
-                reason=Reason.HASH_CONFIG,
-            )
-
     async def register(self, req: RegistrationRequest) -> Registration:
         """Admit a worker under a new incarnation; any older incarnation's entries are dropped."""
-        if not req.worker_id:
-            raise InvalidArgument("worker_id is required")
-        if req.total_pages <= 0:
-            raise InvalidArgument(f"total_pages must be > 0, got {req.total_pages}")
-        if ":" not in req.address:
-            raise InvalidArgument(f"address must be HOST:PORT, got {req.address!r}")
-        self._check_hash_config(req)
+        check_registration(req, self._hash_config)
         cfg = self._config
         # Before the answer: it names the version to serve, never one below what the worker
         # already holds (the store may have forgotten it). Not an external worker's: a bridge
         # serves the version its operator gave it, which is no evidence of what was served.
         if not req.external:
-            await self.version_reported(req.policy_version)
+            await self._policy.worker_reported(req.policy_version)
         # Above every incarnation seen here too, should the store have lost its counter.
         current = self._fleet.get(req.worker_id)
         known = max(self.high_water.incarnation(req.worker_id),
@@ -208,14 +134,14 @@ class WorkerSync:
             owner=self.replica_id,
         )
         self.install(session, "worker re-registered: this stream's incarnation is stale")
-        self.replication.registered(session)
+        self._replication.registered(session)
         log.info(
             "worker.registered", worker=req.worker_id, incarnation=record.incarnation,
             address=req.address, policy_version=req.policy_version,
         )
         return Registration(
             incarnation=record.incarnation,
-            policy=self._policy(),
+            policy=self._policy.record,
             lease_ms=cfg.lease_ms,
             heartbeat_ms=cfg.heartbeat_ms,
             max_events_per_batch=cfg.max_events_per_batch,
@@ -249,17 +175,17 @@ class WorkerSync:
         self.high_water.saw_incarnation(session.worker_id, session.incarnation)
         if self._fleet.put(session) is not None:
             self._index.drop_worker(session.worker_id)
-        self._detach(session.worker_id, message, Reason.REREGISTER)
-        self._staging.pop(session.worker_id, None)
+        self._streams.close(session.worker_id, message, Reason.REREGISTER)
+        self._resyncs.discard(session.worker_id)
 
     def is_local(self, session: RegisteredWorker) -> bool:
         """Whether this replica owns the worker (holds, or last held, its stream)."""
-        return session.owner == self.replica_id or session.worker_id in self._streams
+        return session.owner == self.replica_id or self._streams.has_stream(session.worker_id)
 
     def _drop(self, worker_id: str, *, reason: str, final: bool = False) -> None:
         session = self._fleet.get(worker_id)
         if session is not None and self.is_local(session):
-            self.replication.dropped(session, reason)
+            self._replication.dropped(session, reason)
         self.forget(worker_id, reason, final=final)
 
     def forget(self, worker_id: str, reason: str, *, final: bool = False) -> None:
@@ -272,11 +198,12 @@ class WorkerSync:
                                          self._clock() + grace)
         dropped = self._index.drop_worker(worker_id)
         if final:
-            self._detach(worker_id, f"worker {DEREGISTERED}: it left the fleet",
+            self._streams.close(worker_id, f"worker {DEREGISTERED}: it left the fleet",
                          Reason.DEREGISTERED)
         else:
-            self._detach(worker_id, f"worker dropped ({reason}): re-register", Reason.REREGISTER)
-        self._staging.pop(worker_id, None)
+            self._streams.close(worker_id, f"worker dropped ({reason}): re-register",
+                                Reason.REREGISTER)
+        self._resyncs.discard(worker_id)
         log.info("worker.dropped", worker=worker_id, reason=reason, entries=dropped)
 
     # ------------------------------------------------------------------ the Sync stream
@@ -288,22 +215,19 @@ class WorkerSync:
         """Attach a stream to a session. A newer stream supersedes an older one (the worker
         reconnected before we noticed the old one die): the older one is closed with
         FAILED_PRECONDITION, reason SUPERSEDED, at once. ``close`` ends this stream with an
-        error later (``_detach``); ``send`` pushes a coordinator-initiated message (a policy
-        command) onto it. Returns (session, stream id, replies)."""
+        error later (``WorkerStreams.close``); ``send`` pushes a coordinator-initiated message
+        (a policy command) onto it. Returns (session, stream id, replies)."""
         # Kept even when refused: a worker a restarted coordinator forgot says here which
         # incarnation it had, and its next registration must get a higher one.
         self.high_water.saw_incarnation(worker_id, incarnation)
         session = self._fleet.require(worker_id, incarnation)
-        stream_id = next(self._stream_ids)
-        self._detach(worker_id, "superseded by a newer stream of the same worker",
-                     Reason.SUPERSEDED)
-        self._streams[worker_id] = (stream_id, close, send)
+        stream_id = self._streams.attach(worker_id, close, send)
         session.connected = True
         session.disconnected_at = None
         session.lease_deadline = self._clock() + self._config.lease_ms / 1000
         session.owner = self.replica_id
         self._fleet.changed()
-        self.replication.attached(session)
+        self._replication.attached(session)
         replies: list[Outbound] = [Welcome(session.next_seq)]
         if session.resync_id is not None:
             # The stream that carried the open resync died: ask again on this one, or the
@@ -317,55 +241,23 @@ class WorkerSync:
 
     def owns(self, session: RegisteredWorker, stream_id: int) -> bool:
         """Whether ``stream_id`` is still the stream attached to ``session``."""
-        owner = self._streams.get(session.worker_id)
-        return (
-            owner is not None
-            and owner[0] == stream_id
-            and self._fleet.get(session.worker_id) is session
-        )
-
-    def send(self, worker_id: str, message: Outbound) -> bool:
-        """Push ``message`` onto the worker's current stream; False when it has none."""
-        owner = self._streams.get(worker_id)
-        if owner is None:
-            return False
-        owner[2](message)
-        return True
-
-    def has_stream(self, worker_id: str) -> bool:
-        """Whether the worker's Sync stream is attached to this replica."""
-        return worker_id in self._streams
-
-    def close_stream(self, worker_id: str, message: str, reason: Reason) -> None:
-        """End the worker's current stream, if it has one, with FAILED_PRECONDITION naming
-        ``reason`` (``message`` is for people)."""
-        self._detach(worker_id, message, reason)
-
-    def _detach(self, worker_id: str, message: str, reason: Reason) -> None:
-        """Forget the worker's stream, if any, and end it with FAILED_PRECONDITION naming
-        ``reason``."""
-        owner = self._streams.pop(worker_id, None)
-        if owner is not None:
-            owner[1](FailedPrecondition(f"{message}: reconnect", reason=reason))
+        return (self._streams.is_current(session.worker_id, stream_id)
+                and self._fleet.get(session.worker_id) is session)
 
     def disconnect(self, session: RegisteredWorker, stream_id: int) -> None:
         """The stream ended: the worker is unroutable from now on (entries kept for the grace)."""
         if not self.owns(session, stream_id):
             return
-        del self._streams[session.worker_id]
+        self._streams.release(session.worker_id, stream_id)
         session.connected = False
         session.disconnected_at = self._clock()
         self._fleet.changed()
-        self.replication.detached(session)
+        self._replication.detached(session)
         log.info("worker.disconnected", worker=session.worker_id, stream=stream_id)
 
     def _start_resync(self, session: RegisteredWorker, reason: str) -> Resync:
-        resync_id = next(self._resync_ids)
-        session.resync_id = resync_id
-        self._staging.pop(session.worker_id, None)
         self.counters.resyncs += 1
-        log.warning("worker.resync", worker=session.worker_id, reason=reason, resync=resync_id)
-        return Resync(resync_id, reason)
+        return self._resyncs.open(session, reason)
 
     def events(
         self, session: RegisteredWorker, seq: int, events: Sequence[PageEvent]
@@ -390,7 +282,7 @@ class WorkerSync:
         session.advance(seq)
         apply_page_events(self._index, session.worker_id, events)
         self.counters.events_applied += len(events)
-        self.replication.pages(session, seq, events)
+        self._replication.pages(session, seq, events)
         return [Ack(seq)]
 
     def _check_page_limit(self, session: RegisteredWorker, stored: int) -> None:
@@ -431,7 +323,7 @@ class WorkerSync:
         session.lease_deadline = self._clock() + cfg.lease_ms / 1000
         try:
             if not session.external:
-                await self.version_reported(beat.policy_version)
+                await self._policy.worker_reported(beat.policy_version)
         except StoreUnavailable as exc:  # checked again at the next heartbeat or poll
             log.warning("worker.version_not_checked", worker=session.worker_id,
                         version=beat.policy_version, error=str(exc))
@@ -440,51 +332,23 @@ class WorkerSync:
             # The worker says which weights it has loaded (after a LoadWeights, an APPLY, or a
             # fenced worker catching up): route it under that version from now on.
             self.set_version(session, beat.policy_version, publish=False)
-        self.replication.state(session, beat.completed_routes)
+        self._replication.state(session, beat.completed_routes)
         return []
 
     def set_version(self, session: RegisteredWorker, version: int, *, publish: bool = True) -> None:
         """The worker now serves ``version`` (its keys are hashed under it)."""
-        log.info("worker.version", worker=session.worker_id, old=session.policy_version,
-                 new=version)
-        session.policy_version = version
-        session.served_versions.add(version)
-        self._fleet.changed()
-        if publish:
-            self.replication.state(session, 0)
+        set_serving_version(self._fleet, self._replication, session, version, publish=publish)
 
     def inventory(self, session: RegisteredWorker, chunk: InventoryIn) -> list[Outbound]:
         """Stage a resync inventory; the last chunk replaces the worker's holdings at once."""
-        if chunk.resync_id != session.resync_id:
-            raise FailedPrecondition(
-                f"inventory for resync {chunk.resync_id}, but the open resync is "
-                f"{session.resync_id}"
-            )
-        staging = self._staging.get(session.worker_id)
-        if staging is None or staging.resync_id != chunk.resync_id:
-            staging = self._staging[session.worker_id] = _Staging(chunk.resync_id)
-        staging.count += len(chunk.keys)
-        limit = max(session.total_pages, 1) * 4
-        if staging.count > limit:
-            raise InvalidArgument(
-                f"inventory of {staging.count} pages exceeds 4x the worker's {session.total_pages}"
-            )
-        if staging.count > self._config.max_pages_per_worker:
-            raise ResourceExhausted(
-                f"inventory of {staging.count} pages is over the limit of "
-                f"{self._config.max_pages_per_worker} per worker (max_pages_per_worker)",
-                reason=Reason.PAGE_CAP,
-                metadata={"limit": str(self._config.max_pages_per_worker)},
-            )
-        staging.keys_by_tier.setdefault(chunk.tier.value, []).extend(chunk.keys)
-        if not chunk.last:
+        keys_by_tier = self._resyncs.add(session, chunk)
+        if keys_by_tier is None:
             return []
-        del self._staging[session.worker_id]
-        self._index.replace_worker(session.worker_id, staging.keys_by_tier)
-        session.resync_id = None
+        self._index.replace_worker(session.worker_id, keys_by_tier)
         session.next_seq = chunk.seq + 1
-        self.replication.replaced(session, chunk.seq, staging.keys_by_tier)
-        log.info("worker.resynced", worker=session.worker_id, pages=staging.count, seq=chunk.seq)
+        self._replication.replaced(session, chunk.seq, keys_by_tier)
+        log.info("worker.resynced", worker=session.worker_id,
+                 pages=sum(len(keys) for keys in keys_by_tier.values()), seq=chunk.seq)
         return [Ack(chunk.seq)]
 
     # ------------------------------------------------------------------ liveness
@@ -497,8 +361,8 @@ class WorkerSync:
             session.connected = False
             session.disconnected_at = now
             if self.is_local(session):
-                self.replication.detached(session)
-            self._detach(session.worker_id, "lease lapsed", Reason.LEASE_LAPSED)
+                self._replication.detached(session)
+            self._streams.close(session.worker_id, "lease lapsed", Reason.LEASE_LAPSED)
             self._fleet.changed()
             log.warning("worker.lease_lapsed", worker=session.worker_id)
         for session in self._fleet.expired(now, self._config.drop_grace_ms / 1000):
@@ -506,3 +370,16 @@ class WorkerSync:
         for worker_id in [w for w, (_, until) in self._departed.items() if until <= now]:
             del self._departed[worker_id]
         self._index.expire_pending()
+
+
+def set_serving_version(fleet: Fleet, replication: ReplicationSink, session: RegisteredWorker,
+                        version: int, *, publish: bool = True) -> None:
+    """``session``'s worker now serves ``version`` (its keys are hashed under it): route it
+    under that version from now on; ``publish`` tells the other replicas."""
+    log.info("worker.version", worker=session.worker_id, old=session.policy_version,
+             new=version)
+    session.policy_version = version
+    session.served_versions.add(version)
+    fleet.changed()
+    if publish:
+        replication.state(session, 0)

@@ -115,7 +115,7 @@ class Router:
         fleet: Fleet,
         page_size: int,
         default_model: str,
-        default_policy: str,
+        default_routing: str,
         serving_version: Callable[[], int],
         servable_versions: Callable[[], Sequence[int]] | None = None,
         clock: Callable[[], float],
@@ -136,22 +136,23 @@ class Router:
         self._clock = clock
         self._rng = rng or random.Random()
         self._weights = weights or KvAwareWeights()
-        self._policies: dict[str, RouteChooser] = {}
-        self.default_policy = self._policy(default_policy).name
+        self._choosers: dict[str, RouteChooser] = {}  # by routing policy name
+        self.default_routing = self._chooser(default_routing).name
         self.counters = RouterCounters()
         # Told to callers refused for lack of a worker: about one heartbeat, when load and
         # liveness news next arrives.
         self.retry_after_ms = 500
 
-    def _policy(self, name: str) -> RouteChooser:
-        policy = self._policies.get(name)
-        if policy is None:
+    def _chooser(self, routing: str) -> RouteChooser:
+        """The chooser of the routing policy named ``routing`` (InvalidArgument if unknown)."""
+        chooser = self._choosers.get(routing)
+        if chooser is None:
             try:
-                policy = make_chooser(name, self._weights)
+                chooser = make_chooser(routing, self._weights)
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from None
-            self._policies[name] = policy
-        return policy
+            self._choosers[routing] = chooser
+        return chooser
 
     def namespace(self, scope: Scope) -> Namespace:
         version = self._serving_version() if scope.policy_version is None else scope.policy_version
@@ -207,7 +208,7 @@ class Router:
         scope: Scope,
         *,
         min_policy_version: int | None = None,
-        policy: str = "",
+        routing: str = "",
     ) -> RouteResult:
         """Choose a worker for one prompt; its keys become pending entries on that worker.
 
@@ -220,7 +221,7 @@ class Router:
             ns = self.namespace(replace(scope, policy_version=version))
             views.append(self._view(scope, version, self.keys(prompt, ns), now,
                                     min_policy_version))
-        return self._route_views(views, prompt.token_count, 1, min_policy_version, policy, now)
+        return self._route_views(views, prompt.token_count, 1, min_policy_version, routing, now)
 
     def route_batch(
         self,
@@ -228,7 +229,7 @@ class Router:
         scope: Scope,
         *,
         min_policy_version: int | None = None,
-        policy: str = "",
+        routing: str = "",
     ) -> BatchResult:
         """Route many prompts: identical prompts (GRPO siblings) go to one worker as a group,
         groups are routed in order so later ones see earlier ones' pending entries, and the
@@ -255,7 +256,7 @@ class Router:
             views = [self._view(scope, v, keys_of(lead, v), now, min_policy_version)
                      for v in versions]
             result = self._route_views(
-                views, lead.token_count, len(group.members), min_policy_version, policy, now
+                views, lead.token_count, len(group.members), min_policy_version, routing, now
             )
             for member in group.members:
                 routes[member] = result
@@ -269,10 +270,10 @@ class Router:
         token_count: int,
         copies: int,
         min_policy_version: int | None,
-        policy_name: str,
+        routing: str,
         now: float,
     ) -> RouteResult:
-        policy = self._policy(policy_name or self.default_policy)
+        chooser = self._chooser(routing or self.default_routing)
         pages = len(views[0].keys)
         request = RoutingRequest(
             prompt_pages=pages, prompt_tokens=token_count, page_size=self._page_size,
@@ -281,13 +282,13 @@ class Router:
         holders = [c for view in views
                    for c in self._holders(view.details, now, view.ns, min_policy_version)]
         # Each version's eligible list is in load-floor order; merged, idle workers still reach
-        # the policy cheapest first.
+        # the chooser cheapest first.
         idle_sessions = heapq.merge(
             *[(s for s in view.eligible if s.worker_id not in view.details) for view in views],
             key=_FLOOR,
         )
         try:
-            decision = policy.choose(
+            decision = chooser.choose(
                 request, holders, self._rng, idle=(s.idle_candidate() for s in idle_sessions)
             )
         except NoEligibleWorker:
@@ -321,7 +322,7 @@ class Router:
             policy_version=session.policy_version,
             prompt_pages=len(keys),
             page_size=self._page_size,
-            routing_policy=policy.name,
+            routing_policy=chooser.name,
         )
 
     def _holders(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import structlog
 
 from coordinator.config import CoordinatorConfig
+from coordinator.control.worker_streams import WorkerStreams
 from coordinator.control.worker_sync import DEREGISTERED, WorkerSync
 from coordinator.core.fleet import Fleet, RegisteredWorker
 from coordinator.core.index import PrefixIndex
@@ -56,13 +57,14 @@ class ReplicaApplier:
 
     def __init__(
         self, *, config: CoordinatorConfig, fleet: Fleet, index: PrefixIndex,
-        sessions: WorkerSync, clock: Callable[[], float],
+        sessions: WorkerSync, streams: WorkerStreams, clock: Callable[[], float],
         want_snapshot: Callable[[str], None],
     ) -> None:
         self._config = config
         self._fleet = fleet
         self._index = index
         self._sessions = sessions
+        self._streams = streams
         self._clock = clock
         self._want_snapshot = want_snapshot
         self._wanted: set[str] = set()  # workers with a snapshot asked for and not yet seen
@@ -86,7 +88,7 @@ class ReplicaApplier:
             self.counters.applied += 1
             if isinstance(event, Attached):
                 self._attached(origin, session, event)
-            elif self._sessions.has_stream(session.worker_id):
+            elif self._streams.has_stream(session.worker_id):
                 self.counters.ignored += 1  # ours to describe: a late event of an old owner
             elif isinstance(event, Pages):
                 self._pages(session, event)
@@ -143,8 +145,8 @@ class ReplicaApplier:
                  incarnation=event.incarnation, origin=origin)
 
     def _attached(self, origin: str, session: RegisteredWorker, event: Attached) -> None:
-        if self._sessions.has_stream(session.worker_id):
-            self._sessions.close_stream(
+        if self._streams.has_stream(session.worker_id):
+            self._streams.close(
                 session.worker_id, f"the worker attached to coordinator replica {origin}",
                 Reason.SUPERSEDED,
             )

@@ -1,10 +1,10 @@
 """Coordinator replicas kept identical through the store's ``events`` stream.
 
-Each replica publishes what its own workers tell it (``ReplicationSink``, fed by the worker
-sessions) and applies what the others publish (``ReplicaApplier``). One publisher task sends
-events in the order they happened, batched into one pipelined round trip; one tailer task
-blocks on the stream and applies entries in stream order. Lag (publish to apply, wall clock) is
-measured on every applied entry.
+Each replica publishes what its own services queued (``ReplicationOutbox``: the
+``ReplicationSink`` the worker sessions and policy updates report to) and applies what the
+others publish (``ReplicaApplier``). One publisher task sends events in the order they happened,
+batched into one pipelined round trip; one tailer task blocks on the stream and applies entries
+in stream order. Lag (publish to apply, wall clock) is measured on every applied entry.
 
 Bootstrap: a starting replica notes the stream's end, asks every live replica for a snapshot
 of the workers it owns (``SnapshotWanted``), and reports ready once each has answered
@@ -25,36 +25,33 @@ import random
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
 from coordinator.config import CoordinatorConfig
 from coordinator.control.policy_updates import PolicyUpdates
+from coordinator.control.worker_streams import WorkerStreams
 from coordinator.control.worker_sync import WorkerSync
 from coordinator.core.fleet import Fleet, RegisteredWorker
 from coordinator.core.index import PrefixIndex
-from coordinator.core.page_events import PageEvent
 from coordinator.replication.apply import ReplicaApplier
 from coordinator.replication.events import (
     Attached,
     Cordoned,
     Detached,
-    Dropped,
     MalformedEvent,
-    Pages,
     PolicyChanged,
-    Registered,
     Replaced,
     ReplicaEvent,
     SnapshotDone,
     SnapshotWanted,
-    State,
     decode,
     encode,
     origin_of,
 )
+from coordinator.replication.outbox import ReplicationOutbox, registered_event, state_event
 from coordinator.store.protocol import MetadataStore, StoreUnavailable, parse_entry_id
 
 log = structlog.get_logger(__name__)
@@ -63,7 +60,6 @@ STREAM = "events"
 _PUBLISH_BATCH = 512  # events per pipelined round trip
 _READ_BATCH = 1024
 _BLOCK_MS = 200  # the tailer's XREAD BLOCK; below any store command timeout we use
-_MAX_QUEUED = 200_000  # events waiting to be published; past it the view is re-snapshotted
 _LAG_SAMPLES = 4096
 # Each Redis round trip costs the event loop ~100 us of redis-py, whatever it carries: the
 # publisher waits this long for more events before a round trip, and the tailer this long
@@ -87,13 +83,17 @@ class ReplicationCounters:
 
 
 class Replicator:
-    """The replication of one coordinator replica; implements ``ReplicationSink``."""
+    """The replication of one coordinator replica: publishes its outbox, applies the others'."""
 
     def __init__(
         self, *, config: CoordinatorConfig, store: MetadataStore, fleet: Fleet,
-        index: PrefixIndex, sessions: WorkerSync, updates: PolicyUpdates,
+        index: PrefixIndex, sessions: WorkerSync, streams: WorkerStreams,
+        updates: PolicyUpdates, outbox: ReplicationOutbox,
         clock: Callable[[], float], wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """``outbox``: what this replica's services queued for the others (the publisher
+        drains it); ``sessions``, ``streams`` and ``updates``: where the others' events and
+        policy changes are applied here."""
         self.replica_id = sessions.replica_id
         self._config = config
         self._store = store
@@ -104,13 +104,10 @@ class Replicator:
         self._clock = clock
         self._wall_clock = wall_clock
         self._applier = ReplicaApplier(
-            config=config, fleet=fleet, index=index, sessions=sessions, clock=clock,
-            want_snapshot=lambda worker_id: self._enqueue(SnapshotWanted(worker_id)),
+            config=config, fleet=fleet, index=index, sessions=sessions, streams=streams,
+            clock=clock, want_snapshot=outbox.snapshot_wanted,
         )
-        self._queue: deque[ReplicaEvent] = deque()
-        self._wake = asyncio.Event()
-        self._dirty = False  # a publish failed: re-snapshot our workers once the store is back
-        self._want_all = False  # with that snapshot, ask every other replica for theirs
+        self._outbox = outbox
         self._publishing = False
         self._cursor = "0-0"
         self._tasks: list[asyncio.Task[None]] = []
@@ -135,7 +132,7 @@ class Replicator:
         self.peers = sorted(self._waiting_for)
         await self._store.announce_replica(self.replica_id, self._config.lease_ms)
         self.live = sorted({*self.peers, self.replica_id})
-        self._enqueue(SnapshotWanted(""))
+        self._outbox.put(SnapshotWanted(""))
         if not self._waiting_for:
             self.ready.set()
         for name, loop in (("publish", self._publish_forever), ("tail", self._tail_forever),
@@ -160,7 +157,7 @@ class Replicator:
 
     async def stop(self) -> None:
         self._stopping = True
-        self._wake.set()
+        self._outbox.wake.set()
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -170,7 +167,7 @@ class Replicator:
     async def flush(self, timeout: float = 2.0) -> None:
         """Wait until everything queued so far has been published (tests, graceful stop)."""
         deadline = self._clock() + timeout
-        while (self._queue or self._publishing) and self._clock() < deadline:
+        while (self._outbox.events or self._publishing) and self._clock() < deadline:
             await asyncio.sleep(0.005)
 
     async def caught_up(self, timeout: float) -> bool:
@@ -190,54 +187,12 @@ class Replicator:
             await asyncio.sleep(0.005)
         return True
 
-    # ------------------------------------------------------------------ ReplicationSink
-
-    def registered(self, session: RegisteredWorker) -> None:
-        self._enqueue(_registered(session))
-
-    def attached(self, session: RegisteredWorker) -> None:
-        self._enqueue(Attached(session.worker_id, session.incarnation, session.next_seq))
-
-    def detached(self, session: RegisteredWorker) -> None:
-        self._enqueue(Detached(session.worker_id, session.incarnation))
-
-    def pages(self, session: RegisteredWorker, seq: int, events: Sequence[PageEvent]) -> None:
-        self._enqueue(Pages(session.worker_id, session.incarnation, seq, tuple(events)))
-
-    def replaced(self, session: RegisteredWorker, seq: int,
-                 keys_by_tier: Mapping[str, Sequence[bytes]]) -> None:
-        by_tier = {tier: tuple(keys) for tier, keys in keys_by_tier.items()}
-        self._enqueue(Replaced(session.worker_id, session.incarnation, seq, by_tier))
-
-    def state(self, session: RegisteredWorker, completed_routes: int) -> None:
-        self._enqueue(_state(session, completed_routes))
-
-    def dropped(self, session: RegisteredWorker, reason: str) -> None:
-        self._enqueue(Dropped(session.worker_id, session.incarnation, reason))
-
-    def cordoned(self, session: RegisteredWorker) -> None:
-        self._enqueue(Cordoned(session.worker_id, session.cordoned))
-
-    def policy_changed(self, abort_running: bool) -> None:
-        self._enqueue(PolicyChanged(abort_running))
-
     # ------------------------------------------------------------------ publishing
-
-    def _enqueue(self, event: ReplicaEvent) -> None:
-        if self._dirty:
-            return  # the snapshot taken when the store is back covers it
-        if len(self._queue) >= _MAX_QUEUED:
-            log.warning("replication.queue_full", queued=len(self._queue))
-            self._queue.clear()
-            self._dirty = True
-            return
-        self._queue.append(event)
-        self._wake.set()
 
     def _snapshot(self, session: RegisteredWorker) -> list[ReplicaEvent]:
         """What another replica needs to hold exactly our view of ``session``."""
         worker_id, incarnation = session.worker_id, session.incarnation
-        events: list[ReplicaEvent] = [_registered(session)]
+        events: list[ReplicaEvent] = [registered_event(session)]
         if session.connected:
             events.append(Attached(worker_id, incarnation, session.next_seq))
         else:
@@ -246,7 +201,7 @@ class Replicator:
             inventory = self._index.worker_inventory(worker_id)
             events.append(Replaced(worker_id, incarnation, session.next_seq - 1,
                                    {tier: tuple(keys) for tier, keys in inventory.items()}))
-        events.append(_state(session, 0))
+        events.append(state_event(session, 0))
         if session.cordoned:
             events.append(Cordoned(worker_id, True))
         self.counters.snapshots_sent += 1
@@ -258,26 +213,28 @@ class Replicator:
     async def _publish_forever(self) -> None:
         attempt = 0
         while not self._stopping:
-            if not self._queue and not self._dirty:
-                self._wake.clear()
-                await self._wake.wait()
-            if len(self._queue) < _PUBLISH_BATCH:
+            outbox = self._outbox
+            if not outbox.events and not outbox.dirty:
+                outbox.wake.clear()
+                await outbox.wake.wait()
+            if len(outbox.events) < _PUBLISH_BATCH:
                 await asyncio.sleep(_COALESCE_S)  # let a busy replica's events gather
-            if self._dirty:
+            if outbox.dirty:
                 if not await self._store.ping():
                     attempt += 1
                     await asyncio.sleep(_backoff(attempt))
                     continue
-                self._dirty = False
-                self._queue.clear()
+                outbox.dirty = False
+                outbox.events.clear()
                 for session in self._own_sessions():
-                    self._queue.extend(self._snapshot(session))
-                if self._want_all:
-                    self._want_all = False
-                    self._queue.append(SnapshotWanted(""))
+                    outbox.events.extend(self._snapshot(session))
+                if outbox.want_all:
+                    outbox.want_all = False
+                    outbox.events.append(SnapshotWanted(""))
                 log.info("replication.republished", replica=self.replica_id,
                          workers=len(self._own_sessions()))
-            batch = [self._queue.popleft() for _ in range(min(len(self._queue), _PUBLISH_BATCH))]
+            batch = [outbox.events.popleft()
+                     for _ in range(min(len(outbox.events), _PUBLISH_BATCH))]
             if not batch:
                 continue
             now_ms = int(self._wall_clock() * 1000)
@@ -290,10 +247,10 @@ class Replicator:
                 attempt = 0
             except StoreUnavailable as exc:
                 self.counters.publish_failures += 1
-                self._dirty = True
+                outbox.mark_dirty()
                 log.warning("replication.publish_failed", replica=self.replica_id,
-                            dropped=len(batch) + len(self._queue), error=str(exc))
-                self._queue.clear()
+                            dropped=len(batch) + len(outbox.events), error=str(exc))
+                outbox.events.clear()
             finally:
                 self._publishing = False
 
@@ -345,9 +302,9 @@ class Replicator:
             ]
             for session in sessions:
                 for snapshot_event in self._snapshot(session):
-                    self._enqueue(snapshot_event)
+                    self._outbox.put(snapshot_event)
             if not event.worker_id:
-                self._enqueue(SnapshotDone(origin))
+                self._outbox.put(SnapshotDone(origin))
         elif isinstance(event, SnapshotDone):
             if event.requester == self.replica_id:
                 self._waiting_for.discard(origin)
@@ -375,8 +332,7 @@ class Replicator:
                         first=bounds.first_id, last=bounds.last_id)
             if bounds.last_id is not None and parse_entry_id(bounds.last_id) < cursor:
                 self._cursor = bounds.last_id  # a new stream: its ids start over
-            self._dirty = self._want_all = True  # our own workers are re-published too
-            self._wake.set()
+            self._outbox.mark_dirty(want_all=True)  # our own workers are re-published too
 
     async def _announce_forever(self) -> None:
         """Keep this replica listed as live. (Policy changes whose event was lost are caught by
@@ -404,17 +360,7 @@ class Replicator:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
-
-
-def _registered(session: RegisteredWorker) -> Registered:
-    return Registered(session.worker_id, session.incarnation, session.address, session.model,
-                      session.policy_version, session.external, session.total_pages)
-
-
-def _state(session: RegisteredWorker, completed_routes: int) -> State:
-    return State(session.worker_id, session.incarnation, session.policy_version, session.load,
-                 completed_routes, session.draining, session.fenced)
+        return len(self._outbox.events)
 
 
 def _backoff(attempt: int) -> float:

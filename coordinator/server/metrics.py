@@ -71,7 +71,7 @@ class _StateCollector(Collector):
             ("kvcoord_sync_resyncs", "Resync requests sent to workers", s.resyncs),
             ("kvcoord_policy_version_restored",
              "Times the store's policy state was found behind what this coordinator had seen "
-             "(data lost) and restored", self._service.updates.restores),
+             "(data lost) and restored", self._service.policy_view.restores),
         ]
         if s.replica_id:
             counters += [

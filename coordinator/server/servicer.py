@@ -12,8 +12,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from coordinator.control.sync_messages import Outbound
-from coordinator.core import policy_state
-from coordinator.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from coordinator.core.errors import FailedPrecondition, InvalidArgument
 from coordinator.core.fleet import RegisteredWorker
 from coordinator.core.router import PromptInput, Scope
 from coordinator.rpc.guard import caller
@@ -59,38 +58,25 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
         check_protocol(request.protocol_version)
         prompt = self._prompt(request.prompt)
-        result = self._service.scheduler.lookup(prompt, self._scope(request.scope))
+        result = self._service.router.lookup(prompt, self._scope(request.scope))
         return convert.lookup_to_pb(result)
 
     async def _await_routable(self, scope: pb.Scope, context: Context) -> None:
-        """While a sync update drains, a route without an explicit version waits for it (up
-        to the caller's deadline and ``route_wait_ms``), then is refused UNAVAILABLE, reason
-        DRAINING, with RetryInfo: no generation may start between DRAIN and RESUME."""
-        updates = self._service.updates
-        if scope.HasField("policy_version") or not policy_state.routes_blocked(updates.record):
-            return
-        remaining = context.time_remaining()
-        wait = self._config.route_wait_ms / 1000
-        if remaining is not None:
-            wait = min(wait, max(0.0, remaining - 0.05))
-        await updates.wait_routable(wait)
-        if policy_state.routes_blocked(updates.record):
-            raise Unavailable(
-                f"policy update to version {updates.record.target_version} is draining the "
-                "fleet: retry", reason=Reason.DRAINING, retry_after_ms=self._config.route_retry_ms,
-                metadata={"target_version": str(updates.record.target_version)},
-            )
+        """A route waits while a sync update drains (``PolicyView.await_routable``)."""
+        await self._service.policy_view.await_routable(
+            pinned_version=scope.HasField("policy_version"), time_left=context.time_remaining()
+        )
 
     async def Route(self, request: pb.RouteRequest, context: Context) -> pb.RouteResponse:
         check_protocol(request.protocol_version)
         prompt = self._prompt(request.prompt)
         await self._await_routable(request.scope, context)
-        self._service.updates.check_fresh()
-        route = self._service.scheduler.route(
+        self._service.policy_view.check_fresh()
+        route = self._service.router.route(
             prompt,
             self._scope(request.scope),
             min_policy_version=_optional(request, "min_policy_version"),
-            policy=request.routing_policy,
+            routing=request.routing_policy,
         )
         return convert.route_to_pb(route)
 
@@ -113,12 +99,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                   f"{self._config.max_batch_tokens} (max_batch_tokens)")
         prompts = [self._prompt(p, f"prompts[{i}]") for i, p in enumerate(request.prompts)]
         await self._await_routable(request.scope, context)
-        self._service.updates.check_fresh()
-        batch = self._service.scheduler.route_batch(
+        self._service.policy_view.check_fresh()
+        batch = self._service.router.route_batch(
             prompts,
             self._scope(request.scope),
             min_policy_version=_optional(request, "min_policy_version"),
-            policy=request.routing_policy,
+            routing=request.routing_policy,
         )
         return pb.RouteBatchResponse(
             protocol_version=PROTOCOL_VERSION,
@@ -130,7 +116,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     async def Register(self, request: pb.RegisterRequest, context: Context) -> pb.RegisterResponse:
         check_worker(caller(), request.worker_id)
-        registration = await self._service.sessions.register(convert.registration_from(request))
+        registration = await self._service.worker_sync.register(convert.registration_from(request))
         return pb.RegisterResponse(
             protocol_version=PROTOCOL_VERSION,
             incarnation=registration.incarnation,
@@ -159,7 +145,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     ) -> pb.DeregisterResponse:
         check_protocol(request.protocol_version)
         check_worker(caller(), request.worker_id)
-        await self._service.sessions.deregister(request.worker_id, request.incarnation)
+        await self._service.worker_sync.deregister(request.worker_id, request.incarnation)
         return pb.DeregisterResponse(protocol_version=PROTOCOL_VERSION)
 
     async def Sync(
@@ -167,11 +153,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     ) -> AsyncIterator[pb.SyncResponse]:
         """One worker's stream. A reader task applies what the worker sends; replies (and, later,
         coordinator-initiated commands) go out through one queue so writes never interleave."""
-        outbox: asyncio.Queue[pb.SyncResponse | BaseException | None] = asyncio.Queue()
-        reader = asyncio.create_task(self._read_sync(request_iterator, outbox))
+        outgoing: asyncio.Queue[pb.SyncResponse | BaseException | None] = asyncio.Queue()
+        reader = asyncio.create_task(self._read_sync(request_iterator, outgoing))
         try:
             while True:
-                item = await outbox.get()
+                item = await outgoing.get()
                 if item is None:
                     return
                 if isinstance(item, BaseException):
@@ -183,20 +169,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def _read_sync(
         self,
         requests: AsyncIterator[pb.SyncRequest],
-        outbox: asyncio.Queue[pb.SyncResponse | BaseException | None],
+        outgoing: asyncio.Queue[pb.SyncResponse | BaseException | None],
     ) -> None:
-        sessions = self._service.sessions
+        sessions = self._service.worker_sync
         session: RegisteredWorker | None = None
         stream_id = 0
 
         def send(replies: list[Outbound]) -> None:
             for reply in replies:
-                outbox.put_nowait(convert.outbound_to_pb(reply))
+                outgoing.put_nowait(convert.outbound_to_pb(reply))
 
         try:
             first = await anext(aiter(requests), None)
             if first is None:
-                outbox.put_nowait(None)
+                outgoing.put_nowait(None)
                 return
             check_protocol(first.protocol_version)
             if first.WhichOneof("body") != "hello":
@@ -207,27 +193,27 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                              hello.last_acked_seq)
             session, stream_id, replies = sessions.hello(
                 hello.worker_id, hello.incarnation, hello.last_acked_seq,
-                close=outbox.put_nowait,
-                send=lambda message: outbox.put_nowait(convert.outbound_to_pb(message)),
+                close=outgoing.put_nowait,
+                send=lambda message: outgoing.put_nowait(convert.outbound_to_pb(message)),
             )
             send(replies)
             await self._service.updates.reconnected(session)
             async for request in requests:
                 check_protocol(request.protocol_version)
                 if not sessions.owns(session, stream_id):
-                    return  # _detach already queued the FAILED_PRECONDITION that ends us
+                    return  # WorkerStreams.close queued the FAILED_PRECONDITION that ends us
                 send(await self._dispatch(session, request))
-            outbox.put_nowait(None)
+            outgoing.put_nowait(None)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            outbox.put_nowait(exc)
+            outgoing.put_nowait(exc)
         finally:
             if session is not None:
                 sessions.disconnect(session, stream_id)
 
     async def _dispatch(self, session: RegisteredWorker, request: pb.SyncRequest) -> list[Outbound]:
-        sessions = self._service.sessions
+        sessions = self._service.worker_sync
         body = request.WhichOneof("body")
         if body == "events":
             events = convert.events_from(request.events)
@@ -254,7 +240,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             return pb.ReportRolloutsResponse(protocol_version=PROTOCOL_VERSION, accepted=0)
         worker_id = request.records[0].worker_id
         check_worker(caller(), worker_id)  # and rollouts.append checks every record is its own
-        served = self._service.sessions.served_versions_of(worker_id)
+        served = self._service.worker_sync.served_versions_of(worker_id)
         if served is None:
             raise FailedPrecondition(f"unknown worker {worker_id!r}: register first",
                                      reason=Reason.REREGISTER)
@@ -304,7 +290,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         self, request: pb.WatchPolicyRequest, context: Context
     ) -> AsyncIterator[pb.PolicyState]:
         check_protocol(request.protocol_version)
-        async for record in self._service.updates.watch():
+        async for record in self._service.policy_view.watch():
             yield convert.policy_to_pb(record)
 
     async def ReadRollouts(
