@@ -35,9 +35,10 @@ proto-check: $(STAMP) ## fail when the committed stubs are stale
 	  cmp -s $$tmp/$$f $$f || { echo "stale generated stub: $$f (run 'make proto')"; status=1; }; \
 	done; rm -rf $$tmp; exit $$status
 
-lint: $(STAMP) ## ruff and mypy (strict)
+lint: $(STAMP) ## ruff, mypy (strict) and the import contracts of the layers (lint-imports)
 	$(VENV)/bin/ruff check coordinator worker kvcoord tests bench
 	$(VENV)/bin/mypy coordinator worker kvcoord
+	$(VENV)/bin/lint-imports --no-cache
 
 test: $(STAMP) proto-check lint ## lint, the whole test suite (starts its own redis-server), smoke
 	$(VENV)/bin/pytest tests --durations=15

@@ -2,8 +2,8 @@
 
 ``PROTOCOL_VERSION`` goes in every request and answer; a peer speaking another version is refused
 (FAILED_PRECONDITION, reason ``PROTOCOL_VERSION``) rather than misread. The page key size is the
-core's (``coordinator.core.hash_config.PAGE_KEY_BYTES``): page keys travel as concatenated 16-byte
-keys.
+core's (``coordinator.core.hash_config.PAGE_KEY_BYTES``; page keys travel as concatenated 16-byte
+keys): this module imports nothing of the coordinator, so the core may import it.
 
 A refusal says why in a ``google.rpc.ErrorInfo`` status detail: ``domain`` is ``ERROR_DOMAIN``
 and ``reason`` one of ``Reason``. A refusal that may be retried also carries a
@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import enum
 
-from coordinator.core.hash_config import PAGE_KEY_BYTES
-
-__all__ = ["ERROR_DOMAIN", "PAGE_KEY_BYTES", "PROTOCOL_VERSION", "Reason"]
+__all__ = ["ERROR_DOMAIN", "PROTOCOL_VERSION", "Reason"]
 
 PROTOCOL_VERSION = 2
 """2: refusals carry ``ErrorInfo``/``RetryInfo`` status details (1 said why only in the details

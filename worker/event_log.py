@@ -13,8 +13,8 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from coordinator.core.hash_config import PAGE_KEY_BYTES
 from coordinator.v1 import coordinator_pb2 as pb
-from coordinator.wire import PAGE_KEY_BYTES
 
 Holdings = Mapping["pb.Tier", Sequence[bytes]]
 """What a worker holds: page keys by tier (``pb.TIER_GPU``, ...)."""

@@ -19,6 +19,7 @@ from coordinator.control.sync_messages import (
     Welcome,
 )
 from coordinator.core.errors import InvalidArgument
+from coordinator.core.hash_config import PAGE_KEY_BYTES
 from coordinator.core.hashing import split_page_keys, tokens_to_bytes
 from coordinator.core.index_types import Tier
 from coordinator.core.page_events import PageEvent
@@ -29,7 +30,7 @@ from coordinator.core.routing import WorkerLoad
 from coordinator.rpc.versions import check_protocol
 from coordinator.service import StatsSnapshot, WorkerView
 from coordinator.v1 import coordinator_pb2 as pb
-from coordinator.wire import PAGE_KEY_BYTES, PROTOCOL_VERSION
+from coordinator.wire import PROTOCOL_VERSION
 
 TIER_FROM_PB = {
     pb.TIER_UNSPECIFIED: Tier.GPU, pb.TIER_GPU: Tier.GPU, pb.TIER_CPU: Tier.CPU,
