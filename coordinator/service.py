@@ -243,7 +243,7 @@ class CoordinatorService:
     async def _read_policy_forever(self) -> None:
         """Re-read the policy state every ``policy_read_s``: changes made through other
         replicas are followed, a store that went back is restored, and routes keep flowing
-        only while these reads succeed (``PolicyUpdates.check_fresh``)."""
+        only while these reads succeed (``PolicyView.check_fresh``)."""
         interval = self.config.policy_read_s
         failing = False
         while not self._stopping:

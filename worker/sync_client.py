@@ -1,7 +1,9 @@
-"""The worker side of the ``Sync`` protocol, once, for every kind of worker: the reference worker's
-agent (``worker.agent``), the bridge of an unmodified engine (``worker.bridge.bridge``), and the
-scripted worker of the tests and benches (``bench/scripted_worker.py``). Protocol:
-docs/PROTOCOL.md §4.
+"""The worker side of the ``Sync`` protocol, once, for every worker that keeps itself in sync: the
+reference worker's agent (``worker.agent``) and the bridge of an unmodified engine
+(``worker.bridge.bridge``). The scripted worker of the tests and benches
+(``bench/scripted_worker.py``) builds its messages with the same ``worker.sync_protocol`` and
+``worker.event_log`` code but sends them one step at a time (tests need the violations this
+loop never commits). Protocol: docs/PROTOCOL.md §4.
 
 ``Register`` (a new incarnation) -> one Sync stream: hello with the last acknowledged sequence ->
 welcome(next_seq). Page events are batched and numbered by the ``EventLog``, kept until

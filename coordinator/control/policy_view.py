@@ -167,16 +167,20 @@ class PolicyView:
         while policy_state.routes_blocked(self.record) and self._clock() < deadline:
             await self.wait_change(min(0.05, deadline - self._clock()))
 
-    async def await_routable(self, *, pinned_version: bool, time_left: float | None) -> None:
+    async def await_routable(
+        self, *, pinned_version: bool, time_left: Callable[[], float | None]
+    ) -> None:
         """While a sync update drains, a route without a pinned version waits for it (up to
-        ``route_wait_ms``, and 50 ms short of the caller's ``time_left``), then is refused
-        UNAVAILABLE, reason DRAINING, with RetryInfo (``route_retry_ms``): no generation may
-        start between DRAIN and RESUME. A pinned version never waits (the router checks it)."""
+        ``route_wait_ms``, and 50 ms short of what ``time_left()`` says remains of the caller's
+        deadline), then is refused UNAVAILABLE, reason DRAINING, with RetryInfo
+        (``route_retry_ms``): no generation may start between DRAIN and RESUME. A pinned
+        version never waits (the router checks it). Returns at once when nothing drains."""
         if pinned_version or not policy_state.routes_blocked(self.record):
             return
         wait = self._config.route_wait_ms / 1000
-        if time_left is not None:
-            wait = min(wait, max(0.0, time_left - 0.05))
+        remaining = time_left()
+        if remaining is not None:
+            wait = min(wait, max(0.0, remaining - 0.05))
         await self.wait_routable(wait)
         if policy_state.routes_blocked(self.record):
             raise Unavailable(

@@ -2,5 +2,6 @@
 view, the policy state machine, rollout records and the domain errors.
 
 No grpc, redis, asyncio, socket, zmq or prometheus_client here (import-linter checks it): the
-core takes time and randomness from its caller and returns facts rather than logging them.
+core takes time and randomness from its caller and returns facts rather than logging them
+(one exception: ``HashConfig`` warns when built with the public development key).
 """

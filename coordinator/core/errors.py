@@ -9,6 +9,7 @@ error may also name its ``reason`` (``coordinator.wire.Reason``, sent as ``googl
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 
 from coordinator.wire import Reason
 
@@ -20,17 +21,25 @@ class DomainError(Exception):
     message); ``retry_after_ms`` is set only when retrying after that delay may succeed."""
 
     status_name = "INTERNAL"
+    # Defaults on the class: an error raised with a message alone (most refusals, some on hot
+    # paths) sets nothing more.
+    reason: Reason | None = None
+    retry_after_ms: int | None = None
+    metadata: Mapping[str, str] = MappingProxyType({})
 
     def __init__(
         self, message: str, *, reason: Reason | None = None, retry_after_ms: int | None = None,
         metadata: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
-        if retry_after_ms is not None and retry_after_ms < 0:
-            raise ValueError(f"retry_after_ms must be >= 0, got {retry_after_ms}")
-        self.reason = reason
-        self.retry_after_ms = retry_after_ms
-        self.metadata: Mapping[str, str] = dict(metadata or {})
+        if reason is not None:
+            self.reason = reason
+        if retry_after_ms is not None:
+            if retry_after_ms < 0:
+                raise ValueError(f"retry_after_ms must be >= 0, got {retry_after_ms}")
+            self.retry_after_ms = retry_after_ms
+        if metadata:
+            self.metadata = dict(metadata)
 
 
 class InvalidArgument(DomainError):

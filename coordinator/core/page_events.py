@@ -9,12 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import structlog
-
 from coordinator.core.index import PrefixIndex
 from coordinator.core.index_types import Tier
-
-log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

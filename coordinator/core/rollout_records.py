@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import structlog
-
-log = structlog.get_logger(__name__)
 MAX_RECORDS_PER_CALL = 4096
 MAX_ROLLOUT_ID_CHARS = 256
 MAX_TOKENS = 2**32 - 1  # the wire fields are uint32

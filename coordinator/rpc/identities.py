@@ -39,9 +39,12 @@ from coordinator.wire import Reason
 
 
 class Unauthenticated(DomainError):
-    """No credential, or one that names no identity."""
+    """No credential, or one that names no identity. Takes a message only (no reason or retry
+    delay: there is nothing to retry): raised for every stranger's call, it is built as a plain
+    exception, so refusing one costs what it did before errors carried reasons."""
 
     status_name = "UNAUTHENTICATED"
+    __init__ = Exception.__init__
 
 
 class PermissionDenied(DomainError):

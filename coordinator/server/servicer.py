@@ -64,7 +64,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def _await_routable(self, scope: pb.Scope, context: Context) -> None:
         """A route waits while a sync update drains (``PolicyView.await_routable``)."""
         await self._service.policy_view.await_routable(
-            pinned_version=scope.HasField("policy_version"), time_left=context.time_remaining()
+            pinned_version=scope.HasField("policy_version"), time_left=context.time_remaining
         )
 
     async def Route(self, request: pb.RouteRequest, context: Context) -> pb.RouteResponse:
