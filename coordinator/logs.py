@@ -8,6 +8,14 @@ import sys
 import structlog
 
 
+def warn_development_key() -> None:
+    """Log that this process hashes with the public development key (``KVCOORD_HASH_KEY``
+    unset): anyone can compute its page keys, so it gives tenants no isolation. The servers and
+    the bridge call it where they fall back to that key; the hashing core itself never logs."""
+    structlog.get_logger("coordinator.hashing").warning(
+        "hashing.dev_key", detail="set KVCOORD_HASH_KEY; the dev key is public")
+
+
 def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
     """Configure structlog for the process; call once from an entry point, never from a library.
 

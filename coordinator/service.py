@@ -32,6 +32,7 @@ from coordinator.core.index import PrefixIndex
 from coordinator.core.policy_state import PolicyRecord
 from coordinator.core.router import Router
 from coordinator.core.routing import load_floor
+from coordinator.logs import warn_development_key
 from coordinator.replication.outbox import ReplicationOutbox
 from coordinator.replication.replicator import Replicator, default_replica_id
 from coordinator.store import open_store
@@ -43,7 +44,8 @@ log = structlog.get_logger(__name__)
 def hash_config_from(config: CoordinatorConfig) -> HashConfig:
     """The deployment's hash configuration; the development key (with a warning) when unset."""
     algorithm = HashAlgorithm(config.hash_algorithm)
-    if config.hash_key is None:  # HashConfig itself warns that the development key is public
+    if config.hash_key is None:
+        warn_development_key()
         return HashConfig(key=DEV_HASH_KEY, algorithm=algorithm, page_size=config.page_size)
     return HashConfig.from_hex_key(
         config.hash_key, algorithm=algorithm, page_size=config.page_size

@@ -260,13 +260,36 @@ def test_load_hash_config_from_env() -> None:
         load_hash_config({"KVCOORD_HASH_ALGORITHM": "sha1"})
 
 
-def test_missing_key_uses_the_dev_key_with_a_warning() -> None:
+def test_missing_key_uses_the_dev_key_and_says_so_without_logging() -> None:
     with structlog.testing.capture_logs() as logs:
         cfg = load_hash_config({})
-    assert cfg.key == DEV_HASH_KEY
+    assert cfg.key == DEV_HASH_KEY and cfg.uses_development_key
+    assert not HashConfig(KEY).uses_development_key
     assert cfg.algorithm is HashAlgorithm.BLAKE2B and cfg.page_size == 16
-    assert [entry["event"] for entry in logs] == ["hashing.dev_key"]
+    assert logs == []  # the core returns the fact; the servers log it
     assert DEV_HASH_KEY.hex() not in repr(cfg)  # the key is kept out of reprs and logs
+
+
+def test_every_server_falling_back_to_the_dev_key_warns_once() -> None:
+    from coordinator.config import CoordinatorConfig
+    from coordinator.service import hash_config_from
+    from worker.bridge.bridge import BridgeConfig
+    from worker.config import WorkerConfig
+
+    builders = {
+        "coordinator": lambda key: hash_config_from(CoordinatorConfig(hash_key=key)),
+        "worker": lambda key: WorkerConfig(coordinator="127.0.0.1:1", hash_key=key).hash_config(),
+        "bridge": lambda key: BridgeConfig(events="tcp://127.0.0.1:1", coordinator="127.0.0.1:1",
+                                           worker_id="b", worker_address="e:1",
+                                           hash_key=key).hash_config(),
+    }
+    for name, build in builders.items():
+        with structlog.testing.capture_logs() as logs:
+            assert build(None).uses_development_key, name
+        assert [entry["event"] for entry in logs] == ["hashing.dev_key"], name
+        with structlog.testing.capture_logs() as logs:
+            assert not build(KEY.hex()).uses_development_key, name
+        assert logs == [], name
 
 
 def test_module_page_keys_uses_configuration(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,6 +19,7 @@ from coordinator.client.channels import ClientTls, read_token_file
 from coordinator.client.targets import Targets
 from coordinator.config import ConfigError, build_config, check_security_settings
 from coordinator.core.hash_config import DEV_HASH_KEY, HashAlgorithm, HashConfig
+from coordinator.logs import warn_development_key
 
 __all__ = ["ConfigError", "WorkerConfig"]
 
@@ -126,7 +127,9 @@ class WorkerConfig:
             raise ConfigError("worker_id must not be blank")
         self._check_choices()
         self._check_security()
-        self.hash_config()  # validates the key, algorithm and page size together
+        # Validates the key, algorithm and page size together; warned here, once per process.
+        if self.hash_config().uses_development_key:
+            warn_development_key()
 
     def _check_choices(self) -> None:
         if self.device not in DEVICES:

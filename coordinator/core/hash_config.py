@@ -24,10 +24,6 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import structlog
-
-log = structlog.get_logger(__name__)
-
 PAGE_KEY_BYTES = 16
 MIN_KEY_BYTES = 16
 MAX_KEY_BYTES = 64  # BLAKE2b accepts keys of at most 64 bytes
@@ -90,8 +86,6 @@ class HashConfig:
         # secret. object.__setattr__ because the dataclass is frozen.
         object.__setattr__(self, "algorithm", _parse_algorithm(self.algorithm))
         _check_page_size(self.page_size)
-        if self.key == DEV_HASH_KEY:
-            log.warning("hashing.dev_key", detail="set KVCOORD_HASH_KEY; the dev key is public")
 
     @classmethod
     def from_hex_key(
@@ -106,6 +100,11 @@ class HashConfig:
         except ValueError:
             raise ValueError("hash key is not valid hex") from None  # don't echo the secret
         return cls(key=key, algorithm=_parse_algorithm(algorithm), page_size=page_size)
+
+    @property
+    def uses_development_key(self) -> bool:
+        """Whether the key is the public :data:`DEV_HASH_KEY` (no secret: callers warn)."""
+        return self.key == DEV_HASH_KEY
 
     def fingerprint(self) -> bytes:
         """16 bytes that are equal iff key, algorithm and page size are equal.

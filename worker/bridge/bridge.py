@@ -29,6 +29,7 @@ from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig
 from coordinator.core.hashing import PageHasher
 from coordinator.core.index_types import Tier
 from coordinator.core.page_events import PageEvent
+from coordinator.logs import warn_development_key
 from coordinator.v1 import coordinator_pb2 as pb
 from worker.bridge.block_map import BlockMap
 from worker.bridge.engine_events import (
@@ -92,6 +93,7 @@ class BridgeConfig:
 
     def hash_config(self) -> HashConfig:
         if self.hash_key is None:
+            warn_development_key()
             return HashConfig(key=DEV_HASH_KEY, page_size=self.page_size)
         return HashConfig.from_hex_key(self.hash_key, page_size=self.page_size)
 
