@@ -186,9 +186,11 @@ def test_the_campaign_counts_a_failing_handler_as_a_bug() -> None:
 
 def test_refused_requests_do_not_stay_resident(fleet: FuzzFleet) -> None:
     """Without a token, 15 MiB RouteBatch requests (60 prompts of 262,144 one-byte token ids:
-    ~128 MiB once parsed) are refused UNAUTHENTICATED; what the first one grows (allocator
-    arenas) may stay, but each later one must not keep its request: under 16 MiB each on
-    average (measured: ~8 when freed, ~130 when kept)."""
+    ~128 MiB once parsed) are refused UNAUTHENTICATED; what the first two grow (allocator
+    arenas: in about one run in six the second request, received on another of grpc's threads,
+    grew the process by another 70-110 MiB that later requests reuse, before and after issue 15
+    alike) may stay, but each of the five after them must not keep its request: under 16 MiB
+    each on average (measured: ~8 when freed, ~130 when kept)."""
     request = pb.RouteBatchRequest(prompts=[pb.Prompt(token_ids=[1] * 262_144)] * 60)
     payload = request.SerializeToString()
     pid = fleet.pid("coordinator")
@@ -196,9 +198,9 @@ def test_refused_requests_do_not_stay_resident(fleet: FuzzFleet) -> None:
     with grpc.insecure_channel(fleet.coordinator_target, options=options) as channel:
         route_batch = channel.unary_unary("/coordinator.v1.Coordinator/RouteBatch")
         sizes = []
-        for _ in range(6):
+        for _ in range(7):
             with pytest.raises(grpc.RpcError) as refused:
                 route_batch(payload, timeout=60.0)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             sizes.append(rss_mib(pid))
-    assert (sizes[-1] - sizes[0]) / 5 < 16.0, sizes
+    assert (sizes[-1] - sizes[1]) / 5 < 16.0, sizes
