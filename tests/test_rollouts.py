@@ -32,11 +32,12 @@ from tests.coordinator_fixtures import DEV_HASH, FAST_KNOBS, running_coordinator
 from worker.config import WorkerConfig
 from worker.engine import ModelConfig
 from worker.gate import GenerationGate
+from worker.generations import GenerationRunner, SyncState
 from worker.metrics import WorkerMetrics
 from worker.rollout_reporter import RolloutReporter
 from worker.runtime import WorkerRuntime
 from worker.server import start_worker
-from worker.servicer import SyncState, WorkerServicer
+from worker.servicer import WorkerServicer
 from worker.v1 import worker_pb2 as wpb
 
 REDIS_STREAM_SLACK = 100  # XADD MAXLEN ~ trims whole stream nodes (stream-node-max-entries)
@@ -440,10 +441,10 @@ async def test_the_queue_is_bounded_and_drops_the_oldest(
 def servicer_and_reports() -> tuple[WorkerServicer, list[Rollout]]:
     runtime = WorkerRuntime(model=ModelConfig(), pages=16, page_size=16, hash_config=DEV_HASH)
     reports: list[Rollout] = []
-    servicer = WorkerServicer(
-        runtime, GenerationGate(), WorkerMetrics(), lambda: SyncState("w1", 2, True),
-        model="default", device="cpu", report=reports.append,
-    )
+    gate = GenerationGate()
+    generations = GenerationRunner(runtime, gate, WorkerMetrics(),
+                                   lambda: SyncState("w1", 2, True), report=reports.append)
+    servicer = WorkerServicer(generations, gate, model="default", device="cpu")
     return servicer, reports
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -39,6 +39,11 @@ class GenerationAborted(Exception):
     """The request was stopped by a policy drain that aborts running generation (maps to
     ABORTED: route it again, to a worker serving the new version). Nothing is held when
     raised."""
+
+
+class GenerationCancelled(Exception):
+    """The caller cancelled the request (``generate``'s ``cancel``); nothing is held or recorded
+    when raised."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +150,8 @@ class WorkerRuntime:
     # ---- requests ----
 
     def generate(
-        self, tokens: Sequence[int], max_new_tokens: int, *, tenant: str = ""
+        self, tokens: Sequence[int], max_new_tokens: int, *, tenant: str = "",
+        on_token: Callable[[int], None] | None = None, cancel: threading.Event | None = None,
     ) -> Generation:
         """Greedy-decode ``max_new_tokens`` tokens after ``tokens``.
 
@@ -154,6 +160,12 @@ class WorkerRuntime:
         records the full pages of prompt + completion whose KV was computed, under ``tenant``'s
         keys; events.stored/removed fire for the changes. InvalidRequest for bad input
         (checked before queueing), PoolExhausted when the request cannot fit the pool.
+
+        ``on_token`` (streaming) is called with each completion token as it is decoded, on this
+        thread (each call reads the token back from the device: without it, tokens are read
+        once at the end). ``cancel`` set (the caller went away) stops the request at its next
+        decode step, or before it starts, with GenerationCancelled; its pages are released and
+        nothing is recorded.
         """
         prompt = self._validate(tokens, max_new_tokens)
         n = len(prompt)
@@ -161,21 +173,29 @@ class WorkerRuntime:
         with self._turn(n + max_new_tokens), self._request(self._strategy, prompt,
                                                            n + max_new_tokens - 1,
                                                            tenant=tenant) as req:
-            if self._aborting.is_set():
-                raise GenerationAborted("generation aborted by a policy drain: retry")
+            self._check_running(cancel)
             token = req.logits[-1].argmax()
             out = [token]
+            if on_token is not None:
+                on_token(int(token))
             # Decode: one forward per token (inherent); tokens stay on the device and are
             # read back once at the end, so a GPU never waits on the host between steps.
             for pos in range(n, n + max_new_tokens - 1):
-                if self._aborting.is_set():
-                    raise GenerationAborted("generation aborted by a policy drain: retry")
+                self._check_running(cancel)
                 slots = self._req_pool.slots(req.task.req_idx, pos + 1)
                 token = self._engine.forward(self._buffers, token.view(1), pos, slots)[-1].argmax()
                 out.append(token)
+                if on_token is not None:
+                    on_token(int(token))
             completion: list[int] = torch.stack(out).tolist()
             self._strategy.record(req.task, prompt + completion[:-1])
             return Generation(completion, self.policy_version, req.task.cached, req.computed)
+
+    def _check_running(self, cancel: threading.Event | None) -> None:
+        if self._aborting.is_set():
+            raise GenerationAborted("generation aborted by a policy drain: retry")
+        if cancel is not None and cancel.is_set():
+            raise GenerationCancelled("the caller went away")
 
     def logits_for(
         self, tokens: Sequence[int], *, use_cache: bool, tenant: str = ""

@@ -25,10 +25,11 @@ from worker.agent import CoordinatorAgent
 from worker.config import WorkerConfig
 from worker.engine import ModelConfig
 from worker.gate import Draining, GenerationGate
+from worker.generations import GenerationRunner, SyncState
 from worker.metrics import WorkerMetrics
 from worker.relay import EventRelay
 from worker.runtime import GenerationAborted, InvalidRequest, PoolExhausted, WorkerRuntime
-from worker.servicer import SyncState, WorkerServicer
+from worker.servicer import WorkerServicer
 from worker.sync_protocol import SyncCounters
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
@@ -111,8 +112,8 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     def sync_state() -> SyncState:
         return SyncState(worker_id, agent.incarnation, agent.synced.is_set())
 
-    servicer = WorkerServicer(runtime, gate, metrics, sync_state, model=config.model_name,
-                              device=device, report=agent.rollouts.add)
+    generations = GenerationRunner(runtime, gate, metrics, sync_state, report=agent.rollouts.add)
+    servicer = WorkerServicer(generations, gate, model=config.model_name, device=device)
     errors = ErrorMappingInterceptor(metrics, EXPECTED_ERRORS, Guard(security))
     wpb_grpc.add_WorkerServicer_to_server(
         errors.wrap(servicer, wpb.DESCRIPTOR.services_by_name["Worker"], WORKER_PERMISSIONS),

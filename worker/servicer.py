@@ -1,45 +1,34 @@
-"""``worker.v1.Worker`` servicer: convert, run the runtime off the event loop, convert back.
+"""``worker.v1.Worker`` servicer: convert, run the generation (``worker.generations``),
+convert back.
 
 No decisions here: input checks the proto alone can settle (one token body, whole u32s, the
 protocol version) raise ``coordinator.core.errors`` domain errors; the runtime raises
 ``InvalidRequest`` / ``PoolExhausted``; ``coordinator.rpc.interceptor.ErrorMappingInterceptor``
 (with ``worker.server.EXPECTED_ERRORS``) turns all of them into status codes in one place.
-Each answered Generate is handed to ``report`` as a rollout record (ARCHITECTURE §0, invariant 4).
+Each answered Generate becomes a rollout record (``GenerationRunner.answered``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import sys
 import uuid
 from array import array
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import grpc
 
 from coordinator.core.errors import InvalidArgument
-from coordinator.core.rollout_records import MAX_ROLLOUT_ID_CHARS, Rollout
+from coordinator.core.rollout_records import MAX_ROLLOUT_ID_CHARS
 from coordinator.rpc.guard import caller
 from coordinator.rpc.versions import check_protocol
 from coordinator.wire import PROTOCOL_VERSION
 from worker.gate import GenerationGate
-from worker.metrics import WorkerMetrics
-from worker.runtime import Generation, WorkerRuntime
+from worker.generations import GenerationRunner
+from worker.runtime import Generation
 from worker.v1 import worker_pb2 as wpb
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
-
-
-@dataclass(frozen=True, slots=True)
-class SyncState:
-    """What GetStats reports about the coordinator link."""
-
-    worker_id: str
-    incarnation: int
-    synced: bool
 
 
 def tokens_from(request: wpb.GenerateRequest, max_tokens: int) -> list[int]:
@@ -66,21 +55,15 @@ def tokens_from(request: wpb.GenerateRequest, max_tokens: int) -> list[int]:
 
 
 class WorkerServicer:
-    """Generate runs ``runtime.generate`` in a thread (the runtime serializes requests; waiting
-    callers show up in its ``queued_tokens``); admission goes through the ``GenerationGate``.
-    ``report`` (e.g. ``RolloutReporter.add``) receives, on the event loop, one ``Rollout`` per
-    generation answered to its caller (not for a caller that gave up before the answer)."""
+    """Generate runs through the ``GenerationRunner`` (shared with the HTTP endpoint);
+    LoadWeights and GetStats answer from the runtime."""
 
-    def __init__(
-        self, runtime: WorkerRuntime, gate: GenerationGate, metrics: WorkerMetrics,
-        sync_state: Callable[[], SyncState], *, model: str, device: str,
-        report: Callable[[Rollout], None] | None = None,
-    ) -> None:
-        self._report = report
-        self._runtime = runtime
+    def __init__(self, generations: GenerationRunner, gate: GenerationGate, *, model: str,
+                 device: str) -> None:
+        self._generations = generations
+        self._runtime = generations.runtime
+        self._sync_state = generations.sync_state
         self._gate = gate
-        self._metrics = metrics
-        self._sync_state = sync_state
         self._model = model
         self._device = device
 
@@ -95,47 +78,14 @@ class WorkerServicer:
         rollout_id = request.rollout_id or uuid.uuid4().hex
         # Hashed under the caller's tenant: another tenant's cached pages never hit (their
         # cached_tokens and speed would tell this caller what the other tenant sent).
-        generation: Generation = await self._admitted(tokens, request.max_new_tokens,
-                                                      caller().tenant)
-        if self._report is not None:
-            self._report(Rollout(
-                rollout_id, generation.policy_version, self._sync_state().worker_id,
-                prompt_tokens=len(tokens), cached_tokens=generation.cached_tokens,
-                completion_tokens=len(generation.tokens),
-            ))
+        generation: Generation = await self._generations.start(
+            tokens, request.max_new_tokens, caller().tenant)
+        self._generations.answered(generation, rollout_id, len(tokens))
         return wpb.GenerateResponse(
             protocol_version=PROTOCOL_VERSION, tokens=generation.tokens,
             policy_version=generation.policy_version, cached_tokens=generation.cached_tokens,
             computed_tokens=generation.computed_tokens, rollout_id=rollout_id,
         )
-
-    def _admitted(
-        self, tokens: list[int], max_new_tokens: int, tenant: str
-    ) -> asyncio.Future[Generation]:
-        """Run one generation in a thread through the gate. The gate is left when the thread
-        finishes, not when the caller stops waiting (a cancelled call's generation still runs
-        to the end, and a drain must wait for it): the caller awaits a shield."""
-        self._gate.enter()
-        future = asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(self._runtime.generate, tokens, max_new_tokens, tenant=tenant)
-        )
-        future.add_done_callback(self._finished)
-        return asyncio.shield(future)
-
-    def _finished(self, future: asyncio.Future[Generation]) -> None:
-        self._gate.leave()
-        if not future.cancelled() and future.exception() is None:
-            self._count(future.result())
-
-    def _count(self, generation: Generation) -> None:
-        totals = self._gate.totals
-        totals.requests += 1
-        totals.tokens += len(generation.tokens)
-        totals.cached_prompt_tokens += generation.cached_tokens
-        totals.computed_prompt_tokens += generation.computed_tokens
-        self._metrics.generated_tokens.inc(len(generation.tokens))
-        self._metrics.prompt_tokens.labels("cached").inc(generation.cached_tokens)
-        self._metrics.prompt_tokens.labels("computed").inc(generation.computed_tokens)
 
     async def LoadWeights(
         self, request: wpb.LoadWeightsRequest, context: Context
