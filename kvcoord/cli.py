@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--device", help="cpu, cuda or auto (default: cuda when present)")
     work.add_argument("--worker-id", help="default <hostname>-<port>")
     work.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    work.add_argument("--http-listen", metavar="HOST:PORT",
+                      help="serve the OpenAI-compatible /v1 endpoint here (default: none)")
+    work.add_argument("--tokenizer", metavar="DIR", help="Hugging Face tokenizer directory for "
+                      "the HTTP endpoint (default: the shipped reference tokenizer)")
     work.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
     work.add_argument("--model", help="model name (hash namespace; default 'default')")
     work.add_argument("--weights", metavar="FILE", help="safetensors weights (default: seeded)")

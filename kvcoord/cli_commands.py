@@ -67,6 +67,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "coordinator": args.coordinator, "listen": args.listen, "advertise": args.advertise,
         "pages": args.pages, "device": args.device, "worker_id": args.worker_id,
         "metrics_port": args.metrics_port, "page_size": args.page_size,
+        "http_listen": args.http_listen, "tokenizer": args.tokenizer,
         "model_name": args.model, "weights": args.weights, "log_level": args.log_level,
         "token_file": args.token_file, "tls_ca": args.tls_ca, **server_flags(args),
     }
@@ -76,7 +77,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"kvcoord worker: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
-    return asyncio.run(serve_forever(config))
+    try:
+        return asyncio.run(serve_forever(config))
+    except ConfigError as exc:  # found at start: the tokenizer of --http-listen
+        print(f"kvcoord worker: {exc}", file=sys.stderr)
+        return 2
 
 
 def cmd_route(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-COORDINATOR, WORKER = "127.0.0.1:50051", "127.0.0.1:7001"
+COORDINATOR, WORKER, WORKER_HTTP = "127.0.0.1:50051", "127.0.0.1:7001", "127.0.0.1:8001"
 ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
        "KVCOORD_HEARTBEAT_MS": "300", "KVCOORD_LOG_LEVEL": "warning"}
 
@@ -38,7 +38,8 @@ def shell_lines() -> list[str]:
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[dict[str, str]]:
-    ports = {COORDINATOR: f"127.0.0.1:{free_port()}", WORKER: f"127.0.0.1:{free_port()}"}
+    ports = {COORDINATOR: f"127.0.0.1:{free_port()}", WORKER: f"127.0.0.1:{free_port()}",
+             WORKER_HTTP: f"127.0.0.1:{free_port()}"}
     started: list[subprocess.Popen[bytes]] = []
     try:
         for line in shell_lines():

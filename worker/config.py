@@ -41,6 +41,11 @@ class WorkerConfig:
     """The address schedulers dial; required when ``listen`` is a wildcard (0.0.0.0 / ::)."""
     worker_id: str | None = None
     """Unset = ``<hostname>-<port>`` of the bound port."""
+    http_listen: str | None = None
+    """HOST:PORT of the OpenAI-compatible HTTP endpoint (``worker.http_api``); unset = none."""
+    tokenizer: str | None = None
+    """A Hugging Face tokenizer directory for the HTTP endpoint; unset = the shipped reference
+    tokenizer (``worker/text/reference_tokenizer``)."""
     pages: int = 1024
     page_size: int = 16
     device: str = "auto"
@@ -116,6 +121,8 @@ class WorkerConfig:
         except ValueError as exc:
             raise ConfigError(f"coordinator: {exc}") from None
         host, _port = _split_host_port("listen", self.listen)
+        if self.http_listen is not None:
+            _split_host_port("http_listen", self.http_listen)
         if self.advertise is not None:
             _split_host_port("advertise", self.advertise)
         elif host in WILDCARD_HOSTS:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import ssl
 from dataclasses import dataclass
 
 import grpc
@@ -22,15 +23,17 @@ from coordinator.rpc.identities import WORKER_PERMISSIONS
 from coordinator.rpc.interceptor import ErrorMappingInterceptor, Mapped
 from coordinator.wire import Reason
 from worker.agent import CoordinatorAgent
-from worker.config import WorkerConfig
+from worker.config import ConfigError, WorkerConfig
 from worker.engine import ModelConfig
 from worker.gate import Draining, GenerationGate
 from worker.generations import GenerationRunner, SyncState
+from worker.http_api.server import OpenAIServer
 from worker.metrics import WorkerMetrics
 from worker.relay import EventRelay
 from worker.runtime import GenerationAborted, InvalidRequest, PoolExhausted, WorkerRuntime
 from worker.servicer import WorkerServicer
 from worker.sync_protocol import SyncCounters
+from worker.text.tokenizer import TextTokenizer, TokenizerError, reference_tokenizer
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 
@@ -60,6 +63,8 @@ class RunningWorker:
     gate: GenerationGate
     port: int
     metrics_port: int | None
+    http: OpenAIServer | None = None
+    http_port: int | None = None
 
     @property
     def worker_id(self) -> str:
@@ -79,6 +84,8 @@ class RunningWorker:
         await self.agent.cordon_self()  # no new routes while the running ones finish
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.gate.wait_idle(), grace)
+        if self.http is not None:
+            await self.http.stop()
         await self.agent.stop(deregister=deregister)
         await self.server.stop(0)
         log.info("worker.stopped", worker=self.worker_id, port=self.port)
@@ -120,6 +127,11 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         server,
     )
     health = add_health_and_reflection(server, errors, SERVICE_NAME)
+    http, http_port = None, None
+    if config.http_listen is not None:
+        http = OpenAIServer(generations, _http_tokenizer(config, runtime.model), Guard(security),
+                            model=config.model_name, ssl_context=_http_tls(config))
+        http_port = await http.start(config.http_listen)
     await server.start()
     metrics_port = metrics.serve(config.metrics_port) if config.metrics_port is not None else None
     serving = health_pb2.HealthCheckResponse.SERVING
@@ -128,11 +140,35 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     relay.bind(asyncio.get_running_loop(), agent)
     agent.start()
     log.info("worker.serving", worker=worker_id, listen=config.listen, port=port,
-             address=address, metrics_port=metrics_port, device=device, pages=config.pages,
+             address=address, metrics_port=metrics_port, http_port=http_port, device=device,
+             pages=config.pages,
              page_size=config.page_size, policy_version=runtime.policy_version,
              coordinator=config.coordinator, **security.describe())
     warn_if_open(config.listen, security)
-    return RunningWorker(config, server, runtime, agent, health, gate, port, metrics_port)
+    return RunningWorker(config, server, runtime, agent, health, gate, port, metrics_port,
+                         http, http_port)
+
+
+def _http_tokenizer(config: WorkerConfig, model: ModelConfig) -> TextTokenizer:
+    """The HTTP endpoint's tokenizer; ConfigError when it cannot serve this model."""
+    try:
+        tokenizer = (reference_tokenizer() if config.tokenizer is None
+                     else TextTokenizer.load(config.tokenizer))
+    except TokenizerError as exc:
+        raise ConfigError(f"tokenizer: {exc}") from None
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ConfigError(f"tokenizer: {tokenizer.source} has {tokenizer.vocab_size} ids, more "
+                          f"than the model's vocabulary of {model.vocab_size}")
+    return tokenizer
+
+
+def _http_tls(config: WorkerConfig) -> ssl.SSLContext | None:
+    """The HTTP endpoint serves TLS with the gRPC service's certificate, when it has one."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    return context
 
 
 async def serve_forever(config: WorkerConfig) -> int:
