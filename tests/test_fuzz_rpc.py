@@ -187,10 +187,11 @@ def test_the_campaign_counts_a_failing_handler_as_a_bug() -> None:
 def test_refused_requests_do_not_stay_resident(fleet: FuzzFleet) -> None:
     """Without a token, 15 MiB RouteBatch requests (60 prompts of 262,144 one-byte token ids:
     ~128 MiB once parsed) are refused UNAUTHENTICATED; what the first two grow (allocator
-    arenas: in about one run in six the second request, received on another of grpc's threads,
-    grew the process by another 70-110 MiB that later requests reuse, before and after issue 15
-    alike) may stay, but each of the five after them must not keep its request: under 16 MiB
-    each on average (measured: ~8 when freed, ~130 when kept)."""
+    arenas) may stay, but each of the ten after them must not keep its request: under 16 MiB
+    each on average above the larger of the first two (measured: ~8 when freed, ~130 when kept).
+    The allocator moves the process by an arena at a time, either way, and not every run alike
+    (seen before and after issue 15: 114 -> 216 -> 190 -> 226, and 141 -> 92 -> 194 -> 216 MiB),
+    so the bound is taken over ten requests from the higher of two warm-ups."""
     request = pb.RouteBatchRequest(prompts=[pb.Prompt(token_ids=[1] * 262_144)] * 60)
     payload = request.SerializeToString()
     pid = fleet.pid("coordinator")
@@ -198,9 +199,9 @@ def test_refused_requests_do_not_stay_resident(fleet: FuzzFleet) -> None:
     with grpc.insecure_channel(fleet.coordinator_target, options=options) as channel:
         route_batch = channel.unary_unary("/coordinator.v1.Coordinator/RouteBatch")
         sizes = []
-        for _ in range(7):
+        for _ in range(12):
             with pytest.raises(grpc.RpcError) as refused:
                 route_batch(payload, timeout=60.0)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             sizes.append(rss_mib(pid))
-    assert (sizes[-1] - sizes[1]) / 5 < 16.0, sizes
+    assert (sizes[-1] - max(sizes[:2])) / 10 < 16.0, sizes
