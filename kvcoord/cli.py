@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     bridge.add_argument("--worker-id", required=True, help="this engine's worker id")
     bridge.add_argument("--worker-address", required=True, metavar="HOST:PORT",
                         help="where schedulers send this engine's requests")
+    bridge.add_argument("--engine-url", metavar="URL", help="the engine's OpenAI-compatible "
+                        "base URL (http://HOST:PORT), registered for gateways")
     bridge.add_argument("--model", default="default", help="model name (hash namespace)")
     bridge.add_argument("--page-size", type=int, help="tokens per page (default "
                         "KVCOORD_PAGE_SIZE or 16)")

@@ -120,7 +120,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
             worker_address=args.worker_address, model=args.model, page_size=page_size,
             engine_block_size=args.engine_block_size, replay=args.replay,
             policy_version=args.policy_version, hash_key=os.environ.get("KVCOORD_HASH_KEY"),
-            engine=args.engine,
+            engine=args.engine, engine_url=args.engine_url or "",
         )
     except ValueError as exc:
         print(f"kvcoord bridge: {exc}", file=sys.stderr)

@@ -481,16 +481,18 @@ async def test_the_bridge_is_an_external_worker_outside_policy_barriers() -> Non
     engine = EnginePublisher()
     later = EnginePublisher()
     try:
-        async with running_coordinator(page_size=P) as coord, bridged(coord, engine), \
+        async with running_coordinator(page_size=P) as coord, \
+                bridged(coord, engine, engine_url="http://engine.local:8000") as _, \
                 AsyncCoordinatorClient(target(coord)) as client:
             [info] = await client.workers()
             assert (info.worker_id, info.address, info.external, info.policy_version,
-                    info.state) == (WORKER, ADDRESS, True, 0, "ready")
+                    info.state, info.http_url) == (WORKER, ADDRESS, True, 0, "ready",
+                                                   "http://engine.local:8000")
             engine.publish(Stored([h("v-0"), h("v-1")], None, PROMPT[:8], P))
             await shows(coord, PROMPT, {WORKER: 8})
             route = await client.route(PROMPT, model=MODEL)
-            assert (route.worker_id, route.address, route.matched_tokens) == (
-                WORKER, ADDRESS, 8)
+            assert (route.worker_id, route.address, route.matched_tokens, route.http_url) == (
+                WORKER, ADDRESS, 8, "http://engine.local:8000")  # where gateways forward
 
             # A sync update has no member to wait for: the external worker is not fenced.
             async with client.policy_update(0) as update:
@@ -576,7 +578,8 @@ BRIDGE_ARGS = ["--events", "tcp://127.0.0.1:5557", "--coordinator", "127.0.0.1:1
     (["--worker-address", "nocolon"], {}, "HOST:PORT"),
     (["--events", "127.0.0.1:5557"], {}, "tcp://"),
     ([], {"KVCOORD_HASH_KEY": "not-hex"}, "hash key"),
-], ids=["block-size", "worker-address", "events-endpoint", "hash-key"])
+    (["--engine-url", "engine:8000"], {}, "--engine-url must be an http:// or https:// URL"),
+], ids=["block-size", "worker-address", "events-endpoint", "hash-key", "engine-url"])
 def test_kvcoord_bridge_refuses_bad_config_with_one_line(
     extra: list[str], env: dict[str, str], message: str,
 ) -> None:

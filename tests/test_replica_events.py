@@ -34,6 +34,7 @@ KEYS = [bytes([i]) * 16 for i in range(6)]
 
 EVENTS: list[ReplicaEvent] = [
     Registered("w1", 3, "10.0.0.1:7000", "llama", 2, False, 4096),
+    Registered("w2", 1, "10.0.0.2:7000", "llama", 2, True, 64, "http://10.0.0.2:8000"),
     Attached("w1", 3, 17),
     Detached("w1", 3),
     Pages("w1", 3, 17, (PageEvent("stored", tuple(KEYS[:3])),
@@ -105,3 +106,11 @@ def test_the_origin_is_read_without_decoding_the_rest() -> None:
     assert origin_of(encode("c7", 1, SnapshotWanted(""))) == "c7"
     assert origin_of({"e": "c7\x1fgarbage"}) == "c7"
     assert origin_of({}) == ""
+
+
+def test_a_registration_from_a_release_without_http_url_reads_as_none() -> None:
+    body = {"worker_id": "w1", "incarnation": 3, "address": "h:1", "model": "m",
+            "policy_version": 0, "external": False, "total_pages": 8}
+    assert decode(entry("registered", body)).event == Registered("w1", 3, "h:1", "m", 0, False, 8)
+    with pytest.raises(MalformedEvent):  # a required field is still required
+        decode(entry("registered", {k: v for k, v in body.items() if k != "model"}))

@@ -16,14 +16,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import openai
 import pytest
 from openai import AsyncOpenAI
 
+from coordinator.client import AsyncCoordinatorClient
+from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.auth_fixtures import write_identities
-from tests.coordinator_fixtures import running_coordinator, target
+from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 from worker.config import ConfigError, WorkerConfig
 from worker.server import RunningWorker, start_worker
+from worker.sync_protocol import WorkerIdentity, register_request
 from worker.text.tokenizer import reference_tokenizer
 
 PAGE = 16
@@ -238,3 +242,27 @@ def test_a_bad_http_listen_or_tokenizer_is_refused_naming_it(tmp_path: Path) -> 
         assert result.returncode == 2, result.stderr[-2000:]
         assert result.stderr.startswith("kvcoord worker: tokenizer: ")
         assert says in result.stderr
+
+
+async def test_the_worker_registers_its_http_url_and_routes_name_it(
+    worker: RunningWorker,
+) -> None:
+    url = f"http://127.0.0.1:{worker.http_port}"
+    async with AsyncCoordinatorClient(worker.config.coordinator) as coordinator:
+        route = await coordinator.route(list(range(1, 40)))
+        listed = await coordinator.workers()
+    assert route.worker_id == "w0" and route.http_url == url
+    assert [w.http_url for w in listed] == [url]
+
+
+@pytest.mark.parametrize("url", ["ftp://h:1", "http://", "http://h:99999", "http://h/ x",
+                                 "http://h/?q=1", "x" * 10])
+async def test_a_register_with_a_bad_http_url_is_refused(url: str) -> None:
+    async with running_coordinator(page_size=PAGE) as coord:
+        identity = WorkerIdentity(worker_id="w9", address="h:1", model=MODEL, total_pages=8,
+                                  hash_config=DEV_HASH, http_url=url)
+        async with grpc.aio.insecure_channel(target(coord)) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await pb_grpc.CoordinatorStub(channel).Register(register_request(identity, 0))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "http_url" in (refused.value.details() or "")

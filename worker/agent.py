@@ -42,14 +42,16 @@ class CoordinatorAgent:
     def __init__(
         self, config: WorkerConfig, runtime: WorkerRuntime, gate: GenerationGate, *,
         worker_id: str, address: str, metrics: WorkerMetrics, counters: SyncCounters,
+        http_url: str = "",
     ) -> None:
+        """``http_url``: the worker's OpenAI-compatible base URL, registered for gateways."""
         self.worker_id = worker_id
         self.address = address
         self._runtime = runtime
         self._gate = gate
         identity = WorkerIdentity(
             worker_id=worker_id, address=address, model=config.model_name,
-            total_pages=config.pages, hash_config=config.hash_config(),
+            total_pages=config.pages, hash_config=config.hash_config(), http_url=http_url,
         )
         settings = SyncSettings(
             targets=config.coordinator, heartbeat_ms=config.heartbeat_ms,

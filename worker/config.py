@@ -215,6 +215,16 @@ class WorkerConfig:
         worker_id = self.worker_id or f"{socket.gethostname()}-{bound_port}"
         return worker_id, address
 
+    def http_url(self, bound_port: int) -> str:
+        """The OpenAI base URL registered for gateways once ``http_listen`` is bound to
+        ``bound_port``: its host, or (listening on a wildcard) the advertised address's host;
+        https with a TLS certificate."""
+        host, _port = _split_host_port("http_listen", self.http_listen or "")
+        if host in WILDCARD_HOSTS:
+            host = (self.advertise or self.listen).rpartition(":")[0]
+        scheme = "https" if self.tls_cert else "http"
+        return f"{scheme}://{host}:{bound_port}"
+
     @classmethod
     def from_sources(
         cls, flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None

@@ -27,7 +27,7 @@ from worker.config import ConfigError, WorkerConfig
 from worker.engine import ModelConfig
 from worker.gate import Draining, GenerationGate
 from worker.generations import GenerationRunner, SyncState
-from worker.http_api.server import OpenAIServer
+from worker.http_api.server import OpenAIServer, bind_http
 from worker.metrics import WorkerMetrics
 from worker.relay import EventRelay
 from worker.runtime import GenerationAborted, InvalidRequest, PoolExhausted, WorkerRuntime
@@ -113,8 +113,12 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     if port == 0:
         raise OSError(f"could not bind {config.listen}")
     worker_id, address = config.identity(port)
-    agent = CoordinatorAgent(config, runtime, gate, worker_id=worker_id, address=address,
-                             metrics=metrics, counters=sync_counters)
+    # Bound before the agent starts: Register names the HTTP endpoint's URL.
+    http_socket = None if config.http_listen is None else bind_http(config.http_listen)
+    http_port = None if http_socket is None else int(http_socket.getsockname()[1])
+    agent = CoordinatorAgent(
+        config, runtime, gate, worker_id=worker_id, address=address, metrics=metrics,
+        counters=sync_counters, http_url="" if http_port is None else config.http_url(http_port))
 
     def sync_state() -> SyncState:
         return SyncState(worker_id, agent.incarnation, agent.synced.is_set())
@@ -127,11 +131,11 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         server,
     )
     health = add_health_and_reflection(server, errors, SERVICE_NAME)
-    http, http_port = None, None
-    if config.http_listen is not None:
+    http = None
+    if http_socket is not None:
         http = OpenAIServer(generations, _http_tokenizer(config, runtime.model), Guard(security),
                             model=config.model_name, ssl_context=_http_tls(config))
-        http_port = await http.start(config.http_listen)
+        await http.start(http_socket)
     await server.start()
     metrics_port = metrics.serve(config.metrics_port) if config.metrics_port is not None else None
     serving = health_pb2.HealthCheckResponse.SERVING

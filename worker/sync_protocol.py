@@ -67,6 +67,8 @@ class WorkerIdentity:
     total_pages: int
     hash_config: HashConfig
     external: bool = False
+    http_url: str = ""
+    """Base URL of the worker's OpenAI-compatible endpoint ("" = none), for gateways."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,7 @@ def register_request(identity: WorkerIdentity, policy_version: int) -> pb.Regist
         protocol_version=PROTOCOL_VERSION, worker_id=identity.worker_id,
         address=identity.address, total_pages=identity.total_pages,
         policy_version=policy_version, external=identity.external, model=identity.model,
+        http_url=identity.http_url,
         hash_config=pb.HashConfig(algorithm=hashing.algorithm.value,
                                   page_size=hashing.page_size, fingerprint=hashing.fingerprint()),
     )

@@ -98,7 +98,7 @@ def lookup_from(response: pb.LookupResponse) -> LookupResult:
 def route_from(response: pb.RouteResponse) -> Route:
     return Route(
         response.worker_id, response.address, response.matched_tokens, response.policy_version,
-        response.matched_pages, response.routing_policy,
+        response.matched_pages, response.routing_policy, response.http_url,
     )
 
 
@@ -126,6 +126,7 @@ def worker_from(info: pb.WorkerInfo) -> WorkerInfo:
         queued_tokens=info.queued_tokens, inflight_routes=info.inflight_routes,
         routed_requests=info.routed_requests, routed_tokens=info.routed_tokens,
         routed_cached_tokens=info.routed_cached_tokens, owner_replica=info.owner_replica,
+        http_url=info.http_url,
     )
 
 

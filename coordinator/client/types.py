@@ -38,6 +38,8 @@ class Route:
     policy_version: int
     matched_pages: int = 0
     routing_policy: str = ""
+    http_url: str = ""
+    """The worker's OpenAI-compatible base URL, where it registered one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,7 @@ class WorkerInfo:
     routed_tokens: int = 0
     routed_cached_tokens: int = 0
     owner_replica: str = ""
+    http_url: str = ""
 
     @property
     def hit_ratio(self) -> float:

@@ -30,6 +30,7 @@ class RegistrationRequest:
     policy_version: int
     external: bool
     model: str
+    http_url: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -132,6 +132,7 @@ class WorkerSync:
             total_pages=req.total_pages,
             lease_deadline=self._clock() + cfg.lease_ms / 1000,
             owner=self.replica_id,
+            http_url=req.http_url,
         )
         self.install(session, "worker re-registered: this stream's incarnation is stale")
         self._replication.registered(session)

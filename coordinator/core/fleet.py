@@ -60,6 +60,8 @@ class RegisteredWorker:
     # The coordinator replica that holds the worker's Sync stream (its events reach the others
     # through the store's events stream); "" until one does.
     owner: str = ""
+    # Base URL of the worker's OpenAI-compatible endpoint (gateways forward there); "" = none.
+    http_url: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # Uncached prefill tokens of each route issued and not yet reported finished, oldest first.
     inflight: deque[int] = field(default_factory=deque)

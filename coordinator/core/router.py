@@ -72,6 +72,7 @@ class RouteResult:
     prompt_pages: int
     page_size: int
     routing_policy: str
+    http_url: str = ""
 
     @property
     def matched_tokens(self) -> int:
@@ -323,6 +324,7 @@ class Router:
             prompt_pages=len(keys),
             page_size=self._page_size,
             routing_policy=chooser.name,
+            http_url=session.http_url,
         )
 
     def _holders(

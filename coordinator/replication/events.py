@@ -17,6 +17,7 @@ its own entries without decoding them (``origin_of``).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import typing
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ class Registered:
     policy_version: int
     external: bool
     total_pages: int
+    http_url: str = ""  # absent in a release before it: read as none
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +236,9 @@ def _decode_body(kind: type[Any], body: dict[str, Any], keys: list[bytes]) -> Re
     if keys:
         raise ValueError(f"{kind.__name__} carries no page keys")
     hints = _hints(kind)
-    if set(body) != set(hints):
+    required = {f.name for f in dataclasses.fields(kind)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    if not required <= set(body) <= set(hints):
         raise ValueError(f"{kind.__name__} fields {sorted(body)}, expected {sorted(hints)}")
     for name, value in body.items():
         # bool is an int in Python: an exact type match keeps True out of an int field.

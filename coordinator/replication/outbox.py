@@ -107,7 +107,8 @@ class ReplicationOutbox:
 
 def registered_event(session: RegisteredWorker) -> Registered:
     return Registered(session.worker_id, session.incarnation, session.address, session.model,
-                      session.policy_version, session.external, session.total_pages)
+                      session.policy_version, session.external, session.total_pages,
+                      session.http_url)
 
 
 def state_event(session: RegisteredWorker, completed_routes: int) -> State:

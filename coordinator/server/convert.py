@@ -7,6 +7,8 @@ names the field and the limit.
 
 from __future__ import annotations
 
+import urllib.parse
+
 from coordinator.config import CoordinatorConfig
 from coordinator.control.sync_messages import (
     Ack,
@@ -132,7 +134,7 @@ def route_to_pb(route: RouteResult) -> pb.RouteResponse:
         protocol_version=PROTOCOL_VERSION, worker_id=route.worker_id, address=route.address,
         matched_pages=route.matched_pages, matched_tokens=route.matched_tokens,
         policy_version=route.policy_version, prompt_pages=route.prompt_pages,
-        routing_policy=route.routing_policy,
+        routing_policy=route.routing_policy, http_url=route.http_url,
     )
 
 
@@ -142,8 +144,29 @@ def registration_from(req: pb.RegisterRequest) -> RegistrationRequest:
         worker_id=req.worker_id, address=req.address, algorithm=req.hash_config.algorithm,
         page_size=req.hash_config.page_size, fingerprint=req.hash_config.fingerprint,
         total_pages=req.total_pages, policy_version=req.policy_version,
-        external=req.external, model=req.model,
+        external=req.external, model=req.model, http_url=http_url_from(req.http_url),
     )
+
+
+MAX_HTTP_URL_CHARS = 2048
+
+
+def http_url_from(url: str) -> str:
+    """A worker's OpenAI base URL: empty, or ``http(s)://host[:port][/path]`` without a trailing
+    slash, query or whitespace; InvalidArgument otherwise."""
+    if not url:
+        return ""
+    parsed = urllib.parse.urlsplit(url)
+    if (len(url) > MAX_HTTP_URL_CHARS or parsed.scheme not in ("http", "https")
+            or not parsed.hostname or parsed.query or parsed.fragment
+            or any(c.isspace() for c in url)):
+        raise InvalidArgument(f"http_url must be an http:// or https:// base URL of at most "
+                              f"{MAX_HTTP_URL_CHARS} characters, got {url[:200]!r}")
+    try:
+        parsed.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError:
+        raise InvalidArgument(f"http_url has a bad port: {url[:200]!r}") from None
+    return url.rstrip("/")
 
 
 def events_from(batch: pb.EventBatch) -> list[PageEvent]:
@@ -218,6 +241,7 @@ def worker_to_pb(view: WorkerView) -> pb.WorkerInfo:
         queued_tokens=load.queued_tokens, inflight_routes=load.inflight_routes,
         routed_requests=s.routed_requests, routed_tokens=s.routed_tokens,
         routed_cached_tokens=s.routed_cached_tokens, owner_replica=s.owner,
+        http_url=s.http_url,
     )
 
 

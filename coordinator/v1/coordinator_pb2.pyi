@@ -120,7 +120,7 @@ class RouteRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., routing_policy: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("protocol_version", "worker_id", "address", "matched_pages", "matched_tokens", "policy_version", "prompt_pages", "routing_policy")
+    __slots__ = ("protocol_version", "worker_id", "address", "matched_pages", "matched_tokens", "policy_version", "prompt_pages", "routing_policy", "http_url")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class RouteResponse(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_PAGES_FIELD_NUMBER: _ClassVar[int]
     ROUTING_POLICY_FIELD_NUMBER: _ClassVar[int]
+    HTTP_URL_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     worker_id: str
     address: str
@@ -137,7 +138,8 @@ class RouteResponse(_message.Message):
     policy_version: int
     prompt_pages: int
     routing_policy: str
-    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_pages: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompt_pages: _Optional[int] = ..., routing_policy: _Optional[str] = ...) -> None: ...
+    http_url: str
+    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_pages: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompt_pages: _Optional[int] = ..., routing_policy: _Optional[str] = ..., http_url: _Optional[str] = ...) -> None: ...
 
 class RouteBatchRequest(_message.Message):
     __slots__ = ("protocol_version", "prompts", "scope", "min_policy_version", "routing_policy")
@@ -174,7 +176,7 @@ class HashConfig(_message.Message):
     def __init__(self, algorithm: _Optional[str] = ..., page_size: _Optional[int] = ..., fingerprint: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol_version", "worker_id", "address", "hash_config", "total_pages", "policy_version", "external", "model")
+    __slots__ = ("protocol_version", "worker_id", "address", "hash_config", "total_pages", "policy_version", "external", "model", "http_url")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +185,7 @@ class RegisterRequest(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     EXTERNAL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    HTTP_URL_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     worker_id: str
     address: str
@@ -191,7 +194,8 @@ class RegisterRequest(_message.Message):
     policy_version: int
     external: bool
     model: str
-    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., total_pages: _Optional[int] = ..., policy_version: _Optional[int] = ..., external: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    http_url: str
+    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., total_pages: _Optional[int] = ..., policy_version: _Optional[int] = ..., external: _Optional[bool] = ..., model: _Optional[str] = ..., http_url: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("protocol_version", "incarnation", "policy_version", "policy_phase", "lease_ms", "heartbeat_ms", "max_events_per_batch", "max_message_bytes", "weights_uri")
@@ -504,7 +508,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "incarnation", "policy_version", "state", "external", "cached_pages", "total_pages", "free_pages", "running_requests", "queued_tokens", "inflight_routes", "routed_requests", "routed_tokens", "routed_cached_tokens", "owner_replica")
+    __slots__ = ("worker_id", "address", "incarnation", "policy_version", "state", "external", "cached_pages", "total_pages", "free_pages", "running_requests", "queued_tokens", "inflight_routes", "routed_requests", "routed_tokens", "routed_cached_tokens", "owner_replica", "http_url")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -521,6 +525,7 @@ class WorkerInfo(_message.Message):
     ROUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OWNER_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    HTTP_URL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     incarnation: int
@@ -537,7 +542,8 @@ class WorkerInfo(_message.Message):
     routed_tokens: int
     routed_cached_tokens: int
     owner_replica: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., external: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., inflight_routes: _Optional[int] = ..., routed_requests: _Optional[int] = ..., routed_tokens: _Optional[int] = ..., routed_cached_tokens: _Optional[int] = ..., owner_replica: _Optional[str] = ...) -> None: ...
+    http_url: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., external: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., inflight_routes: _Optional[int] = ..., routed_requests: _Optional[int] = ..., routed_tokens: _Optional[int] = ..., routed_cached_tokens: _Optional[int] = ..., owner_replica: _Optional[str] = ..., http_url: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("protocol_version", "workers")

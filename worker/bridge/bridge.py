@@ -70,6 +70,9 @@ class BridgeConfig:
     hash_key: str | None = None
     heartbeat_ms: int | None = None
     engine: str = "vllm"
+    # The engine's OpenAI-compatible base URL ("" = none): what gateways forward to. The
+    # worker_address is what schedulers dial for anything else (it may be the same server).
+    engine_url: str = ""
     # What Register reports: the coordinator caps what it indexes for one worker at
     # min(max_pages_per_worker, 4x this).
     total_pages: int = 1 << 20
@@ -86,6 +89,9 @@ class BridgeConfig:
             raise ValueError(f"--worker-address must be HOST:PORT, got {self.worker_address!r}")
         if not self.worker_id:
             raise ValueError("--worker-id is required")
+        if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
+            raise ValueError(f"--engine-url must be an http:// or https:// URL, got "
+                             f"{self.engine_url!r}")
         for name, endpoint in (("--events", self.events), ("--replay", self.replay)):
             if endpoint is not None and "://" not in endpoint:
                 raise ValueError(f"{name} must be a ZMQ endpoint such as tcp://HOST:PORT, got "
@@ -118,6 +124,7 @@ class Bridge:
         identity = WorkerIdentity(
             worker_id=config.worker_id, address=config.worker_address, model=config.model,
             total_pages=config.total_pages, hash_config=hash_config, external=True,
+            http_url=config.engine_url,
         )
         settings = SyncSettings(targets=config.coordinator, heartbeat_ms=config.heartbeat_ms,
                                 event_flush_ms=config.event_flush_ms, token=token, tls=tls)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import ssl
 import threading
 import uuid
@@ -56,6 +57,24 @@ _STATUS_OF_DOMAIN = {"UNAUTHENTICATED": (401, "authentication_error"),
                      "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
                      "INVALID_ARGUMENT": (400, "invalid_request_error")}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def bind_http(listen: str) -> socket.socket:
+    """A listening TCP socket on ``listen`` (HOST:PORT; port 0 picks a free one), bound before
+    the server starts so its port is known first (the worker registers the URL)."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, int(port)))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
 
 
 class _HttpCall:
@@ -127,16 +146,11 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         self.app = app
 
-    async def start(self, listen: str) -> int:
-        """Serve on ``listen`` (HOST:PORT; port 0 picks one); returns the bound port."""
-        host, _, port = listen.rpartition(":")
+    async def start(self, sock: socket.socket) -> None:
+        """Serve on ``sock`` (``bind_http``)."""
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host.strip("[]"), int(port), ssl_context=self._ssl)
-        await site.start()
-        server = site._server  # aiohttp keeps the bound sockets there
-        sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else int(port)
+        await web.SockSite(self._runner, sock, ssl_context=self._ssl).start()
 
     async def stop(self) -> None:
         if self._runner is not None:
