@@ -173,9 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", help="same as `kvcoord up` with its defaults (what `make demo` runs)")
 
-    from kvcoord.simulate.cli import add_simulate_parser  # argparse only: cheap
+    from kvcoord.gateway.cli import add_gateway_parser  # argparse only: cheap
+    from kvcoord.simulate.cli import add_simulate_parser
 
     add_simulate_parser(sub)
+    add_gateway_parser(sub)
     add_identity_parser(sub)
     return parser
 

@@ -407,3 +407,31 @@ async def test_a_newer_stream_closes_the_older_one_at_once() -> None:
             assert (await client.workers())[0].state == "ready"
         await first.close()
         await second.close()
+
+
+async def test_route_never_picks_an_excluded_worker_and_bounds_the_list() -> None:
+    async with running_coordinator() as coord, AsyncCoordinatorClient(target(coord)) as client:
+        workers = [ScriptedWorker(target(coord), name, hash_config=DEV_HASH) for name in "ab"]
+        for worker in workers:
+            await worker.start()
+            await worker.heartbeat()
+        prompt = list(range(64))
+        await workers[0].store(workers[0].keys(prompt))  # a holds the whole prompt
+        await eventually(lambda: _holds(client, prompt, "a"), what="a's pages indexed")
+        assert (await client.route(prompt)).worker_id == "a"
+        assert (await client.route(prompt, exclude_workers=["a"])).worker_id == "b"
+        with pytest.raises(KvcoordError) as none_left:
+            await client.as_caller(None).route(prompt, exclude_workers=["a", "b"])
+        assert (none_left.value.code, none_left.value.reason) == (
+            grpc.StatusCode.UNAVAILABLE, Reason.NO_WORKER)
+        for bad in ([f"w{i}" for i in range(65)], [""]):
+            with pytest.raises(KvcoordError) as refused:
+                await client.route(prompt, exclude_workers=bad)
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "exclude_workers" in refused.value.details
+        for worker in workers:
+            await worker.close()
+
+
+async def _holds(client: AsyncCoordinatorClient, prompt: list[int], worker: str) -> bool:
+    return worker in (await client.lookup(prompt)).matches

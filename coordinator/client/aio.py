@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -65,6 +66,16 @@ class AsyncCoordinatorClient:
         options = client_channel_options(max_message_bytes)
         self._channels = [open_aio_channel(t, options, tls) for t in self._targets]
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
+        self._retry = True
+
+    def as_caller(self, token: str | None) -> AsyncCoordinatorClient:
+        """A view of this client that calls with ``token`` (a gateway passing on its client's
+        own credentials) and does not wait out RetryInfo delays itself (the caller decides);
+        it shares the channels: close the client, never a view."""
+        view = copy.copy(self)
+        view._metadata = call_metadata(token)
+        view._retry = False
+        return view
 
     async def __aenter__(self) -> AsyncCoordinatorClient:
         return self
@@ -82,7 +93,7 @@ class AsyncCoordinatorClient:
             try:
                 return await self._call_once(method, request, deadline - time.monotonic())
             except KvcoordError as error:
-                pause = retry_pause(error, deadline)
+                pause = retry_pause(error, deadline) if self._retry else None
                 if pause is None:
                     raise
                 await asyncio.sleep(pause)
@@ -116,10 +127,11 @@ class AsyncCoordinatorClient:
     async def route(
         self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
         min_policy_version: int | None = None, policy_version: int | None = None,
-        routing_policy: str = "",
+        routing_policy: str = "", exclude_workers: Sequence[str] = (),
     ) -> Route:
+        """The worker for ``tokens`` (never one of ``exclude_workers``)."""
         request = route_request(tokens, model, adapter, min_policy_version, policy_version,
-                                routing_policy)
+                                routing_policy, exclude_workers)
         return await self._parsed("Route", request, route_from)
 
     async def route_batch(

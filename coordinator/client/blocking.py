@@ -132,11 +132,12 @@ class CoordinatorClient:
     def route(
         self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
         min_policy_version: int | None = None, policy_version: int | None = None,
-        routing_policy: str = "",
+        routing_policy: str = "", exclude_workers: Sequence[str] = (),
     ) -> Route:
-        """Where should this prompt go? Marks it pending on the chosen worker."""
+        """Where should this prompt go? Marks it pending on the chosen worker (never one of
+        ``exclude_workers``)."""
         request = route_request(tokens, model, adapter, min_policy_version, policy_version,
-                                routing_policy)
+                                routing_policy, exclude_workers)
         return route_from(self._call("Route", request))
 
     def route_batch(

@@ -55,10 +55,11 @@ def lookup_request(
 def route_request(
     tokens: Sequence[int] | PageKeys, model: str | None, adapter: str | None,
     min_version: int | None, version: int | None, routing_policy: str,
+    exclude_workers: Sequence[str] = (),
 ) -> pb.RouteRequest:
     request = pb.RouteRequest(
         prompt=prompt_pb(tokens), scope=scope_pb(model, adapter, version),
-        routing_policy=routing_policy,
+        routing_policy=routing_policy, exclude_workers=list(exclude_workers),
     )
     if min_version is not None:
         request.min_policy_version = min_version

@@ -96,6 +96,12 @@ class _VersionView:
     details: dict[str, MatchDetail]
 
 
+def _without(view: _VersionView, workers: frozenset[str]) -> _VersionView:
+    return _VersionView(view.ns, view.keys,
+                        [s for s in view.eligible if s.worker_id not in workers],
+                        {w: d for w, d in view.details.items() if w not in workers})
+
+
 @dataclass(slots=True)
 class RouterCounters:
     lookups: int = 0
@@ -210,8 +216,10 @@ class Router:
         *,
         min_policy_version: int | None = None,
         routing: str = "",
+        exclude: frozenset[str] = frozenset(),
     ) -> RouteResult:
         """Choose a worker for one prompt; its keys become pending entries on that worker.
+        Workers in ``exclude`` are not chosen (a caller routing around one that failed).
 
         With several servable versions (an async update within ``max_staleness``) the prompt is
         hashed under each and every eligible worker of every version competes; the answer says
@@ -220,8 +228,8 @@ class Router:
         views = []
         for version in self._versions(scope):
             ns = self.namespace(replace(scope, policy_version=version))
-            views.append(self._view(scope, version, self.keys(prompt, ns), now,
-                                    min_policy_version))
+            view = self._view(scope, version, self.keys(prompt, ns), now, min_policy_version)
+            views.append(view if not exclude else _without(view, exclude))
         return self._route_views(views, prompt.token_count, 1, min_policy_version, routing, now)
 
     def route_batch(

@@ -8,6 +8,7 @@ names the field and the limit.
 from __future__ import annotations
 
 import urllib.parse
+from collections.abc import Sequence
 
 from coordinator.config import CoordinatorConfig
 from coordinator.control.sync_messages import (
@@ -146,6 +147,20 @@ def registration_from(req: pb.RegisterRequest) -> RegistrationRequest:
         total_pages=req.total_pages, policy_version=req.policy_version,
         external=req.external, model=req.model, http_url=http_url_from(req.http_url),
     )
+
+
+MAX_EXCLUDED_WORKERS = 64
+
+
+def excluded_workers(worker_ids: Sequence[str]) -> frozenset[str]:
+    """A Route's ``exclude_workers``; InvalidArgument past ``MAX_EXCLUDED_WORKERS`` or for an
+    empty id."""
+    if len(worker_ids) > MAX_EXCLUDED_WORKERS:
+        raise InvalidArgument(f"exclude_workers has {len(worker_ids)} ids; at most "
+                              f"{MAX_EXCLUDED_WORKERS}")
+    if any(not w for w in worker_ids):
+        raise InvalidArgument("exclude_workers holds an empty worker id")
+    return frozenset(worker_ids)
 
 
 MAX_HTTP_URL_CHARS = 2048

@@ -77,6 +77,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             self._scope(request.scope),
             min_policy_version=_optional(request, "min_policy_version"),
             routing=request.routing_policy,
+            exclude=convert.excluded_workers(request.exclude_workers),
         )
         return convert.route_to_pb(route)
 

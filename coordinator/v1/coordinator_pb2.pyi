@@ -106,18 +106,20 @@ class LookupResponse(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., matches: _Optional[_Iterable[_Union[WorkerMatch, _Mapping]]] = ..., policy_version: _Optional[int] = ..., prompt_pages: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("protocol_version", "prompt", "scope", "min_policy_version", "routing_policy")
+    __slots__ = ("protocol_version", "prompt", "scope", "min_policy_version", "routing_policy", "exclude_workers")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTING_POLICY_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     prompt: Prompt
     scope: Scope
     min_policy_version: int
     routing_policy: str
-    def __init__(self, protocol_version: _Optional[int] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., routing_policy: _Optional[str] = ...) -> None: ...
+    exclude_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., routing_policy: _Optional[str] = ..., exclude_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("protocol_version", "worker_id", "address", "matched_pages", "matched_tokens", "policy_version", "prompt_pages", "routing_policy", "http_url")

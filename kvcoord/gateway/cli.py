@@ -1,0 +1,53 @@
+"""The ``kvcoord gateway`` command: its flags (each also a ``KVCOORD_*`` variable) and its
+runner. argparse only at import: the gateway's stack is imported when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+
+def add_gateway_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    gateway = sub.add_parser("gateway", help="an OpenAI-compatible endpoint that routes each "
+                             "request by the global prefix cache")
+    gateway.add_argument("--coordinator", metavar="TARGETS", help="coordinator host:port, a "
+                         "comma-separated list, or dns:///name:port (env KVCOORD_COORDINATOR)")
+    gateway.add_argument("--listen", metavar="HOST:PORT",
+                         help="where clients connect (default 127.0.0.1:8080)")
+    gateway.add_argument("--tokenizer", metavar="DIR", help="the engines' Hugging Face "
+                         "tokenizer directory (default: the shipped reference tokenizer)")
+    gateway.add_argument("--model", help="the model name clients ask for (default 'default')")
+    gateway.add_argument("--max-context", type=int, metavar="TOKENS",
+                         help="context length (default: the tokenizer's model_max_length)")
+    gateway.add_argument("--route-retries", type=int,
+                         help="re-routes when a worker fails before its first byte (default 2)")
+    gateway.add_argument("--drain-wait-ms", type=int,
+                         help="how long a request waits out a policy drain (default 30000)")
+    gateway.add_argument("--token-file", metavar="FILE", help="the gateway's own bearer "
+                         "token, only for /readyz (requests carry their client's token)")
+    gateway.add_argument("--tls-ca", metavar="FILE", help="CA (PEM) verifying the coordinator")
+    gateway.add_argument("--log-level", help="debug, info (default), warning, error")
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from coordinator.logs import configure_logging
+    from kvcoord.gateway.config import ConfigError, GatewayConfig
+    from kvcoord.gateway.run import load_tokenizer, serve_forever
+
+    flags = {name: getattr(args, name) for name in (
+        "coordinator", "listen", "tokenizer", "model", "max_context",
+        "route_retries", "drain_wait_ms", "token_file", "tls_ca", "log_level")}
+    try:
+        config = GatewayConfig.from_sources(flags, os.environ)
+        load_tokenizer(config)  # a bad directory is refused before anything starts
+    except ConfigError as exc:
+        print(f"kvcoord gateway: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level)
+    try:
+        return asyncio.run(serve_forever(config))
+    except ConfigError as exc:
+        print(f"kvcoord gateway: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,88 @@
+"""Where a gateway request goes: ``Route`` (or ``RouteBatch``) under the caller's own token, a
+sync drain waited out (bounded), and every refusal of the coordinator as the OpenAI-shaped
+answer a client should get."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from coordinator.client import AsyncCoordinatorClient, KvcoordError
+from coordinator.client.types import Route
+from coordinator.wire import Reason
+from worker.http_api.openai_requests import OpenAIError
+
+_STATUS = {
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+}
+
+
+def refusal_of(error: KvcoordError) -> OpenAIError:
+    """A coordinator refusal as the client's answer: 401/403/400/429 (with ``Retry-After``) as
+    the coordinator decided; 503 for no routable worker, a drain, or a coordinator that cannot
+    answer; 502 for anything else."""
+    headers = {}
+    if error.retry_after_ms is not None:
+        headers["Retry-After"] = str(max(1, -(-error.retry_after_ms // 1000)))
+    if error.code in _STATUS:
+        status, kind = _STATUS[error.code]
+        return OpenAIError(status, error.details, type=kind, code=error.code.name.lower(),
+                           headers=headers)
+    if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        code = "no_worker" if error.reason is Reason.NO_WORKER else (
+            "draining" if error.reason is Reason.DRAINING else "coordinator_unavailable")
+        return OpenAIError(503, error.details, type="server_error", code=code,
+                           headers=headers or {"Retry-After": "1"})
+    return OpenAIError(502, f"the coordinator refused the route: {error.details}",
+                       type="server_error", code="coordinator_error")
+
+
+class RouteFinder:
+    """Routes under a caller's token through one shared ``AsyncCoordinatorClient``."""
+
+    def __init__(self, client: AsyncCoordinatorClient, *, model: str,
+                 drain_wait_s: float) -> None:
+        self._client = client
+        self._model = model
+        self._drain_wait_s = drain_wait_s
+
+    async def route(self, prompt: Sequence[int], token: str | None,
+                    exclude: Sequence[str] = ()) -> Route:
+        """The worker for ``prompt``. A sync drain is waited out for up to ``drain_wait_ms``
+        (the route then runs at the new version); OpenAIError for every refusal."""
+        caller = self._client.as_caller(token)
+        deadline = time.monotonic() + self._drain_wait_s
+        while True:
+            try:
+                return await caller.route(prompt, model=self._model, exclude_workers=exclude)
+            except KvcoordError as error:
+                if not await self._waited(error, deadline):
+                    raise refusal_of(error) from None
+
+    async def route_batch(self, prompts: Sequence[Sequence[int]],
+                          token: str | None) -> list[Route]:
+        caller = self._client.as_caller(token)
+        deadline = time.monotonic() + self._drain_wait_s
+        while True:
+            try:
+                return (await caller.route_batch(prompts, model=self._model)).routes
+            except KvcoordError as error:
+                if not await self._waited(error, deadline):
+                    raise refusal_of(error) from None
+
+    @staticmethod
+    async def _waited(error: KvcoordError, deadline: float) -> bool:
+        """Slept out a drain (True) when one is why, and time is left."""
+        if error.reason is not Reason.DRAINING:
+            return False
+        pause = (error.retry_after_ms or 200) / 1000
+        if time.monotonic() + pause >= deadline:
+            return False
+        await asyncio.sleep(pause)
+        return True

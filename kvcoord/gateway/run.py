@@ -1,0 +1,73 @@
+"""``kvcoord gateway``: build the gateway from its config and serve until SIGINT/SIGTERM, which
+stops accepting and lets the requests in flight finish for a grace period."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import structlog
+
+from coordinator.client import AsyncCoordinatorClient, ClientTls, KvcoordError
+from coordinator.client.channels import read_token_file
+from kvcoord.gateway.config import ConfigError, GatewayConfig
+from kvcoord.gateway.routing import RouteFinder
+from kvcoord.gateway.server import GatewayServer
+from worker.text.tokenizer import TextTokenizer, TokenizerError, reference_tokenizer
+
+log = structlog.get_logger(__name__)
+
+READINESS_TIMEOUT_S = 2.0
+
+
+def load_tokenizer(config: GatewayConfig) -> TextTokenizer:
+    """The configured tokenizer (the shipped one by default); ConfigError naming the problem."""
+    try:
+        if config.tokenizer is None:
+            return reference_tokenizer()
+        return TextTokenizer.load(config.tokenizer, max_context=config.max_context)
+    except TokenizerError as exc:
+        raise ConfigError(f"tokenizer: {exc}") from None
+
+
+async def start_gateway(config: GatewayConfig, *, token: str | None = None
+                        ) -> tuple[GatewayServer, AsyncCoordinatorClient]:
+    """A started gateway and its coordinator client (close both: ``server.stop()``, then the
+    client). ``token``: the gateway's own identity, used only to ask whether it is ready."""
+    tokenizer = load_tokenizer(config)
+    tls = None if config.tls_ca is None else ClientTls.from_files(config.tls_ca)
+    client = AsyncCoordinatorClient(config.coordinator, tls=tls)
+    own = client.as_caller(token)
+
+    async def readiness() -> str | None:
+        try:
+            stats = await asyncio.wait_for(own.stats(), READINESS_TIMEOUT_S)
+        except (KvcoordError, TimeoutError) as exc:
+            return f"the coordinator does not answer: {exc}"
+        if stats.routable_workers > 0 or (stats.workers > 0 and stats.policy_phase != "serving"):
+            return None  # a sync drain leaves no worker routable for a moment: still ready
+        return "no routable worker"
+
+    routes = RouteFinder(client, model=config.model, drain_wait_s=config.drain_wait_ms / 1000)
+    server = GatewayServer(config, routes, tokenizer, readiness)
+    await server.start()
+    return server, client
+
+
+async def serve_forever(config: GatewayConfig) -> int:
+    """Serve until SIGINT/SIGTERM (stop accepting, finish what is in flight within
+    ``shutdown_grace_ms``); returns the exit status."""
+    try:
+        token = None if config.token_file is None else read_token_file(config.token_file)
+    except ValueError as exc:
+        raise ConfigError(f"token_file: {exc}") from None
+    server, client = await start_gateway(config, token=token)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("gateway.stopping", grace_ms=config.shutdown_grace_ms)
+    await server.stop()
+    await client.close()
+    return 0

@@ -1,0 +1,293 @@
+"""``GatewayServer``: the OpenAI-compatible front door (``kvcoord gateway``).
+
+Per request: the body is checked as the engines check it (``worker.http_api.openai_requests``:
+known fields of the wrong type are refused, unknown ones pass), the prompt is tokenized exactly
+as the engine does (``worker.text``: the chat template as Hugging Face renders it), the token
+ids are routed (``Route``; several completion prompts with one ``RouteBatch``) under the
+client's own bearer token, and the client's body goes unchanged to the chosen worker's OpenAI
+endpoint (its registered ``http_url``) with the client's token; the answer, streamed or not,
+is passed back as it arrives. A worker that refuses the connection or fails before its first
+byte is routed around (``route_retries`` more tries, excluding it); after the first byte the
+client gets what the worker sent. Responses carry ``x-kvcoord-worker``,
+``x-kvcoord-policy-version`` and ``x-request-id`` (the client's, or a new one). A client that
+goes away closes the upstream request, which stops the worker's generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from coordinator.client.types import Route
+from kvcoord.gateway import fanout
+from kvcoord.gateway.config import GatewayConfig
+from kvcoord.gateway.routing import RouteFinder
+from worker.http_api.openai_requests import (
+    CompletionRequest,
+    OpenAIError,
+    parse_chat,
+    parse_completion,
+)
+from worker.text.tokenizer import ChatTemplateError, TextTokenizer, TokenizerError
+
+log = structlog.get_logger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Headers of the worker's answer that are the transport's business, not the client's.
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
+                "content-encoding", "date", "server"}
+
+
+def _refusal(exc: Exception) -> OpenAIError | None:
+    """The OpenAI-shaped answer to what a request raised; None for the unexpected."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return OpenAIError(413, "the request body is over the size limit", code="body_too_large")
+    if isinstance(exc, web.HTTPNotFound):
+        return OpenAIError(404, "no such endpoint", code="not_found")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return OpenAIError(405, "method not allowed", code="method_not_allowed")
+    if isinstance(exc, TokenizerError | ChatTemplateError):
+        return OpenAIError(400, str(exc))
+    return None
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:
+        refusal = _refusal(exc)
+        if refusal is None:
+            log.exception("gateway.internal_error", path=request.path)
+            refusal = OpenAIError(500, "internal error", type="server_error",
+                                  code="internal_error")
+        return web.json_response(refusal.body(), status=refusal.status,
+                                 headers=refusal.headers)
+
+
+class GatewayServer:
+    """See the module docstring; ``start`` binds, ``stop`` closes."""
+
+    def __init__(self, config: GatewayConfig, routes: RouteFinder, tokenizer: TextTokenizer,
+                 readiness: Callable[[], Awaitable[str | None]]) -> None:
+        """``readiness()``: None when requests can be served, else why not."""
+        self._config = config
+        self._routes = routes
+        self._readiness = readiness
+        self._tokenizer = tokenizer
+        self._max_context = config.max_context or tokenizer.max_context
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+        app = web.Application(client_max_size=config.max_body_bytes,
+                              middlewares=[_openai_errors])
+        app.router.add_get("/livez", self._livez)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self.app = app
+
+    async def start(self) -> int:
+        """Serve on ``config.listen``; returns the bound port."""
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self._config.upstream_timeout_ms / 1000,
+                                          sock_connect=self._config.connect_timeout_ms / 1000),
+            auto_decompress=False)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=self._config.shutdown_grace_ms / 1000)
+        await self._runner.setup()
+        host, _, port = self._config.listen.rpartition(":")
+        site = web.TCPSite(self._runner, host.strip("[]") or "0.0.0.0", int(port))
+        await site.start()
+        sockets = getattr(site._server, "sockets", None) or []  # aiohttp keeps them there
+        self.port = int(sockets[0].getsockname()[1]) if sockets else int(port)
+        log.info("gateway.serving", listen=self._config.listen, port=self.port,
+                 coordinator=self._config.coordinator, model=self._config.model,
+                 tokenizer=self._tokenizer.source, max_context=self._max_context)
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop accepting; requests in flight get ``shutdown_grace_ms`` to finish."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def _livez(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        why = await self._readiness()
+        if why is None:
+            return web.json_response({"status": "ready"})
+        return web.json_response({"status": "unready", "reason": why}, status=503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self._config.model, "object": "model", "created": 0, "owned_by": "kvcoord",
+            "max_model_len": self._max_context}]})
+
+    async def _read(self, request: web.Request) -> tuple[bytes, Any]:
+        raw = await request.read()
+        try:
+            return raw, json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise OpenAIError(400, f"the request body is not JSON: {exc}",
+                              code="invalid_json") from None
+
+    def _check(self, model: str, prompt: list[int], max_tokens: int) -> None:
+        if model != self._config.model:
+            raise OpenAIError(404, f"the model {model!r} does not exist (this gateway serves "
+                              f"{self._config.model!r})", code="model_not_found",
+                              param="model")
+        if not prompt:
+            raise OpenAIError(400, "the prompt is empty", param="prompt")
+        limit = self._max_context
+        if limit is not None and len(prompt) + max_tokens > limit:
+            raise OpenAIError(
+                400, f"this model's context is {limit} tokens; the prompt has {len(prompt)} "
+                f"and {max_tokens} more were asked for", code="context_length_exceeded")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        raw, body = await self._read(request)
+        parsed = parse_chat(body)
+        prompt = self._tokenizer.encode_chat(parsed.messages, tools=parsed.tools)
+        self._check(parsed.model, prompt, parsed.sampling.max_tokens)
+        return await self._forward(request, "chat/completions", raw, prompt)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        raw, body = await self._read(request)
+        parsed = parse_completion(body)
+        prompts = self._prompt_ids(parsed)
+        for prompt in prompts:
+            self._check(parsed.model, prompt, parsed.sampling.max_tokens)
+        if len(prompts) == 1:
+            return await self._forward(request, "completions", raw, prompts[0])
+        return await self._forward_many(request, parsed, prompts)
+
+    def _prompt_ids(self, parsed: CompletionRequest) -> list[list[int]]:
+        return [p if isinstance(p, list) else self._tokenizer.encode(p) for p in parsed.prompts]
+
+    # ------------------------------------------------------------------ forwarding
+
+    def _token(self, request: web.Request) -> str | None:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+    async def _forward(self, request: web.Request, path: str, raw: bytes,
+                       prompt: list[int]) -> web.StreamResponse:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        token = self._token(request)
+        upstream, route = await self._open_upstream(path, raw, prompt, token, request_id)
+        try:
+            headers = {k: v for k, v in upstream.headers.items()
+                       if k.lower() not in _HOP_HEADERS and not k.lower().startswith("x-kvcoord")}
+            headers.update({"x-request-id": request_id, "x-kvcoord-worker": route.worker_id,
+                            "x-kvcoord-policy-version": str(route.policy_version)})
+            response = web.StreamResponse(status=upstream.status, headers=headers)
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():  # as it arrives, never buffered
+                await response.write(chunk)
+            await response.write_eof()
+            log.info("gateway.request", request_id=request_id, path=path,
+                     worker=route.worker_id, policy_version=route.policy_version,
+                     matched_tokens=route.matched_tokens, prompt_tokens=len(prompt),
+                     status=upstream.status)
+            return response
+        finally:
+            upstream.release()  # a client gone mid-stream closes the worker's request too
+
+    async def _open_upstream(self, path: str, raw: bytes, prompt: list[int],
+                             token: str | None, request_id: str, first: Route | None = None
+                             ) -> tuple[aiohttp.ClientResponse, Route]:
+        """The worker's answer, its status and headers read (nothing of the body yet), and
+        the route that chose it (``first``, when given, is tried before routing). Workers that
+        cannot be reached, have no HTTP endpoint or fail with a 5xx before any byte are routed
+        around, ``route_retries`` times."""
+        assert self._session is not None, "start() first"
+        excluded: list[str] = []
+        headers = {"Content-Type": "application/json", "x-request-id": request_id}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        for _ in range(1 + self._config.route_retries):
+            route = first or await self._routes.route(prompt, token, excluded)
+            first = None
+            if not route.http_url:
+                excluded.append(route.worker_id)
+                continue
+            try:
+                upstream = await self._session.post(f"{route.http_url}/v1/{path}", data=raw,
+                                                    headers=headers)
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                log.warning("gateway.worker_failed", worker=route.worker_id,
+                            request_id=request_id, error=str(exc) or type(exc).__name__)
+                excluded.append(route.worker_id)
+                continue
+            if upstream.status in (502, 503, 504):
+                upstream.release()
+                excluded.append(route.worker_id)
+                continue
+            return upstream, route
+        raise OpenAIError(503, f"no worker answered (tried {', '.join(excluded) or 'none'})",
+                          type="server_error", code="no_worker", headers={"Retry-After": "1"})
+
+    async def _forward_many(self, request: web.Request, parsed: CompletionRequest,
+                            prompts: list[list[int]]) -> web.StreamResponse:
+        """Several completion prompts: routed with one RouteBatch; each worker gets its share
+        (the body with only its prompts), and the choices come back merged by index
+        (``fanout``): as one answer, or one stream after another."""
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        token = self._token(request)
+        routes = await self._routes.route_batch(prompts, token)
+        shares = fanout.shares(parsed, routes)
+        opened = []
+        try:
+            for share in shares:
+                raw = json.dumps({**parsed.body, "prompt": share.prompts}).encode()
+                upstream, route = await self._open_upstream(
+                    "completions", raw, prompts[share.indexes[0]], token, request_id,
+                    first=share.route)
+                opened.append((share, upstream, route))
+            headers = {"x-request-id": request_id,
+                       "x-kvcoord-worker": ",".join(r.worker_id for _, _, r in opened),
+                       "x-kvcoord-policy-version": ",".join(sorted(
+                           {str(r.policy_version) for _, _, r in opened}))}
+            failed = next((u for _, u, _ in opened if u.status != 200), None)
+            if failed is not None:  # a refusal of one share is the answer to all
+                return web.Response(status=failed.status, body=await failed.read(),
+                                    headers={**headers, "Content-Type": "application/json"})
+            n = parsed.sampling.n
+            if not parsed.sampling.stream:
+                answers = [(s, await u.json()) for s, u, _ in opened]
+                return web.json_response(fanout.merged(answers, n), headers=headers)
+            response = web.StreamResponse(headers={
+                **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            totals = fanout.StreamTotals()
+            for share, upstream, _ in opened:
+                async for line in upstream.content:
+                    out = fanout.reindexed_line(line, share, n, totals)
+                    if out:
+                        await response.write(out)
+            if parsed.sampling.include_usage and totals.usage:
+                await response.write(fanout.usage_line(totals))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        finally:
+            for _, upstream, _ in opened:
+                upstream.release()

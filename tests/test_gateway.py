@@ -1,0 +1,300 @@
+"""``kvcoord gateway`` with the official ``openai`` client, against a real coordinator and two
+reference workers: a conversation's next turn lands on the worker holding its first turn, with
+the cached tokens in ``usage``; streams pass through chunk by chunk; ``n`` goes to one worker;
+refusals are OpenAI JSON with the right status; a worker that fails before its first byte is
+routed around; health endpoints say what they should."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from coordinator.client import AsyncCoordinatorClient
+from coordinator.server.main import RunningCoordinator
+from kvcoord.demo import free_port
+from kvcoord.gateway.config import GatewayConfig
+from kvcoord.gateway.run import start_gateway
+from kvcoord.gateway.server import GatewayServer
+from tests.coordinator_fixtures import eventually, running_coordinator, target
+from worker.config import WorkerConfig
+from worker.server import RunningWorker, start_worker
+from worker.text.tokenizer import reference_tokenizer
+
+PAGE = 16
+MODEL = "default"
+
+
+@dataclass
+class Fleet:
+    coordinator: RunningCoordinator
+    workers: list[RunningWorker]
+    gateway: GatewayServer
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.port}"
+
+    def client(self) -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    async with running_coordinator(page_size=PAGE) as coord:
+        workers = []
+        try:
+            for i in range(2):
+                workers.append(await start_worker(WorkerConfig(
+                    coordinator=target(coord), listen="127.0.0.1:0", pages=256, page_size=PAGE,
+                    device="cpu", worker_id=f"w{i}", max_new_tokens=256,
+                    http_listen="127.0.0.1:0")))
+            for worker in workers:
+                await asyncio.wait_for(worker.agent.synced.wait(), 10)
+            gateway, client = await start_gateway(GatewayConfig(
+                coordinator=target(coord), listen="127.0.0.1:0", drain_wait_ms=5_000))
+            try:
+                yield Fleet(coord, workers, gateway)
+            finally:
+                await gateway.stop()
+                await client.close()
+        finally:
+            for worker in workers:
+                await worker.stop(0.5)
+
+
+async def _settled(fleet: Fleet) -> bool:
+    async with AsyncCoordinatorClient(target(fleet.coordinator)) as client:
+        return all(w.inflight_routes == 0 for w in await client.workers())
+
+
+FIRST = [{"role": "system", "content": "You are the routing oracle of a KV-cache fleet."},
+         {"role": "user", "content": "Tell me where the pages of this conversation live. " * 6}]
+
+
+async def test_the_next_turn_lands_on_the_first_turns_worker_with_cached_tokens(
+    fleet: Fleet,
+) -> None:
+    async with fleet.client() as api:
+        raw = await api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=FIRST, max_tokens=6)
+        first = raw.parse()
+        worker = raw.headers["x-kvcoord-worker"]
+        # A person reads the answer before the next turn; meanwhile the worker's heartbeat
+        # (~20 ms after a generation ends) tells the coordinator the route finished. Sooner,
+        # the route would still count as queued work on that worker.
+        await eventually(lambda: _settled(fleet), what="the first route reported finished")
+        second_turn = [*FIRST, {"role": "assistant", "content": first.choices[0].message.content},
+                       {"role": "user", "content": "And the next turn?"}]
+        raw2 = await api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=second_turn, max_tokens=6)
+        second = raw2.parse()
+    assert raw.headers["x-kvcoord-policy-version"] == "0" and raw.headers["x-request-id"]
+    assert raw2.headers["x-kvcoord-worker"] == worker
+    assert second.usage is not None and first.usage is not None
+    assert first.usage.prompt_tokens == len(reference_tokenizer().encode_chat(FIRST))
+    # The first turn's full prompt pages are reused by the second (the completion's are not:
+    # the engine records prompt pages and the completion's, but the template re-renders it).
+    assert second.usage.prompt_tokens_details.cached_tokens >= (
+        first.usage.prompt_tokens // PAGE * PAGE)
+
+
+async def test_a_stream_passes_through_chunk_by_chunk(fleet: Fleet) -> None:
+    async with fleet.client() as api:
+        whole = await api.completions.create(model=MODEL, prompt="Stream this", max_tokens=30)
+        stream = await api.completions.create(
+            model=MODEL, prompt="Stream this", max_tokens=30, stream=True,
+            stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len([t for t in texts if t]) > 5
+    assert "".join(texts) == whole.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 30
+
+
+async def test_the_first_chunk_reaches_the_client_before_generation_ends(fleet: Fleet) -> None:
+    body = {"model": MODEL, "prompt": "a long stream", "max_tokens": 200, "stream": True}
+    async with aiohttp.ClientSession() as session, \
+            session.post(f"{fleet.url}/v1/completions", json=body) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        first = await response.content.readline()
+        assert first.startswith(b"data: {")
+        worker = {w.worker_id: w for w in fleet.workers}[response.headers["x-kvcoord-worker"]]
+        assert worker.runtime.stats().running_requests == 1  # the worker is still decoding
+        rest = (await response.read()).decode()
+    assert rest.rstrip().endswith("data: [DONE]")
+
+
+async def test_n_copies_go_to_one_worker_as_the_engines_own_n(fleet: Fleet) -> None:
+    async with fleet.client() as api:
+        raw = await api.completions.with_raw_response.create(
+            model=MODEL, prompt="GRPO group prompt", n=4, max_tokens=2)
+    answer = raw.parse()
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    worker = {w.worker_id: w for w in fleet.workers}[raw.headers["x-kvcoord-worker"]]
+    assert worker.gate.totals.requests == 4  # all four ran there
+
+
+async def test_a_worker_failing_before_its_first_byte_is_routed_around(fleet: Fleet) -> None:
+    async with fleet.client() as api:
+        raw = await api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=FIRST, max_tokens=2)
+        holder = {w.worker_id: w for w in fleet.workers}[raw.headers["x-kvcoord-worker"]]
+        assert holder.http is not None
+        await holder.http.stop()  # its endpoint now refuses connections; still registered
+        again = await api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=FIRST, max_tokens=2)
+    assert again.headers["x-kvcoord-worker"] != holder.worker_id
+    assert again.parse().choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(("path", "body", "status", "code"), [
+    ("completions", b"{not json", 400, "invalid_json"),
+    ("completions", {"model": MODEL, "prompt": 7}, 400, "invalid_type"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+     400, "invalid_type"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+     400, None),
+    ("completions", {"model": "gpt-9", "prompt": "x"}, 404, "model_not_found"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 4096}, 400,
+     "context_length_exceeded"),
+    ("embeddings", {"model": MODEL}, 404, "not_found"),
+])
+async def test_refusals_are_openai_json_with_the_right_status(
+    fleet: Fleet, path: str, body: Any, status: int, code: str | None,
+) -> None:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{fleet.url}/v1/{path}", data=data,
+            headers={"Content-Type": "application/json"}) as response:
+        answer = await response.json()
+    assert response.status == status, answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert answer["error"]["code"] == code
+
+
+async def test_a_body_over_the_limit_is_413_and_unknown_fields_pass(fleet: Fleet) -> None:
+    async with aiohttp.ClientSession() as session:
+        big = await session.post(f"{fleet.url}/v1/completions", data=b"x" * (9 * 1024 * 1024))
+        assert big.status == 413 and (await big.json())["error"]["code"] == "body_too_large"
+        ok = await session.post(f"{fleet.url}/v1/completions", json={
+            "model": MODEL, "prompt": "x", "max_tokens": 1, "top_k": 3, "min_p": 0.1})
+        assert ok.status == 200, await ok.text()
+
+
+async def test_health_live_and_ready_and_no_worker_is_503() -> None:
+    async with running_coordinator(page_size=PAGE) as coord:
+        gateway, client = await start_gateway(GatewayConfig(
+            coordinator=target(coord), listen="127.0.0.1:0"))
+        try:
+            url = f"http://127.0.0.1:{gateway.port}"
+            async with aiohttp.ClientSession() as session:
+                assert (await session.get(f"{url}/livez")).status == 200
+                ready = await session.get(f"{url}/readyz")
+                assert ready.status == 503
+                assert (await ready.json())["reason"] == "no routable worker"
+            api = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            with pytest.raises(openai.InternalServerError) as refused:
+                await api.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+            assert refused.value.status_code == 503
+            assert refused.value.response.json()["error"]["code"] == "no_worker"
+            await api.close()
+        finally:
+            await gateway.stop()
+            await client.close()
+
+
+async def test_several_prompts_are_spread_by_one_route_batch_and_merged_by_index(
+    fleet: Fleet,
+) -> None:
+    tokenizer = reference_tokenizer()
+    prompts = ["First prompt, held by one worker: " * 4, "Second prompt, held by the other: " * 4]
+    alone = []
+    for prompt, worker in zip(prompts, fleet.workers, strict=True):  # warm each on its worker
+        direct = AsyncOpenAI(base_url=f"http://127.0.0.1:{worker.http_port}/v1",
+                             api_key="unused", max_retries=0)
+        alone.append((await direct.completions.create(model=MODEL, prompt=prompt,
+                                                      max_tokens=3)).choices[0].text)
+        await direct.close()
+
+    async def indexed() -> bool:
+        async with AsyncCoordinatorClient(target(fleet.coordinator)) as client:
+            found = [await client.lookup(tokenizer.encode(p)) for p in prompts]
+        return [sorted(f.matches) for f in found] == [["w0"], ["w1"]] and await _settled(fleet)
+
+    await eventually(indexed, what="each prompt indexed on its own worker")
+    async with fleet.client() as api:
+        raw = await api.completions.with_raw_response.create(
+            model=MODEL, prompt=prompts, n=2, max_tokens=3)
+        stream = await api.completions.create(
+            model=MODEL, prompt=prompts, n=2, max_tokens=3, stream=True,
+            stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+    answer = raw.parse()
+    assert sorted(raw.headers["x-kvcoord-worker"].split(",")) == ["w0", "w1"]
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    assert [c.text for c in answer.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    assert answer.usage is not None
+    assert answer.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    assert answer.usage.completion_tokens == 4 * 3
+    assert answer.usage.prompt_tokens_details.cached_tokens > 0  # both shares hit their cache
+    streamed: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {c.index: c.text for c in answer.choices}
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+async def test_kvcoord_gateway_serves_a_fleet_and_stops_on_sigterm(fleet: Fleet) -> None:
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "kvcoord"), "gateway", "--coordinator",
+        target(fleet.coordinator), "--listen", f"127.0.0.1:{port}", "--log-level", "warning",
+        stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        async def ready() -> bool:
+            try:
+                async with aiohttp.ClientSession() as session, \
+                        session.get(f"{url}/readyz") as response:
+                    return response.status == 200
+            except aiohttp.ClientConnectionError:
+                return False
+
+        await eventually(ready, timeout=30, what="kvcoord gateway ready")
+        api = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        answer = await api.completions.create(model=MODEL, prompt="through the CLI", max_tokens=2)
+        await api.close()
+        assert answer.usage is not None and answer.usage.completion_tokens == 2
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(process.wait(), 20)
+    assert code == 0
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--tokenizer", "/nonexistent"], "tokenizer: tokenizer directory '/nonexistent'"),
+    (["--listen", "nowhere"], "listen must be HOST:PORT"),
+    (["--route-retries", "-1"], "route_retries must be >= 0"),
+    (["--coordinator", ""], "coordinator:"),
+])
+def test_kvcoord_gateway_refuses_bad_settings_in_one_line(flags: list[str], says: str) -> None:
+    result = subprocess.run([str(Path(sys.executable).parent / "kvcoord"), "gateway", *flags],
+                            capture_output=True, text=True, timeout=30,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("kvcoord gateway: ") and says in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
