@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from kvcoord.demo import free_port
 from kvcoord.gateway.config import GatewayConfig
 from kvcoord.gateway.run import start_gateway
 from kvcoord.gateway.server import GatewayServer
+from tests.auth_fixtures import IdentityFile, write_identities
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from worker.config import WorkerConfig
 from worker.server import RunningWorker, start_worker
@@ -50,20 +52,30 @@ class Fleet:
         return AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
 
 
-@pytest.fixture
-async def fleet() -> AsyncIterator[Fleet]:
-    async with running_coordinator(page_size=PAGE) as coord:
+@asynccontextmanager
+async def running_fleet(ids: IdentityFile | None = None,
+                        tmp_path: Path | None = None) -> AsyncIterator[Fleet]:
+    """A coordinator, two reference workers with HTTP endpoints, and a gateway; with ``ids``,
+    auth is on everywhere (the workers as w1 and w2)."""
+    auth: dict[str, Any] = {} if ids is None else {"auth_file": str(ids.path)}
+    async with running_coordinator(page_size=PAGE, barrier_timeout_ms=5_000,
+                                   **auth) as coord:
         workers = []
         try:
             for i in range(2):
+                extra = dict(auth)
+                if ids is not None and tmp_path is not None:
+                    token_file = tmp_path / f"w{i + 1}.token"
+                    token_file.write_text(ids.tokens[f"w{i + 1}"])
+                    extra["token_file"] = str(token_file)
                 workers.append(await start_worker(WorkerConfig(
                     coordinator=target(coord), listen="127.0.0.1:0", pages=256, page_size=PAGE,
-                    device="cpu", worker_id=f"w{i}", max_new_tokens=256,
-                    http_listen="127.0.0.1:0")))
+                    device="cpu", worker_id=f"w{i}" if ids is None else f"w{i + 1}",
+                    max_new_tokens=256, http_listen="127.0.0.1:0", **extra)))
             for worker in workers:
                 await asyncio.wait_for(worker.agent.synced.wait(), 10)
             gateway, client = await start_gateway(GatewayConfig(
-                coordinator=target(coord), listen="127.0.0.1:0", drain_wait_ms=5_000))
+                coordinator=target(coord), listen="127.0.0.1:0", drain_wait_ms=10_000))
             try:
                 yield Fleet(coord, workers, gateway)
             finally:
@@ -74,8 +86,14 @@ async def fleet() -> AsyncIterator[Fleet]:
                 await worker.stop(0.5)
 
 
-async def _settled(fleet: Fleet) -> bool:
-    async with AsyncCoordinatorClient(target(fleet.coordinator)) as client:
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    async with running_fleet() as running:
+        yield running
+
+
+async def _settled(fleet: Fleet, token: str | None = None) -> bool:
+    async with AsyncCoordinatorClient(target(fleet.coordinator), token) as client:
         return all(w.inflight_routes == 0 for w in await client.workers())
 
 
@@ -298,3 +316,51 @@ def test_kvcoord_gateway_refuses_bad_settings_in_one_line(flags: list[str], says
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("kvcoord gateway: ") and says in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+async def test_with_auth_on_each_client_is_itself_everywhere(tmp_path: Path) -> None:
+    """The client's token goes to the coordinator (its role, its tenant's keys) and to the
+    worker (its tenant's cache): two tenants never share cached pages; no token, a wrong one or
+    a role that may not route is refused."""
+    ids = write_identities(tmp_path)
+    async with running_fleet(ids, tmp_path) as running:
+        cached: dict[str, list[int]] = {}
+        for name in ("sched-a", "sched-b", "sched-a"):
+            api = AsyncOpenAI(base_url=f"{running.url}/v1", api_key=ids.tokens[name],
+                              max_retries=0)
+            answer = await api.chat.completions.create(model=MODEL, messages=FIRST,
+                                                       max_tokens=2)
+            await api.close()
+            assert answer.usage is not None
+            cached.setdefault(name, []).append(answer.usage.prompt_tokens_details.cached_tokens)
+            await eventually(lambda: _settled(running, ids.tokens["admin"]),
+                             what="the route reported finished")
+        assert cached["sched-a"][0] == 0 and cached["sched-b"] == [0]
+        assert cached["sched-a"][1] > 0  # a's own pages, on the worker a was routed to before
+        for token, error, status in [("wrong-token-0123456789abcdef",
+                                      openai.AuthenticationError, 401),
+                                     (ids.tokens["trainer"], openai.PermissionDeniedError, 403)]:
+            api = AsyncOpenAI(base_url=f"{running.url}/v1", api_key=token, max_retries=0)
+            with pytest.raises(error) as refused:
+                await api.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+            await api.close()
+            assert refused.value.status_code == status
+        async with aiohttp.ClientSession() as session, session.post(
+                f"{running.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}) as r:
+            assert r.status == 401
+            assert (await r.json())["error"]["type"] == "authentication_error"
+
+
+async def test_a_request_during_a_sync_update_waits_and_runs_at_the_new_version(
+    fleet: Fleet,
+) -> None:
+    async with AsyncCoordinatorClient(target(fleet.coordinator)) as trainer, \
+            fleet.client() as api:
+        await trainer.begin_policy_update(0)  # sync: the fleet drains
+        waiting = asyncio.ensure_future(api.completions.with_raw_response.create(
+            model=MODEL, prompt="asked mid-update", max_tokens=2))
+        state = await trainer.commit_policy_update(1, timeout=10)
+        raw = await asyncio.wait_for(waiting, 15)
+    assert state.version == 1 and sorted(state.acked_workers) == ["w0", "w1"]
+    assert raw.headers["x-kvcoord-policy-version"] == "1"
+    assert raw.parse().choices[0].finish_reason == "length"
