@@ -17,6 +17,7 @@ from coordinator.server.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService
 from coordinator.store.memory import MemoryStore
 from kvcoord.cli_security import CLIENT_FILE_VARIABLES, TOKEN_VARIABLE
+from kvcoord.gateway.metrics import GatewayMetrics
 from worker.bridge.bridge import Bridge, BridgeConfig
 from worker.bridge.serve import bridge_registry
 from worker.config import WorkerConfig
@@ -50,6 +51,11 @@ def exposed_metric_names() -> set[str]:
                                  worker_id="engine", worker_address="127.0.0.1:2"))
     bridge.malformed["frame"] = 1
     text += generate_latest(bridge_registry(bridge)).decode()
+    gateway = GatewayMetrics()
+    gateway.requests.labels("/v1/completions", "200").inc()
+    for histogram in (gateway.ttft, gateway.inter_token, gateway.latency):
+        histogram.labels("w0").observe(0.01)
+    text += generate_latest(gateway.registry).decode()
     names = set()
     for line in text.splitlines():
         if line and not line.startswith("#"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from tests.auth_fixtures import IdentityFile, write_identities
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from worker.config import WorkerConfig
 from worker.server import RunningWorker, start_worker
-from worker.text.tokenizer import reference_tokenizer
+from worker.text.tokenizer import REFERENCE_TOKENIZER, reference_tokenizer
 
 PAGE = 16
 MODEL = "default"
@@ -364,3 +365,58 @@ async def test_a_request_during_a_sync_update_waits_and_runs_at_the_new_version(
     assert state.version == 1 and sorted(state.acked_workers) == ["w0", "w1"]
     assert raw.headers["x-kvcoord-policy-version"] == "1"
     assert raw.parse().choices[0].finish_reason == "length"
+
+
+def sample(fleet: Fleet, name: str, **labels: str) -> float:
+    value = fleet.gateway.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def test_metrics_count_requests_latencies_cached_tokens_and_the_version(
+    fleet: Fleet,
+) -> None:
+    async with fleet.client() as api:
+        raw = await api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=FIRST, max_tokens=3)
+        stream = await api.completions.create(model=MODEL, prompt="metered", max_tokens=40,
+                                              stream=True, stream_options={"include_usage": True})
+        _ = [chunk async for chunk in stream]
+        with pytest.raises(openai.NotFoundError):
+            await api.completions.create(model="nope", prompt="x", max_tokens=1)
+    worker = raw.headers["x-kvcoord-worker"]
+    assert sample(fleet, "kvcoord_gateway_requests_total", endpoint="/v1/chat/completions",
+                  status="200") == 1
+    assert sample(fleet, "kvcoord_gateway_requests_total", endpoint="/v1/completions",
+                  status="200") == 1
+    assert sample(fleet, "kvcoord_gateway_requests_total", endpoint="/v1/completions",
+                  status="404") == 1
+    prompt = len(reference_tokenizer().encode_chat(FIRST)) + len(
+        reference_tokenizer().encode("metered"))
+    assert sample(fleet, "kvcoord_gateway_prompt_tokens_total") == prompt
+    assert sample(fleet, "kvcoord_gateway_tokenizer_drift_total") == 0
+    assert sample(fleet, "kvcoord_gateway_time_to_first_byte_seconds_count", worker=worker) >= 1
+    assert sum(sample(fleet, "kvcoord_gateway_inter_token_seconds_count", worker=w.worker_id)
+               for w in fleet.workers) > 0  # how many: as the network coalesces chunks
+    assert sample(fleet, "kvcoord_gateway_policy_version") == 0
+    assert sample(fleet, "process_cpu_seconds_total") > 0
+
+
+async def test_a_tokenizer_that_is_not_the_engines_is_counted_as_drift(
+    fleet: Fleet, tmp_path: Path,
+) -> None:
+    other = tmp_path / "other-template"
+    shutil.copytree(REFERENCE_TOKENIZER, other)
+    (other / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    gateway, client = await start_gateway(GatewayConfig(
+        coordinator=target(fleet.coordinator), listen="127.0.0.1:0", tokenizer=str(other)))
+    try:
+        api = AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="unused",
+                          max_retries=0)
+        await api.chat.completions.create(model=MODEL, messages=FIRST, max_tokens=1)
+        await api.close()
+        assert gateway.metrics.registry.get_sample_value(
+            "kvcoord_gateway_tokenizer_drift_total") == 1
+    finally:
+        await gateway.stop()
+        await client.close()

@@ -25,6 +25,8 @@ class GatewayConfig:
     """The model name clients ask for (and the coordinator's hash namespace)."""
     max_context: int | None = None
     """Tokens of context; unset = the tokenizer config's ``model_max_length``."""
+    metrics_port: int | None = None
+    """Serve Prometheus ``/metrics`` (``kvcoord_gateway_*``) on this port; unset = none."""
     max_body_bytes: int = 8 * 1024 * 1024
     """A request body over this is refused with 413."""
     route_retries: int = 2
@@ -61,6 +63,8 @@ class GatewayConfig:
             raise ConfigError(f"route_retries must be >= 0, got {self.route_retries}")
         if self.max_context is not None and self.max_context < 1:
             raise ConfigError(f"max_context must be >= 1, got {self.max_context}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port out of range: {self.metrics_port}")
         if not self.model:
             raise ConfigError("model must not be empty")
 

@@ -51,6 +51,8 @@ async def start_gateway(config: GatewayConfig, *, token: str | None = None
     routes = RouteFinder(client, model=config.model, drain_wait_s=config.drain_wait_ms / 1000)
     server = GatewayServer(config, routes, tokenizer, readiness)
     await server.start()
+    if config.metrics_port is not None:
+        server.metrics_port = server.metrics.serve(config.metrics_port)
     return server, client
 
 

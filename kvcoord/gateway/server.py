@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,6 +29,7 @@ from aiohttp import web
 from coordinator.client.types import Route
 from kvcoord.gateway import fanout
 from kvcoord.gateway.config import GatewayConfig
+from kvcoord.gateway.metrics import GatewayMetrics, Observation
 from kvcoord.gateway.routing import RouteFinder
 from worker.http_api.openai_requests import (
     CompletionRequest,
@@ -40,6 +42,8 @@ from worker.text.tokenizer import ChatTemplateError, TextTokenizer, TokenizerErr
 log = structlog.get_logger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+STARTED = web.RequestKey("started", float)
+"""When the request arrived (``time.perf_counter``), for its latency metrics."""
 # Headers of the worker's answer that are the transport's business, not the client's.
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
                 "content-encoding", "date", "server"}
@@ -76,12 +80,33 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
                                  headers=refusal.headers)
 
 
+def _counted(metrics: GatewayMetrics) -> Any:
+    """A middleware counting every answer by endpoint and status (a client gone: 499)."""
+
+    @web.middleware
+    async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
+        request[STARTED] = time.perf_counter()
+        endpoint = request.match_info.route.resource.canonical if (
+            request.match_info.route.resource is not None) else "unknown"
+        status = 499
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        finally:
+            metrics.requests.labels(endpoint, str(status)).inc()
+
+    return count
+
+
 class GatewayServer:
     """See the module docstring; ``start`` binds, ``stop`` closes."""
 
     def __init__(self, config: GatewayConfig, routes: RouteFinder, tokenizer: TextTokenizer,
-                 readiness: Callable[[], Awaitable[str | None]]) -> None:
+                 readiness: Callable[[], Awaitable[str | None]],
+                 metrics: GatewayMetrics | None = None) -> None:
         """``readiness()``: None when requests can be served, else why not."""
+        self.metrics = metrics or GatewayMetrics()
         self._config = config
         self._routes = routes
         self._readiness = readiness
@@ -90,8 +115,9 @@ class GatewayServer:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
+        self.metrics_port: int | None = None
         app = web.Application(client_max_size=config.max_body_bytes,
-                              middlewares=[_openai_errors])
+                              middlewares=[_counted(self.metrics), _openai_errors])
         app.router.add_get("/livez", self._livez)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/v1/models", self._models)
@@ -193,6 +219,10 @@ class GatewayServer:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         token = self._token(request)
         upstream, route = await self._open_upstream(path, raw, prompt, token, request_id)
+        self.metrics.policy_version.set(route.policy_version)
+        streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        seen = Observation(self.metrics, route.worker_id, request[STARTED], len(prompt),
+                           streamed=streamed)
         try:
             headers = {k: v for k, v in upstream.headers.items()
                        if k.lower() not in _HOP_HEADERS and not k.lower().startswith("x-kvcoord")}
@@ -201,8 +231,10 @@ class GatewayServer:
             response = web.StreamResponse(status=upstream.status, headers=headers)
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():  # as it arrives, never buffered
+                seen.chunk(chunk)
                 await response.write(chunk)
             await response.write_eof()
+            seen.end(upstream.status)
             log.info("gateway.request", request_id=request_id, path=path,
                      worker=route.worker_id, policy_version=route.policy_version,
                      matched_tokens=route.matched_tokens, prompt_tokens=len(prompt),
@@ -233,11 +265,13 @@ class GatewayServer:
                 upstream = await self._session.post(f"{route.http_url}/v1/{path}", data=raw,
                                                     headers=headers)
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                self.metrics.retries.inc()
                 log.warning("gateway.worker_failed", worker=route.worker_id,
                             request_id=request_id, error=str(exc) or type(exc).__name__)
                 excluded.append(route.worker_id)
                 continue
             if upstream.status in (502, 503, 504):
+                self.metrics.retries.inc()
                 upstream.release()
                 excluded.append(route.worker_id)
                 continue
