@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -420,3 +421,64 @@ async def test_a_tokenizer_that_is_not_the_engines_is_counted_as_drift(
     finally:
         await gateway.stop()
         await client.close()
+
+
+async def test_a_client_leaving_the_gateway_mid_stream_stops_the_workers_generation(
+    fleet: Fleet,
+) -> None:
+    body = {"model": MODEL, "prompt": "leave me halfway", "max_tokens": 250, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{fleet.url}/v1/completions", json=body)
+        await response.content.readline()
+        worker = {w.worker_id: w for w in fleet.workers}[response.headers["x-kvcoord-worker"]]
+        response.close()  # the client goes away
+    await asyncio.wait_for(worker.gate.wait_idle(), 5)
+    assert worker.gate.totals.requests == 0  # stopped, not run to its 250th token
+
+
+async def test_a_worker_killed_mid_stream_fails_that_stream_and_the_next_goes_elsewhere(
+    fleet: Fleet,
+) -> None:
+    http_port = free_port()
+    victim = subprocess.Popen(
+        [str(Path(sys.executable).parent / "kvcoord"), "worker", "--coordinator",
+         target(fleet.coordinator), "--listen", "127.0.0.1:0", "--worker-id", "victim",
+         "--device", "cpu", "--page-size", str(PAGE), "--http-listen", f"127.0.0.1:{http_port}",
+         "--log-level", "warning"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "KVCOORD_MAX_NEW_TOKENS": "512", "KVCOORD_HEARTBEAT_MS": "200"})
+    prompt = "Only the victim holds this prompt. " * 8
+    try:
+        async def serving() -> bool:
+            async with AsyncCoordinatorClient(target(fleet.coordinator)) as client:
+                return "victim" in [w.worker_id for w in await client.workers()
+                                    if w.state == "ready"]
+
+        await eventually(serving, timeout=60, what="the victim worker registered")
+        direct = AsyncOpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused",
+                             max_retries=0)
+        await direct.completions.create(model=MODEL, prompt=prompt, max_tokens=1)  # its cache
+        await direct.close()
+
+        async def indexed() -> bool:
+            async with AsyncCoordinatorClient(target(fleet.coordinator)) as client:
+                found = await client.lookup(reference_tokenizer().encode(prompt))
+            return "victim" in found.matches and await _settled(fleet)
+
+        await eventually(indexed, what="the victim's pages indexed")
+        async with fleet.client() as api:
+            raw = await api.completions.with_raw_response.create(
+                model=MODEL, prompt=prompt, max_tokens=400, stream=True)
+            assert raw.headers["x-kvcoord-worker"] == "victim"
+            chunks = raw.parse()
+            await anext(aiter(chunks))
+            victim.kill()  # the worker dies under the stream
+            with pytest.raises(openai.APIError):
+                async for _ in chunks:
+                    pass
+            after = await api.completions.with_raw_response.create(
+                model=MODEL, prompt=prompt, max_tokens=2)
+        assert after.headers["x-kvcoord-worker"] in ("w0", "w1")
+    finally:
+        victim.kill()
+        victim.wait(10)

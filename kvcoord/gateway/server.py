@@ -230,9 +230,18 @@ class GatewayServer:
                             "x-kvcoord-policy-version": str(route.policy_version)})
             response = web.StreamResponse(status=upstream.status, headers=headers)
             await response.prepare(request)
-            async for chunk in upstream.content.iter_any():  # as it arrives, never buffered
-                seen.chunk(chunk)
-                await response.write(chunk)
+            try:
+                async for chunk in upstream.content.iter_any():  # as it arrives, never buffered
+                    seen.chunk(chunk)
+                    await response.write(chunk)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # After the first byte there is no routing around: the client must see the
+                # answer fail, so the connection is cut rather than the stream ended cleanly.
+                log.warning("gateway.worker_failed_mid_answer", worker=route.worker_id,
+                            request_id=request_id, error=str(exc) or type(exc).__name__)
+                if request.transport is not None:
+                    request.transport.close()
+                return response
             await response.write_eof()
             seen.end(upstream.status)
             log.info("gateway.request", request_id=request_id, path=path,
