@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis", metavar="URL", help="Redis URL; omit for the embedded store")
     up.add_argument("--keep-running", action="store_true",
                     help="after the report, keep the fleet serving until Ctrl-C")
+    up.add_argument("--serve", action="store_true",
+                    help="after the report, keep the fleet running behind an OpenAI-compatible "
+                    "gateway and print its URL (Ctrl-C stops everything)")
     up.add_argument("--scale", choices=("small", "default"), default="default",
                     help="workload size: small (CI, 36 requests) or default (160)")
     up.add_argument("--requests", type=int, metavar="N",

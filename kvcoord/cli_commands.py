@@ -236,7 +236,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     spec = WorkloadSpec.for_requests(args.requests or SCALES[args.scale])
     return run_up(UpOptions(
-        workers=args.workers, redis=args.redis, keep_running=args.keep_running, spec=spec,
+        workers=args.workers, redis=args.redis, keep_running=args.keep_running,
+        serve=args.serve, spec=spec,
         device=args.device, pidfile=Path(args.pidfile) if args.pidfile else None,
         **({} if args.pages is None else {"pages": args.pages}),
     ))

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,10 +136,15 @@ class LocalFleet:
     pages: int | None = None
     """KV pages per worker (None: the worker's default)."""
     pidfile: Path | None = None
+    http: bool = False
+    """Workers also serve their OpenAI endpoint (``--http-listen``); ``start_gateway`` then
+    puts a ``kvcoord gateway`` in front of them."""
     coordinator_target: str = ""
     worker_addresses: dict[str, str] = field(default_factory=dict)
+    gateway_url: str = ""
     _coordinator: subprocess.Popen[bytes] | None = None
     _worker_procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _gateway: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
@@ -156,10 +162,11 @@ class LocalFleet:
             for i in range(self.workers):
                 worker_id, address = f"w{i}", f"127.0.0.1:{free_port()}"
                 self.worker_addresses[worker_id] = address
+                http = ["--http-listen", f"127.0.0.1:{free_port()}"] if self.http else []
                 self._worker_procs[worker_id] = self._spawn(worker_id, threads, [
                     "worker", "--coordinator", self.coordinator_target, "--listen", address,
                     "--worker-id", worker_id, "--device", self.device, "--log-level", "warning",
-                    *pages])
+                    *pages, *http])
             self._wait_ready(deadline)
             self._warm_up()
         except BaseException:
@@ -202,9 +209,32 @@ class LocalFleet:
             with WorkerClient(address, timeout=30.0) as worker:
                 worker.generate([1, 2, 3, 4], 2)
 
+    def start_gateway(self, timeout: float = 30.0) -> str:
+        """Start ``kvcoord gateway`` in front of the fleet; its URL once ``/readyz`` says 200.
+        FleetError if it exits or is not ready in time."""
+        port = free_port()
+        self._gateway = self._spawn("gateway", {}, [
+            "gateway", "--coordinator", self.coordinator_target, "--listen",
+            f"127.0.0.1:{port}", "--log-level", "warning"])
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(f"{url}/readyz", timeout=2) as answer:
+                    if answer.status == 200:
+                        self.gateway_url = url
+                        return url
+            except OSError:
+                pass  # not listening yet, or 503 until a worker is routable
+            if time.monotonic() > deadline:
+                raise FleetError(f"gateway not ready in time\n{self.log_tail('gateway')}")
+            time.sleep(0.1)
+
     def check_alive(self) -> None:
         """FleetError naming the first fleet process that has exited, with its log tail."""
-        procs = {"coordinator": self._coordinator, **self._worker_procs}
+        procs = {"coordinator": self._coordinator, **self._worker_procs,
+                 "gateway": self._gateway}
         for name, process in procs.items():
             if process is not None and process.poll() is not None:
                 raise FleetError(f"{name} exited with {process.returncode}\n"
@@ -216,11 +246,14 @@ class LocalFleet:
 
     @property
     def pids(self) -> list[int]:
-        procs = [self._coordinator, *self._worker_procs.values()]
+        procs = [self._coordinator, *self._worker_procs.values(), self._gateway]
         return [p.pid for p in procs if p is not None]
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """Workers (SIGTERM, then SIGKILL after ``grace``), then the coordinator. Idempotent."""
+        """The gateway, the workers (SIGTERM, then SIGKILL after ``grace``), then the
+        coordinator. Idempotent."""
+        if self._gateway is not None:
+            stop_processes([self._gateway], grace)
         stop_processes(list(self._worker_procs.values()), grace)
         if self._coordinator is not None:
             stop_processes([self._coordinator], grace)

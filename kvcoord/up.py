@@ -68,6 +68,8 @@ class UpOptions:
     workers: int = 3
     redis: str | None = None
     keep_running: bool = False
+    serve: bool = False
+    """Keep the last fleet running behind a ``kvcoord gateway`` (workers with HTTP endpoints)."""
     spec: WorkloadSpec = field(default_factory=lambda: WorkloadSpec.for_requests(
         SCALES["default"]))
     device: str = "cpu"
@@ -146,7 +148,7 @@ def _run(options: UpOptions, fleets: list[LocalFleet], log_dir: Path, out: TextI
             progress.set_phase(f"{policy}: starting a fresh fleet")
             fleet = LocalFleet(options.workers, log_dir / policy, redis=options.redis,
                                device=options.device, pages=options.pages,
-                               pidfile=options.pidfile)
+                               pidfile=options.pidfile, http=options.serve)
             fleet.log_dir.mkdir()
             fleets.append(fleet)
             fleet.start()
@@ -166,7 +168,9 @@ def _run(options: UpOptions, fleets: list[LocalFleet], log_dir: Path, out: TextI
     report = render_report(spec, list(fleet.worker_addresses),
                            [passes[HEADLINE_POLICY], passes[CONTRAST_POLICY]], how)
     print(report, file=out, flush=True)
-    if options.keep_running:
+    if options.serve:
+        fleet.start_gateway()
+    if options.keep_running or options.serve:
         _serve_until_signal(fleet, out)
     return 0
 
@@ -175,7 +179,18 @@ def _serve_until_signal(fleet: LocalFleet, out: TextIO) -> None:
     """Print the fleet's addresses, then wait; FleetError if one of its processes exits."""
     workers = " ".join(f"{w}={a}" for w, a in fleet.worker_addresses.items())
     target = fleet.coordinator_target
-    print(f"\nserving: coordinator={target} {workers}", file=out)
+    gateway = f" gateway={fleet.gateway_url}" if fleet.gateway_url else ""
+    print(f"\nserving: coordinator={target} {workers}{gateway}", file=out)
+    if fleet.gateway_url:
+        url = fleet.gateway_url
+        print(f"gateway: {url}/v1 (OpenAI-compatible; any api key)\n"
+              f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              "-d '{\"model\": \"default\", \"messages\": [{\"role\": \"user\", "
+              "\"content\": \"hi\"}], \"max_tokens\": 8}'\n"
+              f"  python -c 'from openai import OpenAI; c = OpenAI(base_url=\"{url}/v1\", "
+              "api_key=\"x\"); r = c.chat.completions.create(model=\"default\", "
+              "messages=[{\"role\": \"user\", \"content\": \"hi\"}], max_tokens=8); "
+              "print(r.choices[0].message.content, r.usage)'", file=out)
     print(f"  kvcoord status --coordinator {target}\n"
           f"  kvcoord route --random 300 --coordinator {target}\n"
           f"stop: Ctrl-C (or kill -INT {os.getpid()}); every process above is stopped with it",

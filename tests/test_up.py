@@ -137,3 +137,40 @@ def wait_for_line(process: subprocess.Popen[str], prefix: str, timeout: float) -
             raise AssertionError(f"kvcoord up exited ({process.wait()}) before {prefix!r}")
         if line.startswith(prefix):
             return line.strip()
+
+
+def test_up_serve_keeps_the_fleet_behind_a_gateway_an_openai_client_uses(
+    tmp_path: Path,
+) -> None:
+    from openai import OpenAI
+
+    pidfile = tmp_path / "pids"
+    up = subprocess.Popen(
+        [*KVCOORD, "up", "--workers", str(WORKERS), "--scale", "small", "--serve",
+         "--pidfile", str(pidfile)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        serving = wait_for_line(up, "serving:", timeout=90)
+        addresses = dict(pair.split("=", 1) for pair in serving.split()[1:])
+        assert set(addresses) == {"coordinator", "w0", "w1", "gateway"}
+        client = OpenAI(base_url=f"{addresses['gateway']}/v1", api_key="x", max_retries=0)
+        chat = [{"role": "user", "content": "Which worker holds this conversation? " * 6}]
+        first = client.chat.completions.create(model="default", messages=chat, max_tokens=4)
+        with CoordinatorClient(addresses["coordinator"]) as coordinator:
+            deadline = time.monotonic() + 10  # the first route reported finished (heartbeat)
+            while any(w.inflight_routes for w in coordinator.workers()):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        again = client.chat.completions.create(model="default", messages=chat, max_tokens=4)
+        assert first.usage is not None and again.usage is not None
+        assert again.usage.prompt_tokens_details.cached_tokens > 0  # reuse, visible in usage
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) in (0, 130)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    pids = read_pids(pidfile)
+    assert len(pids) == 2 * PROCESSES_PER_FLEET + 1  # both fleets, and the gateway
+    assert sessions_alive(pids) == []
