@@ -71,6 +71,21 @@ def bridge(results: Results) -> list[str]:
                                  "bridged pages missing or not ours for the engine's tokens")]
 
 
+def gateway(results: Results) -> list[str]:
+    """Every streamed request reached its first token and its usage (a refusal raises in the
+    step), and no engine reported more cached tokens than the prompts hold."""
+    t = results["ttft"]
+    broken = []
+    for routing in ("round_robin", "kv_aware"):
+        if t[f"{routing}.answered"] != t["requests"]:
+            broken.append(f"ttft.{routing}: {t[f'{routing}.answered']} of {t['requests']} "
+                          "streams reported usage")
+        if not 0 <= t[f"{routing}.cached_token_ratio"] <= 1:
+            broken.append(f"ttft.{routing}: cached-token ratio "
+                          f"{t[f'{routing}.cached_token_ratio']} outside 0..1")
+    return broken
+
+
 def security(results: Results) -> list[str]:
     c = results["campaign"]
     broken = [f"campaign.{key} = {c[key]}: {what}" for key, what in (

@@ -91,6 +91,13 @@ def security_steps(quick: bool) -> list[Step]:
             ("auth", lambda: bench_auth(quick))]
 
 
+def gateway_steps(quick: bool) -> list[Step]:
+    from bench.bench_gateway import bench_gateway_overhead, bench_gateway_ttft
+
+    return [("overhead", lambda: bench_gateway_overhead(100 if quick else 1000)),
+            ("ttft", lambda: bench_gateway_ttft(300))]  # the whole committed slice, always
+
+
 SUITES: dict[str, Suite] = {
     "coordinator": Suite(coordinator_steps, targets.coordinator_targets, invariants.coordinator),
     "worker": Suite(worker_steps, targets.worker_targets, invariants.worker),
@@ -98,4 +105,5 @@ SUITES: dict[str, Suite] = {
     "replication": Suite(replication_steps, targets.replication_targets, invariants.replication),
     "bridge": Suite(bridge_steps, targets.bridge_targets, invariants.bridge),
     "security": Suite(security_steps, targets.security_targets, invariants.security),
+    "gateway": Suite(gateway_steps, targets.gateway_targets, invariants.gateway),
 }

@@ -116,6 +116,24 @@ def bridge_targets(results: dict[str, Any]) -> list[list[str]]:
              f"{results['decode_and_map']['us_per_block']:.1f} us", "-"]]
 
 
+def gateway_targets(results: dict[str, Any]) -> list[list[str]]:
+    """What the gateway adds over calling a worker directly, and what kv_aware routing buys
+    at the gateway over round_robin (reported; the issue names no bar for either)."""
+    o, t = results["overhead"], results["ttft"]
+    return [
+        ["latency the gateway adds (p50 / p99)", "-",
+         f"{o['added.p50_ms']:.2f} / {o['added.p99_ms']:.2f} ms", "-"],
+        ["gateway CPU per request", "-", f"{o['gateway_cpu_us_per_request']:.0f} us", "-"],
+        ["requests/s through the gateway / direct", "-",
+         f"{o['gateway.requests_per_s'] / o['direct.requests_per_s']:.2f}x", "-"],
+        ["TTFT p50, kv_aware vs round_robin (trace slice)", "-",
+         f"{t['kv_aware.ttft_p50_ms']:.1f} vs {t['round_robin.ttft_p50_ms']:.1f} ms", "-"],
+        ["cached-token ratio, kv_aware vs round_robin", "-",
+         f"{t['kv_aware.cached_token_ratio']:.2f} vs {t['round_robin.cached_token_ratio']:.2f}",
+         "-"],
+    ]
+
+
 SECURITY_RSS_BOUND_MIB = 64.0
 """tests/test_fuzz_rpc.py's bound on a server's RSS growth over the measured pass."""
 

@@ -137,6 +137,8 @@ class LocalFleet:
     """KV pages per worker (None: the worker's default)."""
     pidfile: Path | None = None
     http: bool = False
+    routing_policy: str | None = None
+    """The coordinator's ``--routing-policy`` (None: its default, ``kv_aware``)."""
     """Workers also serve their OpenAI endpoint (``--http-listen``); ``start_gateway`` then
     puts a ``kvcoord gateway`` in front of them."""
     coordinator_target: str = ""
@@ -152,6 +154,8 @@ class LocalFleet:
             port = free_port()
             self.coordinator_target = f"127.0.0.1:{port}"
             extra = ["--redis", self.redis] if self.redis else []
+            if self.routing_policy is not None:
+                extra += ["--routing-policy", self.routing_policy]
             self._coordinator = self._spawn("coordinator", {}, [
                 "coordinator", "--listen", self.coordinator_target, "--log-level", "warning",
                 *extra])
