@@ -71,6 +71,8 @@ class RolloutReporter:
         self._pending: deque[Rollout] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._stopped = asyncio.Event()  # ends a backoff at once (new records must not)
 
     @property
     def pending(self) -> int:
@@ -99,9 +101,17 @@ class RolloutReporter:
         the RPC timeout). Records still unsent after that (no link, errors) are logged and
         lost. Call it while the coordinator link is still up."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # The sender finishes the batch it may be sending (cancelling that call would leave
+            # a batch the coordinator took still queued, and it would be sent twice), then ends.
+            self._stopping = True
+            self._stopped.set()
+            self._wake.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), self._timeout_s + 1)
+            except TimeoutError:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
             self._task = None
         deadline = time.monotonic() + (self._timeout_s if timeout_s is None else timeout_s)
         while self._pending and time.monotonic() < deadline:
@@ -113,15 +123,17 @@ class RolloutReporter:
 
     async def _run(self) -> None:
         failures = 0
-        while True:
+        while not self._stopping:
             if len(self._pending) < self._batch_size:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self._flush_s)
             self._wake.clear()
-            while self._pending and self._stub() is not None:  # else: next tick
+            while self._pending and not self._stopping and self._stub() is not None:
                 if not await self._send_one(self._timeout_s):
                     failures += 1
-                    await asyncio.sleep(min(_MAX_BACKOFF_S, self._flush_s * 2 ** min(failures, 8)))
+                    backoff = min(_MAX_BACKOFF_S, self._flush_s * 2 ** min(failures, 8))
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stopped.wait(), backoff)
                     break
                 failures = 0
 
