@@ -29,6 +29,7 @@ import aiohttp
 from coordinator.client import CoordinatorClient
 from kvcoord.fleet_procs import LocalFleet
 from kvcoord.simulate.trace import load_trace
+from kvcoord.up_report import percentile
 
 TRACE = Path(__file__).resolve().parent.parent / "tests" / "data" / "mooncake_300.jsonl"
 PAGE = 16
@@ -46,11 +47,6 @@ def page_tokens(hash_id: int) -> list[int]:
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _load(url: str, bodies: list[dict[str, Any]], concurrency: int,
@@ -122,11 +118,11 @@ def bench_gateway_overhead(requests: int, concurrency: int = 4) -> dict[str, Any
         "requests": requests, "concurrency": concurrency,
         "direct.requests_per_s": requests / direct_s,
         "gateway.requests_per_s": requests / through_s,
-        "direct.p50_ms": statistics.median(direct), "direct.p99_ms": _quantile(direct, 0.99),
+        "direct.p50_ms": statistics.median(direct), "direct.p99_ms": percentile(direct, 99),
         "gateway.p50_ms": statistics.median(through),
-        "gateway.p99_ms": _quantile(through, 0.99),
+        "gateway.p99_ms": percentile(through, 99),
         "added.p50_ms": statistics.median(through) - statistics.median(direct),
-        "added.p99_ms": _quantile(through, 0.99) - _quantile(direct, 0.99),
+        "added.p99_ms": percentile(through, 99) - percentile(direct, 99),
         "gateway_cpu_us_per_request": cpu_us,
     }
 
@@ -151,7 +147,7 @@ def bench_gateway_ttft(requests: int, workers: int = 2, concurrency: int = 4) ->
                 fleet.stop()
             prompt_tokens = sum(len(b["prompt"]) for b in bodies)
             results[f"{routing}.ttft_p50_ms"] = statistics.median(ttft)
-            results[f"{routing}.ttft_p99_ms"] = _quantile(ttft, 0.99)
+            results[f"{routing}.ttft_p99_ms"] = percentile(ttft, 99)
             results[f"{routing}.cached_token_ratio"] = sum(cached) / prompt_tokens
             results[f"{routing}.answered"] = min(len(ttft), len(cached))
     results["speedup.ttft_p50_kv_aware_vs_round_robin"] = (

@@ -55,6 +55,18 @@ class Fleet:
 
 
 @asynccontextmanager
+async def running_gateway(coordinator: str, **settings: Any) -> AsyncIterator[GatewayServer]:
+    """A started gateway in front of ``coordinator``, stopped (and its client closed) after."""
+    gateway, client = await start_gateway(GatewayConfig(
+        coordinator=coordinator, listen="127.0.0.1:0", **settings))
+    try:
+        yield gateway
+    finally:
+        await gateway.stop()
+        await client.close()
+
+
+@asynccontextmanager
 async def running_fleet(ids: IdentityFile | None = None,
                         tmp_path: Path | None = None) -> AsyncIterator[Fleet]:
     """A coordinator, two reference workers with HTTP endpoints, and a gateway; with ``ids``,
@@ -76,13 +88,8 @@ async def running_fleet(ids: IdentityFile | None = None,
                     max_new_tokens=256, http_listen="127.0.0.1:0", **extra)))
             for worker in workers:
                 await asyncio.wait_for(worker.agent.synced.wait(), 10)
-            gateway, client = await start_gateway(GatewayConfig(
-                coordinator=target(coord), listen="127.0.0.1:0", drain_wait_ms=10_000))
-            try:
+            async with running_gateway(target(coord), drain_wait_ms=10_000) as gateway:
                 yield Fleet(coord, workers, gateway)
-            finally:
-                await gateway.stop()
-                await client.close()
         finally:
             for worker in workers:
                 await worker.stop(0.5)
@@ -214,25 +221,20 @@ async def test_a_body_over_the_limit_is_413_and_unknown_fields_pass(fleet: Fleet
 
 
 async def test_health_live_and_ready_and_no_worker_is_503() -> None:
-    async with running_coordinator(page_size=PAGE) as coord:
-        gateway, client = await start_gateway(GatewayConfig(
-            coordinator=target(coord), listen="127.0.0.1:0"))
-        try:
-            url = f"http://127.0.0.1:{gateway.port}"
-            async with aiohttp.ClientSession() as session:
-                assert (await session.get(f"{url}/livez")).status == 200
-                ready = await session.get(f"{url}/readyz")
-                assert ready.status == 503
-                assert (await ready.json())["reason"] == "no routable worker"
-            api = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-            with pytest.raises(openai.InternalServerError) as refused:
-                await api.completions.create(model=MODEL, prompt="hi", max_tokens=1)
-            assert refused.value.status_code == 503
-            assert refused.value.response.json()["error"]["code"] == "no_worker"
-            await api.close()
-        finally:
-            await gateway.stop()
-            await client.close()
+    async with running_coordinator(page_size=PAGE) as coord, \
+            running_gateway(target(coord)) as gateway:
+        url = f"http://127.0.0.1:{gateway.port}"
+        async with aiohttp.ClientSession() as session:
+            assert (await session.get(f"{url}/livez")).status == 200
+            ready = await session.get(f"{url}/readyz")
+            assert ready.status == 503
+            assert (await ready.json())["reason"] == "no routable worker"
+        api = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as refused:
+            await api.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        assert refused.value.status_code == 503
+        assert refused.value.response.json()["error"]["code"] == "no_worker"
+        await api.close()
 
 
 async def test_several_prompts_are_spread_by_one_route_batch_and_merged_by_index(
@@ -409,18 +411,13 @@ async def test_a_tokenizer_that_is_not_the_engines_is_counted_as_drift(
     shutil.copytree(REFERENCE_TOKENIZER, other)
     (other / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
-    gateway, client = await start_gateway(GatewayConfig(
-        coordinator=target(fleet.coordinator), listen="127.0.0.1:0", tokenizer=str(other)))
-    try:
+    async with running_gateway(target(fleet.coordinator), tokenizer=str(other)) as gateway:
         api = AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="unused",
                           max_retries=0)
         await api.chat.completions.create(model=MODEL, messages=FIRST, max_tokens=1)
         await api.close()
         assert gateway.metrics.registry.get_sample_value(
             "kvcoord_gateway_tokenizer_drift_total") == 1
-    finally:
-        await gateway.stop()
-        await client.close()
 
 
 async def test_a_client_leaving_the_gateway_mid_stream_stops_the_workers_generation(

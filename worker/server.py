@@ -27,7 +27,8 @@ from worker.config import ConfigError, WorkerConfig
 from worker.engine import ModelConfig
 from worker.gate import Draining, GenerationGate
 from worker.generations import GenerationRunner, SyncState
-from worker.http_api.server import OpenAIServer, bind_http
+from worker.http_api.server import OpenAIServer
+from worker.http_api.serving import bind_http
 from worker.metrics import WorkerMetrics
 from worker.relay import EventRelay
 from worker.runtime import GenerationAborted, InvalidRequest, PoolExhausted, WorkerRuntime

@@ -236,9 +236,7 @@ def _decode_body(kind: type[Any], body: dict[str, Any], keys: list[bytes]) -> Re
     if keys:
         raise ValueError(f"{kind.__name__} carries no page keys")
     hints = _hints(kind)
-    required = {f.name for f in dataclasses.fields(kind)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    if not required <= set(body) <= set(hints):
+    if not _required(kind) <= set(body) <= set(hints):
         raise ValueError(f"{kind.__name__} fields {sorted(body)}, expected {sorted(hints)}")
     for name, value in body.items():
         # bool is an int in Python: an exact type match keeps True out of an int field.
@@ -249,6 +247,17 @@ def _decode_body(kind: type[Any], body: dict[str, Any], keys: list[bytes]) -> Re
 
 
 _HINTS: dict[type[Any], dict[str, type[Any]]] = {}
+_REQUIRED: dict[type[Any], frozenset[str]] = {}
+
+
+def _required(kind: type[Any]) -> frozenset[str]:
+    """The fields of ``kind`` without a default (a newer field may be absent)."""
+    required = _REQUIRED.get(kind)
+    if required is None:
+        required = _REQUIRED[kind] = frozenset(
+            f.name for f in dataclasses.fields(kind)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    return required
 
 
 def _hints(kind: type[Any]) -> dict[str, type[Any]]:

@@ -150,11 +150,14 @@ def registration_from(req: pb.RegisterRequest) -> RegistrationRequest:
 
 
 MAX_EXCLUDED_WORKERS = 64
+_NO_WORKERS: frozenset[str] = frozenset()
 
 
 def excluded_workers(worker_ids: Sequence[str]) -> frozenset[str]:
     """A Route's ``exclude_workers``; InvalidArgument past ``MAX_EXCLUDED_WORKERS`` or for an
     empty id."""
+    if not worker_ids:  # every Route but a gateway's retry: nothing to build
+        return _NO_WORKERS
     if len(worker_ids) > MAX_EXCLUDED_WORKERS:
         raise InvalidArgument(f"exclude_workers has {len(worker_ids)} ids; at most "
                               f"{MAX_EXCLUDED_WORKERS}")

@@ -14,6 +14,7 @@ from coordinator.client import AsyncCoordinatorClient, KvcoordError
 from coordinator.client.types import Route
 from coordinator.wire import Reason
 from worker.http_api.openai_requests import OpenAIError
+from worker.http_api.serving import retry_after
 
 _STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
@@ -27,9 +28,9 @@ def refusal_of(error: KvcoordError) -> OpenAIError:
     """A coordinator refusal as the client's answer: 401/403/400/429 (with ``Retry-After``) as
     the coordinator decided; 503 for no routable worker, a drain, or a coordinator that cannot
     answer; 502 for anything else."""
-    headers = {}
+    headers: dict[str, str] = {}
     if error.retry_after_ms is not None:
-        headers["Retry-After"] = str(max(1, -(-error.retry_after_ms // 1000)))
+        headers.update(retry_after(error.retry_after_ms))
     if error.code in _STATUS:
         status, kind = _STATUS[error.code]
         return OpenAIError(status, error.details, type=kind, code=error.code.name.lower(),

@@ -15,7 +15,6 @@ goes away closes the upstream request, which stops the worker's generation.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -37,47 +36,24 @@ from worker.http_api.openai_requests import (
     parse_chat,
     parse_completion,
 )
-from worker.text.tokenizer import ChatTemplateError, TextTokenizer, TokenizerError
+from worker.http_api.serving import (
+    Handler,
+    bind_http,
+    check_context,
+    check_model,
+    common_refusal,
+    json_body,
+    openai_errors,
+)
+from worker.text.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STARTED = web.RequestKey("started", float)
 """When the request arrived (``time.perf_counter``), for its latency metrics."""
 # Headers of the worker's answer that are the transport's business, not the client's.
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
                 "content-encoding", "date", "server"}
-
-
-def _refusal(exc: Exception) -> OpenAIError | None:
-    """The OpenAI-shaped answer to what a request raised; None for the unexpected."""
-    if isinstance(exc, OpenAIError):
-        return exc
-    if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return OpenAIError(413, "the request body is over the size limit", code="body_too_large")
-    if isinstance(exc, web.HTTPNotFound):
-        return OpenAIError(404, "no such endpoint", code="not_found")
-    if isinstance(exc, web.HTTPMethodNotAllowed):
-        return OpenAIError(405, "method not allowed", code="method_not_allowed")
-    if isinstance(exc, TokenizerError | ChatTemplateError):
-        return OpenAIError(400, str(exc))
-    return None
-
-
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception as exc:
-        refusal = _refusal(exc)
-        if refusal is None:
-            log.exception("gateway.internal_error", path=request.path)
-            refusal = OpenAIError(500, "internal error", type="server_error",
-                                  code="internal_error")
-        return web.json_response(refusal.body(), status=refusal.status,
-                                 headers=refusal.headers)
 
 
 def _counted(metrics: GatewayMetrics) -> Any:
@@ -117,7 +93,7 @@ class GatewayServer:
         self.port = 0
         self.metrics_port: int | None = None
         app = web.Application(client_max_size=config.max_body_bytes,
-                              middlewares=[_counted(self.metrics), _openai_errors])
+                              middlewares=[_counted(self.metrics), openai_errors(common_refusal)])
         app.router.add_get("/livez", self._livez)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/v1/models", self._models)
@@ -134,11 +110,9 @@ class GatewayServer:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self._config.shutdown_grace_ms / 1000)
         await self._runner.setup()
-        host, _, port = self._config.listen.rpartition(":")
-        site = web.TCPSite(self._runner, host.strip("[]") or "0.0.0.0", int(port))
-        await site.start()
-        sockets = getattr(site._server, "sockets", None) or []  # aiohttp keeps them there
-        self.port = int(sockets[0].getsockname()[1]) if sockets else int(port)
+        sock = bind_http(self._config.listen)
+        self.port = int(sock.getsockname()[1])
+        await web.SockSite(self._runner, sock).start()
         log.info("gateway.serving", listen=self._config.listen, port=self.port,
                  coordinator=self._config.coordinator, model=self._config.model,
                  tokenizer=self._tokenizer.source, max_context=self._max_context)
@@ -169,24 +143,11 @@ class GatewayServer:
 
     async def _read(self, request: web.Request) -> tuple[bytes, Any]:
         raw = await request.read()
-        try:
-            return raw, json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise OpenAIError(400, f"the request body is not JSON: {exc}",
-                              code="invalid_json") from None
+        return raw, json_body(raw)
 
     def _check(self, model: str, prompt: list[int], max_tokens: int) -> None:
-        if model != self._config.model:
-            raise OpenAIError(404, f"the model {model!r} does not exist (this gateway serves "
-                              f"{self._config.model!r})", code="model_not_found",
-                              param="model")
-        if not prompt:
-            raise OpenAIError(400, "the prompt is empty", param="prompt")
-        limit = self._max_context
-        if limit is not None and len(prompt) + max_tokens > limit:
-            raise OpenAIError(
-                400, f"this model's context is {limit} tokens; the prompt has {len(prompt)} "
-                f"and {max_tokens} more were asked for", code="context_length_exceeded")
+        check_model(model, self._config.model, "this gateway")
+        check_context(prompt, max_tokens, self._max_context)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         raw, body = await self._read(request)

@@ -34,28 +34,34 @@ class Usage:
 
 
 class IncrementalText:
-    """The text of a growing token sequence, handed out as deltas. A delta is held back while
-    the decoded text ends in an incomplete UTF-8 sequence (decoded as U+FFFD), so a character
-    split across tokens arrives whole."""
+    """The text of a growing token sequence, handed out as deltas, decoding only a few tokens
+    per step (not the whole sequence again). A delta is the text of the tokens since the last
+    one, decoded with the tokens before them as context (decoders that strip or join at the
+    start of a string see the same neighbours as in the whole text), and is held back while it
+    ends in an incomplete UTF-8 sequence (U+FFFD), so a character split across tokens arrives
+    whole."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
         self._decode = decode
         self._tokens: list[int] = []
-        self._sent = 0
+        self._prefix = 0  # context tokens start here
+        self._read = 0  # tokens up to here are handed out
 
     def add(self, token: int) -> str:
         self._tokens.append(token)
-        text = self._decode(self._tokens)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self._sent = text[self._sent:], len(text)
-        return delta
+        return self._delta(final=False)
 
     def rest(self) -> str:
         """What is left at the end (an incomplete sequence that stayed incomplete)."""
-        text = self._decode(self._tokens)
-        delta, self._sent = text[self._sent:], len(text)
-        return delta
+        return self._delta(final=True)
+
+    def _delta(self, *, final: bool) -> str:
+        before = self._decode(self._tokens[self._prefix:self._read])
+        text = self._decode(self._tokens[self._prefix:])
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._tokens)
+        return text[len(before):]
 
 
 class Answer:

@@ -15,12 +15,11 @@ cancels its generation at the next decode step. Every refusal is OpenAI-shaped J
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import ssl
 import threading
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -39,6 +38,14 @@ from worker.http_api.openai_requests import (
     parse_completion,
 )
 from worker.http_api.openai_responses import DONE, Answer, IncrementalText, Usage
+from worker.http_api.serving import (
+    check_context,
+    check_model,
+    common_refusal,
+    json_body,
+    openai_errors,
+    retry_after,
+)
 from worker.runtime import (
     Generation,
     GenerationAborted,
@@ -46,7 +53,7 @@ from worker.runtime import (
     InvalidRequest,
     PoolExhausted,
 )
-from worker.text.tokenizer import ChatTemplateError, TextTokenizer, TokenizerError
+from worker.text.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -56,25 +63,6 @@ _STATUS_OF_DOMAIN = {"UNAUTHENTICATED": (401, "authentication_error"),
                      "PERMISSION_DENIED": (403, "permission_error"),
                      "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
                      "INVALID_ARGUMENT": (400, "invalid_request_error")}
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def bind_http(listen: str) -> socket.socket:
-    """A listening TCP socket on ``listen`` (HOST:PORT; port 0 picks a free one), bound before
-    the server starts so its port is known first (the worker registers the URL)."""
-    host, _, port = listen.rpartition(":")
-    host = host.strip("[]") or "0.0.0.0"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, int(port)))
-    except OSError:
-        sock.close()
-        raise
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
 
 
 class _HttpCall:
@@ -90,43 +78,26 @@ class _HttpCall:
         return {}
 
 
-def _refusal(exc: Exception) -> OpenAIError:
-    """The OpenAI-shaped answer to an exception a request may raise."""
-    if isinstance(exc, OpenAIError):
-        return exc
+def _refusal(exc: Exception) -> OpenAIError | None:
+    """The OpenAI-shaped answer to what a generation may raise (``common_refusal`` first)."""
+    found = common_refusal(exc)
+    if found is not None:
+        return found
     if isinstance(exc, DomainError):
         status, kind = _STATUS_OF_DOMAIN.get(exc.status_name, (500, "server_error"))
-        headers = {} if exc.retry_after_ms is None else {
-            "Retry-After": str(max(1, -(-exc.retry_after_ms // 1000)))}
+        headers = {} if exc.retry_after_ms is None else retry_after(exc.retry_after_ms)
         return OpenAIError(status, str(exc), type=kind, code=exc.status_name.lower(),
                            headers=headers)
     if isinstance(exc, Draining | GenerationAborted):
         return OpenAIError(503, str(exc), type="server_error", code="draining",
                            headers={"Retry-After": str(DRAIN_RETRY_S)})
-    if isinstance(exc, InvalidRequest | TokenizerError | ChatTemplateError):
+    if isinstance(exc, InvalidRequest):
         return OpenAIError(400, str(exc))
     if isinstance(exc, PoolExhausted):
         return OpenAIError(400, str(exc), code="pool_exhausted")
-    if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
-                           code="body_too_large")
-    if isinstance(exc, web.HTTPNotFound):
-        return OpenAIError(404, "no such endpoint", code="not_found")
-    if isinstance(exc, web.HTTPMethodNotAllowed):
-        return OpenAIError(405, "method not allowed", code="method_not_allowed")
-    log.exception("http.internal_error")
-    return OpenAIError(500, "internal error", type="server_error", code="internal_error")
-
-
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except (asyncio.CancelledError, GenerationCancelled, ConnectionResetError):
-        raise
-    except Exception as exc:
-        refusal = _refusal(exc)
-        return web.json_response(refusal.body(), status=refusal.status, headers=refusal.headers)
+    if isinstance(exc, GenerationCancelled):  # the client went away; nobody reads this
+        return OpenAIError(499, str(exc), code="client_closed")
+    return None
 
 
 class OpenAIServer:
@@ -140,7 +111,8 @@ class OpenAIServer:
         self._model = model
         self._ssl = ssl_context
         self._runner: web.AppRunner | None = None
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_openai_errors])
+        app = web.Application(client_max_size=MAX_BODY_BYTES,
+                              middlewares=[openai_errors(_refusal)])
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -168,40 +140,21 @@ class OpenAIServer:
             "id": self._model, "object": "model", "created": 0, "owned_by": "kvcoord",
             "max_model_len": self._generations.runtime.model.max_context}]})
 
-    async def _body(self, request: web.Request) -> Any:
-        raw = await request.read()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise OpenAIError(400, f"the request body is not JSON: {exc}",
-                              code="invalid_json") from None
-
-    def _check_model(self, model: str) -> None:
-        if model != self._model:
-            raise OpenAIError(404, f"the model {model!r} does not exist here (this worker "
-                              f"serves {self._model!r})", code="model_not_found", param="model")
-
     def _check_context(self, prompt: Sequence[int], max_tokens: int) -> None:
-        limit = self._generations.runtime.model.max_context
-        if not prompt:
-            raise OpenAIError(400, "the prompt is empty", param="prompt")
-        if len(prompt) + max_tokens > limit:
-            raise OpenAIError(
-                400, f"this model's context is {limit} tokens; the prompt has {len(prompt)} "
-                f"and {max_tokens} more were asked for", code="context_length_exceeded")
+        check_context(prompt, max_tokens, self._generations.runtime.model.max_context)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         self._admit(request)
-        parsed = parse_completion(await self._body(request))
-        self._check_model(parsed.model)
+        parsed = parse_completion(json_body(await request.read()))
+        check_model(parsed.model, self._model, "this worker")
         prompts = [p if isinstance(p, list) else self._tokenizer.encode(p)
                    for p in parsed.prompts]
         return await self._answer(request, parsed, prompts, Answer(parsed.model, chat=False))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self._admit(request)
-        parsed = parse_chat(await self._body(request))
-        self._check_model(parsed.model)
+        parsed = parse_chat(json_body(await request.read()))
+        check_model(parsed.model, self._model, "this worker")
         prompt = self._tokenizer.encode_chat(parsed.messages, tools=parsed.tools)
         return await self._answer(request, parsed, [prompt], Answer(parsed.model, chat=True))
 
