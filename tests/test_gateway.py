@@ -312,6 +312,10 @@ async def test_kvcoord_gateway_serves_a_fleet_and_stops_on_sigterm(fleet: Fleet)
     (["--listen", "nowhere"], "listen must be HOST:PORT"),
     (["--route-retries", "-1"], "route_retries must be >= 0"),
     (["--coordinator", ""], "coordinator:"),
+    (["--max-context", "0"], "max_context must be >= 1"),
+    (["--drain-wait-ms", "0"], "drain_wait_ms must be > 0"),
+    (["--metrics-port", "70000"], "metrics_port out of range"),
+    (["--model", ""], "model must not be empty"),
 ])
 def test_kvcoord_gateway_refuses_bad_settings_in_one_line(flags: list[str], says: str) -> None:
     result = subprocess.run([str(Path(sys.executable).parent / "kvcoord"), "gateway", *flags],

@@ -244,3 +244,16 @@ def test_namespaces_refuse_underscore_names() -> None:
     template = ChatTemplate("{% set ns = namespace(_secret=1) %}{{ ns }}")
     with pytest.raises(ChatTemplateError, match="underscore name"):
         template.render([])
+
+
+def test_a_stream_decoded_token_by_token_is_the_whole_text_and_never_half_a_character() -> None:
+    from worker.http_api.openai_responses import IncrementalText
+
+    shipped = reference_tokenizer()
+    for text in ["ünïcødé ✓ 漢字, then plain words and\nnew lines", "✓✓✓ 漢字漢字", "a"]:
+        ids = shipped.encode(text, add_special_tokens=False)
+        stream = IncrementalText(shipped.decode)
+        deltas = [stream.add(token) for token in ids] + [stream.rest()]
+        assert "".join(deltas) == shipped.decode(ids) == text
+        assert all("\ufffd" not in delta for delta in deltas)
+        assert len(ids) > len(text.encode()) // 4  # byte tokens: characters do get split
