@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	# torch pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
 	$(PIP) install --quiet "torch==2.13.0"
-	$(PIP) install --quiet -e ".[worker,text,bridge,dev,plot]"
+	$(PIP) install --quiet -e ".[worker,text,gateway,bridge,dev,plot]"
 	touch $(STAMP)
 
 install: $(STAMP) ## create .venv and install everything (runtime, worker, dev)

@@ -247,6 +247,19 @@ def check_security_settings(config: Any) -> None:
         raise ConfigError(f"rate_limit_per_s must be >= 0 (0 = off), got {config.rate_limit_per_s}")
 
 
+def read_token_setting(path: str | None, setting: str = "token_file") -> str | None:
+    """The bearer token in the file ``path`` names (None without one), read now; ConfigError
+    naming ``setting`` for a file that does not hold exactly one token."""
+    from coordinator.client.channels import read_token_file
+
+    if path is None:
+        return None
+    try:
+        return read_token_file(path)
+    except ValueError as exc:
+        raise ConfigError(f"{setting}: {exc}") from None
+
+
 T = typing.TypeVar("T")
 
 

@@ -54,6 +54,7 @@ from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.identities import IdentityTable, Role, Unauthenticated
 from coordinator.store import REDIS_SCHEMES
 from coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from kvcoord.gateway.config import GatewayConfig
 from tests import k8s_render
 from tests.k8s_render import KUSTOMIZATION, Resource, pod_spec, split_image
 from worker.config import WorkerConfig
@@ -74,7 +75,7 @@ KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")
 NAMESPACE = "kvcoord"
 IMAGE = "ghcr.io/kvcoord/kvcoord"
 COMPONENT = "app.kubernetes.io/component"
-KVCOORD_COMPONENTS = ("coordinator", "worker")  # the containers that run `kvcoord`
+KVCOORD_COMPONENTS = ("coordinator", "worker", "gateway")  # the containers that run `kvcoord`
 PLACEHOLDER_KEY = "REPLACE-ME-with-openssl-rand-hex-32"
 
 
@@ -414,7 +415,7 @@ def test_resources_live_in_the_kvcoord_namespace_with_the_common_labels(
         assert metadata["labels"]["app.kubernetes.io/name"] == "kvcoord", metadata["name"]
         assert metadata["labels"]["app.kubernetes.io/part-of"] == "kvcoord", metadata["name"]
     for workload in workloads(rendered):
-        assert component(workload) in ("coordinator", "worker", "redis")
+        assert component(workload) in (*KVCOORD_COMPONENTS, "redis")
         assert workload["metadata"]["labels"][COMPONENT] == component(workload)
         assert selects(workload["spec"]["selector"], pod_labels(workload))
 
@@ -447,19 +448,37 @@ def test_statefulsets_are_governed_by_their_headless_service(rendered: list[Reso
         assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels(statefulset))
 
 
+# The ports each kvcoord container serves: its gRPC API (--listen), its OpenAI endpoint (the
+# gateway's --listen, the worker's --http-listen) and /metrics.
+SERVED_PORTS = {
+    "coordinator": {"grpc": "listen", "metrics": "metrics_port"},
+    "worker": {"grpc": "listen", "http": "http_listen", "metrics": "metrics_port"},
+    "gateway": {"http": "listen", "metrics": "metrics_port"},
+}
+
+
 def test_container_ports_are_the_ports_in_listen_and_metrics_port(
     rendered: list[Resource],
 ) -> None:
     for workload, container in kvcoord_containers(rendered):
         args = parsed_args(rendered, workload, container)
-        assert host_port(args.listen)[1] == container_port(container, "grpc")
-        assert args.metrics_port == container_port(container, "metrics")
-        assert {p["name"] for p in container["ports"]} == {"grpc", "metrics"}
+        served = SERVED_PORTS[component(workload)]
+        assert {p["name"] for p in container["ports"]} == set(served)
+        for name, flag in served.items():
+            value = getattr(args, flag)
+            port = value if isinstance(value, int) else host_port(value)[1]
+            assert port == container_port(container, name), (component(workload), name)
 
 
 def test_probes_call_grpc_health_on_the_grpc_port(rendered: list[Resource]) -> None:
-    # Both servers register grpc.health.v1 (coordinator/server/main.py, worker/server.py).
+    # Both gRPC servers register grpc.health.v1 (coordinator/server/main.py, worker/server.py);
+    # the gateway answers /livez and /readyz (kvcoord/gateway/server.py), and starts in a second.
     for workload, container in kvcoord_containers(rendered):
+        if component(workload) == "gateway":
+            assert "startupProbe" not in container
+            assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+            assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+            continue
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": container_port(container, "grpc")}, (
                 f"{workload['metadata']['name']} {probe}"
@@ -524,6 +543,7 @@ _OUTSIDE_CONFIG = _literal_variables(load_hash_config) | _literal_variables(kvco
 READ_BY = {
     "coordinator": _env_names(CoordinatorConfig) | _OUTSIDE_CONFIG,
     "worker": _env_names(WorkerConfig) | _OUTSIDE_CONFIG,
+    "gateway": _env_names(GatewayConfig),
 }
 
 
@@ -678,7 +698,8 @@ def set_environment(scope: pytest.MonkeyPatch, env: dict[str, str]) -> None:
 
 @dataclasses.dataclass
 class Started:
-    """What `kvcoord coordinator|worker` handed to serve_forever, instead of serving."""
+    """What `kvcoord coordinator|worker|gateway` handed to serve_forever, instead of
+    serving."""
 
     configs: list[Any] = dataclasses.field(default_factory=list)
     cuda_checks: int = 0
@@ -693,9 +714,14 @@ def _capture_servers(scope: pytest.MonkeyPatch, record: Started) -> None:
         record.cuda_checks += 1
         return True  # the pod's node has the GPU it asked for
 
+    from kvcoord.gateway.run import load_tokenizer
+
     fake_server = types.SimpleNamespace(serve_forever=serve_forever)
     scope.setitem(sys.modules, "coordinator.server.main", fake_server)
     scope.setitem(sys.modules, "worker.server", fake_server)
+    # The gateway's tokenizer is still loaded for real (a bad one is refused before serving).
+    scope.setitem(sys.modules, "kvcoord.gateway.run", types.SimpleNamespace(
+        serve_forever=serve_forever, load_tokenizer=load_tokenizer))
     scope.setattr("worker.config._cuda_available", cuda_available)
     scope.setattr("coordinator.logs.configure_logging", lambda level: None)
 
@@ -731,10 +757,13 @@ GUIDE = ROOT / "docs" / "OPERATIONS.md"
 # key of the auth Secret ({pod}: the pod's name).
 AUTH_FILE = "/etc/kvcoord/auth/identities.toml"
 WORKER_TOKEN_FILE = "/etc/kvcoord/token/worker.token"
+GATEWAY_TOKEN = "gateway.token"
 CREDENTIALS_SEEN = {
     "coordinator": {AUTH_FILE: IDENTITIES},
     "worker": {AUTH_FILE: IDENTITIES, WORKER_TOKEN_FILE: "{pod}.token"},
+    "gateway": {f"/etc/kvcoord/token/{GATEWAY_TOKEN}": GATEWAY_TOKEN},
 }
+AUTH_READERS = {c for c, seen in CREDENTIALS_SEEN.items() if AUTH_FILE in seen}
 
 
 def auth_files(resources: list[Resource]) -> dict[str, str]:
@@ -845,6 +874,12 @@ def test_pods_start_with_a_valid_configuration_from_their_args_and_environment(
         config = built[component(workload)] = started.configs.pop()
         env = pod.env
         assert config.listen.startswith("0.0.0.0:")
+        if component(workload) == "gateway":
+            # No hashing and no identities of its own: the coordinators hash and check tokens.
+            assert isinstance(config, GatewayConfig)
+            assert config.coordinator == configmap["KVCOORD_COORDINATOR"]
+            assert config.metrics_port == container_port(container, "metrics")
+            continue
         assert config.hash_key == (env["KVCOORD_HASH_KEY"] or None)
         assert config.page_size == int(configmap["KVCOORD_PAGE_SIZE"])
         assert config.auth_file is not None, f"{pod.name}: auth is off"
@@ -861,6 +896,8 @@ def test_pods_start_with_a_valid_configuration_from_their_args_and_environment(
             assert config.worker_id == pod_name(workload)
             assert config.coordinator == configmap["KVCOORD_COORDINATOR"]
             assert config.heartbeat_ms == int(configmap["KVCOORD_HEARTBEAT_MS"])
+            assert config.http_url(container_port(container, "http")) == (
+                f"http://{host}:{container_port(container, 'http')}")
             cuda_workers += config.device == "cuda"
     assert started.configs == []
     assert started.cuda_checks == cuda_workers  # `--device cuda` is refused without a GPU
@@ -870,6 +907,11 @@ def test_pods_start_with_a_valid_configuration_from_their_args_and_environment(
         worker.coordinator_token())
     assert identity is not None
     assert (identity.role, identity.worker_id) == (Role.WORKER, worker.worker_id)
+    # The gateway's own token is a scheduler's: GetStats, for /readyz.
+    identity = IdentityTable.load(built["coordinator"].auth_file).by_token(
+        built["gateway"].own_token())
+    assert identity is not None
+    assert (identity.name, identity.role) == ("gateway", Role.SCHEDULER)
 
 
 def test_the_secret_template_keeps_pods_from_starting_until_a_key_is_set() -> None:
@@ -901,6 +943,10 @@ def test_the_auth_template_keeps_pods_from_starting_until_it_is_filled(
             set_environment(scope, pod.env)
             assert kvcoord.cli.main(pod.args) == 2, pod.name
         error = capsys.readouterr().err
+        if component(workload) == "gateway":  # it reads no identities, only its own token
+            assert error.startswith("kvcoord gateway: token_file: "), error
+            assert "more than one token" in error
+            continue
         assert error.startswith(f"kvcoord {component(workload)}: auth_file: "), error
         assert "token_sha256 must be 64 hex digits" in error
     assert started.configs == []
@@ -923,6 +969,8 @@ def test_the_development_credentials_authenticate_each_pod_and_client_as_itself(
         assert identity is not None, role
         roles[role] = identity.role
     assert roles == {"scheduler": Role.SCHEDULER, "trainer": Role.TRAINER, "admin": Role.ADMIN}
+    gateway = table.by_token(auth_files(resources)[GATEWAY_TOKEN])
+    assert gateway is not None and (gateway.name, gateway.role) == ("gateway", Role.SCHEDULER)
     workload = named(resources, "StatefulSet", "kvcoord-worker")
     (container,) = containers_of(workload)
     for ordinal, name in enumerate(worker_pods(resources)):
@@ -940,7 +988,8 @@ def test_every_worker_ordinal_has_an_identity_and_its_own_token_file(
     files = auth_files(rendered)
     workers = sorted(e["worker_id"] for e in identities_in(rendered) if e["role"] == "worker")
     assert workers == sorted(pods)
-    assert sorted(k.removesuffix(".token") for k in files if k != IDENTITIES) == sorted(pods)
+    assert sorted(k.removesuffix(".token") for k in files
+                  if k not in (IDENTITIES, GATEWAY_TOKEN)) == sorted(pods)
     for ordinal, name in enumerate(pods):
         pod = pod_of(rendered, workload, container, tmp_path / name, ordinal)
         assert Path(pod.token_file()).is_file(), f"{name}: no token file at {container['args']}"
@@ -956,7 +1005,10 @@ def test_each_kvcoord_container_sees_only_the_credentials_it_needs(
         expected = {path: files[key.format(pod=pod.name)]
                     for path, key in CREDENTIALS_SEEN[component(workload)].items()}
         assert pod.visible_files() == expected, pod.name
-        assert pod.env["KVCOORD_AUTH_FILE"] == pod.local(AUTH_FILE)
+        if component(workload) in AUTH_READERS:
+            assert pod.env["KVCOORD_AUTH_FILE"] == pod.local(AUTH_FILE)
+        else:
+            assert "KVCOORD_AUTH_FILE" not in pod.env
         if component(workload) == "worker":
             assert pod.token_file() == pod.local(WORKER_TOKEN_FILE)
         spec = pod_spec(workload)
@@ -1019,6 +1071,8 @@ def test_the_identities_file_follows_the_secret_into_every_running_pod_that_read
         files[key] = f"rotated-{key}"
     readers = set()
     for workload, container in kvcoord_containers(resources):
+        if component(workload) not in AUTH_READERS:
+            continue  # the gateway: CREDENTIALS_SEEN shows it sees no identities
         root = tmp_path / component(workload)
         pod = pod_of(resources, workload, container, root)
         mount = mount_of(container, AUTH_FILE)
@@ -1041,7 +1095,7 @@ def test_the_identities_file_follows_the_secret_into_every_running_pod_that_read
             assert config.coordinator_token() == started_with == auth_files(resources)[
                 f"{pod.name}.token"]
         readers.add(component(workload))
-    assert readers == set(KVCOORD_COMPONENTS)
+    assert readers == AUTH_READERS == {"coordinator", "worker"}
 
 
 def test_container_args_parse_with_the_kvcoord_cli(rendered: list[Resource]) -> None:
@@ -1092,14 +1146,15 @@ def test_the_worker_prestop_hook_deregisters_this_pod(rendered: list[Resource]) 
 
 @dataclasses.dataclass
 class PodFleet:
-    """The coordinator and worker kvcoord-worker-0 of the guide's production overlay (gpu, with
-    the guide's credentials), each started from what its pod runs, on loopback."""
+    """The coordinator, worker kvcoord-worker-0 and a gateway of the guide's production overlay
+    (gpu, with the guide's credentials), each started from what its pod runs, on loopback."""
 
     coordinator: Any  # coordinator.server.RunningCoordinator
     worker: Any  # worker.server.RunningWorker
     worker_pod: Pod
     worker_container: dict[str, Any]
     tokens: dict[str, str]
+    gateway: Any  # kvcoord.gateway.server.GatewayServer
 
     @property
     def target(self) -> str:
@@ -1108,39 +1163,54 @@ class PodFleet:
 
 @pytest.fixture
 def pod_configs(credentials: Credentials, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                ) -> tuple[Any, Any, Pod, dict[str, Any]]:
-    """(coordinator config, worker config, worker pod, worker container), built by `kvcoord`
-    from the pods (outside the event loop: the CLI runs its own)."""
+                ) -> tuple[Any, Any, Pod, dict[str, Any], Any]:
+    """(coordinator config, worker config, worker pod, worker container, gateway config),
+    built by `kvcoord` from the pods (outside the event loop: the CLI runs its own)."""
     resources = with_credentials("overlays/gpu", credentials)
     coordinator = named(resources, "Deployment", "kvcoord-coordinator")
     worker = named(resources, "StatefulSet", "kvcoord-worker")
+    gateway = named(resources, "Deployment", "kvcoord-gateway")
     (coordinator_container,) = containers_of(coordinator)
     (worker_container,) = containers_of(worker)
+    (gateway_container,) = containers_of(gateway)
     worker_pod = pod_of(resources, worker, worker_container, tmp_path / "worker")
     coordinator_config = pod_config(
         pod_of(resources, coordinator, coordinator_container, tmp_path / "coordinator"),
         monkeypatch)
-    return coordinator_config, pod_config(worker_pod, monkeypatch), worker_pod, worker_container
+    gateway_config = pod_config(
+        pod_of(resources, gateway, gateway_container, tmp_path / "gateway"), monkeypatch)
+    return (coordinator_config, pod_config(worker_pod, monkeypatch), worker_pod, worker_container,
+            gateway_config)
 
 
 @pytest.fixture
-async def pod_fleet(pod_configs: tuple[Any, Any, Pod, dict[str, Any]],
+async def pod_fleet(pod_configs: tuple[Any, Any, Pod, dict[str, Any], Any],
                     credentials: Credentials) -> AsyncIterator[PodFleet]:
     from coordinator.server.main import start_coordinator
+    from kvcoord.gateway.run import start_gateway
     from worker.server import start_worker
 
-    coordinator_config, worker_config, worker_pod, worker_container = pod_configs
+    coordinator_config, worker_config, worker_pod, worker_container, gateway_config = pod_configs
     # What only the cluster has, swapped for loopback: the embedded store for Redis, free ports,
     # the coordinator's address for its Service name, the CPU for the GPU.
     coordinator = await start_coordinator(dataclasses.replace(
         coordinator_config, listen="127.0.0.1:0", redis=None, metrics_port=None))
+    target = f"127.0.0.1:{coordinator.port}"
     try:
         worker = await start_worker(dataclasses.replace(
-            worker_config, coordinator=f"127.0.0.1:{coordinator.port}", listen="127.0.0.1:0",
-            metrics_port=None, device="cpu"))
+            worker_config, coordinator=target, listen="127.0.0.1:0",
+            http_listen="127.0.0.1:0", metrics_port=None, device="cpu"))
         try:
             await asyncio.wait_for(worker.agent.synced.wait(), 60)
-            yield PodFleet(coordinator, worker, worker_pod, worker_container, credentials.tokens)
+            gateway, client = await start_gateway(dataclasses.replace(
+                gateway_config, coordinator=target, listen="127.0.0.1:0", metrics_port=None),
+                token=gateway_config.own_token())
+            try:
+                yield PodFleet(coordinator, worker, worker_pod, worker_container,
+                               credentials.tokens, gateway)
+            finally:
+                await gateway.stop()
+                await client.close()
         finally:
             await worker.stop(grace=0.5)
     finally:
@@ -1188,6 +1258,34 @@ async def test_a_worker_pod_registers_as_itself_and_may_not_act_as_a_sibling(
     assert await _registered(fleet) == ["kvcoord-worker-0"]
 
 
+async def test_a_gateway_pod_is_ready_with_its_own_token_and_serves_clients_on_theirs(
+    pod_fleet: PodFleet,
+) -> None:
+    """The gateway's pod token is enough for /readyz and for nothing else; a client's request
+    goes through the coordinator and the worker's OpenAI endpoint under the client's token."""
+    import aiohttp
+
+    fleet = pod_fleet
+    base = f"http://127.0.0.1:{fleet.gateway.port}"
+    chat = {"model": "default", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello from a pod"}]}
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{base}/readyz") as ready:
+            assert ready.status == 200, await ready.text()
+        for token, status in [(fleet.tokens["scheduler"], 200), (None, 401),
+                              (fleet.tokens["gateway"], 200), (fleet.tokens["trainer"], 403)]:
+            headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+            async with http.post(f"{base}/v1/chat/completions", json=chat,
+                                 headers=headers) as answer:
+                body = await answer.json()
+                assert answer.status == status, (token, body)
+                if status == 200:
+                    assert answer.headers["x-kvcoord-worker"] == "kvcoord-worker-0"
+                    assert body["usage"]["completion_tokens"] == 4
+                else:
+                    assert set(body["error"]) >= {"message", "type", "code"}
+
+
 async def test_the_worker_prestop_hook_deregisters_with_the_pods_own_token(
     pod_fleet: PodFleet, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -1228,6 +1326,13 @@ def test_termination_grace_covers_the_drain() -> None:
               + inspect.signature(RunningWorker.stop).parameters["grace"].default
               + _default(WorkerConfig, "rpc_timeout_ms") / 1000)
     assert worker["terminationGracePeriodSeconds"] >= budget
+    # The gateway: the preStop pause, the requests in flight, and closing its clients.
+    gateway = named(resources, "Deployment", "kvcoord-gateway")
+    (container,) = containers_of(gateway)
+    sleep, seconds = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep == "sleep"
+    assert pod_spec(gateway)["terminationGracePeriodSeconds"] >= (
+        int(seconds) + _default(GatewayConfig, "shutdown_grace_ms") / 1000 + 5)
 
 
 # --------------------------------------------------------------------------- images and GPUs
@@ -1252,7 +1357,7 @@ def test_workers_ask_for_a_gpu_exactly_when_they_run_cuda_on_the_cuda_image(
         limits = container["resources"].get("limits", {})
         gpu = "nvidia.com/gpu" in limits or "nvidia.com/gpu" in container["resources"].get(
             "requests", {})
-        if component(workload) == "coordinator":
+        if component(workload) != "worker":
             assert not gpu
             continue
         device = parsed_args(overlay, workload, container).device
@@ -1262,21 +1367,25 @@ def test_workers_ask_for_a_gpu_exactly_when_they_run_cuda_on_the_cuda_image(
 
 
 def test_overlays_run_the_intended_fleet() -> None:
-    def shape(name: str) -> tuple[int, str, bool, bool]:
+    def shape(name: str) -> tuple[int, int, str, bool, bool]:
         resources = render(name)
         coordinator = named(resources, "Deployment", "kvcoord-coordinator")
+        gateway = named(resources, "Deployment", "kvcoord-gateway")
         worker = named(resources, "StatefulSet", "kvcoord-worker")
         device = parsed_args(resources, worker, containers_of(worker)[0]).device
         in_cluster_redis = bool([s for s in of_kind(resources, "StatefulSet")
                                  if component(s) == "redis"])
-        pdb = any(p["metadata"]["name"] == "kvcoord-coordinator"
-                  for p in of_kind(resources, "PodDisruptionBudget"))
-        return coordinator["spec"]["replicas"], device, in_cluster_redis, pdb
+        budgets = {p["metadata"]["name"] for p in of_kind(resources, "PodDisruptionBudget")}
+        # A budget for each Deployment exactly when it runs more than one replica.
+        pdb = {"kvcoord-coordinator", "kvcoord-gateway"} <= budgets
+        assert pdb or not budgets & {"kvcoord-coordinator", "kvcoord-gateway"}
+        return (coordinator["spec"]["replicas"], gateway["spec"]["replicas"], device,
+                in_cluster_redis, pdb)
 
-    assert shape("overlays/cpu-dev") == (1, "cpu", True, False)
-    assert shape("overlays/gpu") == (2, "cuda", True, True)
-    assert shape("overlays/monitoring") == (2, "cuda", True, True)
-    assert shape("overlays/external-redis") == (2, "cuda", False, True)
+    assert shape("overlays/cpu-dev") == (1, 1, "cpu", True, False)
+    assert shape("overlays/gpu") == (2, 2, "cuda", True, True)
+    assert shape("overlays/monitoring") == (2, 2, "cuda", True, True)
+    assert shape("overlays/external-redis") == (2, 2, "cuda", False, True)
 
 
 def test_disruption_budgets_leave_room_for_a_drain(rendered: list[Resource]) -> None:
@@ -1338,15 +1447,19 @@ def test_redis_persists_every_write_and_only_coordinators_get_its_url(
 # Who may reach which port of which pods. Sources outside the namespace: pods labelled with a
 # kvcoord.io/role (any namespace) and Prometheus in `monitoring`.
 INTENDED_INGRESS = {
-    ("coordinator", 50051): {"worker", "scheduler", "trainer"},
+    ("coordinator", 50051): {"worker", "gateway", "scheduler", "trainer"},
     ("coordinator", 9100): {"prometheus"},
     ("worker", 50061): {"scheduler", "trainer"},
+    ("worker", 8000): {"gateway", "scheduler"},
     ("worker", 9101): {"prometheus"},
+    ("gateway", 8080): {"client", "scheduler"},
+    ("gateway", 9102): {"prometheus"},
     ("redis", 6379): {"coordinator"},
 }
 OUTSIDE_PODS = {  # name: (namespace, pod labels)
     "scheduler": ("inference", {"kvcoord.io/role": "scheduler"}),
     "trainer": ("rl", {"kvcoord.io/role": "trainer"}),
+    "client": ("apps", {"kvcoord.io/role": "client"}),
     "prometheus": ("monitoring", {"app.kubernetes.io/name": "prometheus"}),
     "stranger-here": (NAMESPACE, {"app": "debug"}),
     "stranger-elsewhere": ("default", {"app": "debug"}),
@@ -1431,9 +1544,11 @@ _TARGET_LABELS = {"namespace", "pod", "service", "job", "instance", "container",
 
 
 def exported_metrics() -> dict[str, set[str]]:
-    """Every kvcoord_* series name the coordinator and the worker export, with its labels."""
+    """Every kvcoord_* series name the coordinator, the worker and the gateway export, with
+    its labels."""
     from coordinator.server.metrics import CoordinatorMetrics
     from coordinator.service import StatsSnapshot
+    from kvcoord.gateway.metrics import GatewayMetrics
     from worker.metrics import WorkerMetrics
     from worker.runtime import RuntimeStats
     from worker.sync_protocol import SyncCounters
@@ -1445,12 +1560,14 @@ def exported_metrics() -> dict[str, set[str]]:
     coordinator = CoordinatorMetrics(types.SimpleNamespace(
         stats=lambda: stats, policy_view=types.SimpleNamespace(restores=0)))
     worker = WorkerMetrics(lambda: RuntimeStats(0, 0, 0, 0, 0, 0), sync=SyncCounters())
+    gateway = GatewayMetrics()
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
     labelled = {m._name: set(m._labelnames)  # the collectors created with label names
-                for m in [*vars(coordinator).values(), *vars(worker).values()]
+                for m in [*vars(coordinator).values(), *vars(worker).values(),
+                          *vars(gateway).values()]
                 if hasattr(m, "_labelnames")}
     names: dict[str, set[str]] = {}
-    for registry in (coordinator.registry, worker.registry):
+    for registry in (coordinator.registry, worker.registry, gateway.registry):
         for family in registry.collect():
             labels = {k for s in family.samples for k in s.labels}
             labels |= labelled.get(family.name, set())
@@ -1466,6 +1583,8 @@ def test_the_exported_metrics_are_read_from_the_code() -> None:
     assert names["kvcoord_worker_prompt_tokens_total"] == {"source"}
     assert "kvcoord_worker_pages_free" in names and "kvcoord_routes_total" in names
     assert names["kvcoord_policy_version_restored_total"] == set()
+    assert names["kvcoord_gateway_requests_total"] == {"endpoint", "status"}
+    assert names["kvcoord_gateway_time_to_first_byte_seconds_bucket"] == {"worker", "le"}
 
 
 def _dashboard() -> dict[str, Any]:

@@ -15,9 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.client.channels import ClientTls, read_token_file
+from coordinator.client.channels import ClientTls
 from coordinator.client.targets import Targets
-from coordinator.config import ConfigError, build_config, check_security_settings
+from coordinator.config import (
+    ConfigError,
+    build_config,
+    check_security_settings,
+    read_token_setting,
+)
 from coordinator.core.hash_config import DEV_HASH_KEY, HashAlgorithm, HashConfig
 from coordinator.logs import warn_development_key
 
@@ -180,12 +185,7 @@ class WorkerConfig:
     def coordinator_token(self) -> str | None:
         """The bearer token the worker presents to the coordinator (read from ``token_file``
         now, so a rotated file is used on the next start), or None without one."""
-        if self.token_file is None:
-            return None
-        try:
-            return read_token_file(self.token_file)
-        except ValueError as exc:
-            raise ConfigError(f"token_file: {exc}") from None
+        return read_token_setting(self.token_file)
 
     def hash_config(self) -> HashConfig:
         """The deployment hashing parameters (they must equal the coordinator's)."""

@@ -43,6 +43,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     try:
         config = GatewayConfig.from_sources(flags, os.environ)
         load_tokenizer(config)  # a bad directory is refused before anything starts
+        config.own_token()  # and so is a token file that holds no token
     except ConfigError as exc:
         print(f"kvcoord gateway: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.client.targets import Targets
-from coordinator.config import ConfigError, build_config
+from coordinator.config import ConfigError, build_config, read_token_setting
 
 __all__ = ["ConfigError", "GatewayConfig"]
 
@@ -67,6 +67,11 @@ class GatewayConfig:
             raise ConfigError(f"metrics_port out of range: {self.metrics_port}")
         if not self.model:
             raise ConfigError("model must not be empty")
+
+    def own_token(self) -> str | None:
+        """The gateway's own bearer token, read from ``token_file`` now (None without one).
+        Raises ConfigError for a file that holds no single token."""
+        return read_token_setting(self.token_file)
 
     @classmethod
     def from_sources(cls, flags: Mapping[str, Any] | None = None,

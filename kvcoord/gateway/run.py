@@ -9,7 +9,6 @@ import signal
 import structlog
 
 from coordinator.client import AsyncCoordinatorClient, ClientTls, KvcoordError
-from coordinator.client.channels import read_token_file
 from kvcoord.gateway.config import ConfigError, GatewayConfig
 from kvcoord.gateway.routing import RouteFinder
 from kvcoord.gateway.server import GatewayServer
@@ -40,11 +39,14 @@ async def start_gateway(config: GatewayConfig, *, token: str | None = None
     own = client.as_caller(token)
 
     async def readiness() -> str | None:
+        # ListWorkers and GetPolicy: calls every role may make, so the gateway's own identity
+        # needs no more than a scheduler's.
         try:
-            stats = await asyncio.wait_for(own.stats(), READINESS_TIMEOUT_S)
+            workers, policy = await asyncio.wait_for(
+                asyncio.gather(own.workers(), own.policy()), READINESS_TIMEOUT_S)
         except (KvcoordError, TimeoutError) as exc:
             return f"the coordinator does not answer: {exc}"
-        if stats.routable_workers > 0 or (stats.workers > 0 and stats.policy_phase != "serving"):
+        if any(w.state == "ready" for w in workers) or (workers and policy.phase != "serving"):
             return None  # a sync drain leaves no worker routable for a moment: still ready
         return "no routable worker"
 
@@ -59,11 +61,7 @@ async def start_gateway(config: GatewayConfig, *, token: str | None = None
 async def serve_forever(config: GatewayConfig) -> int:
     """Serve until SIGINT/SIGTERM (stop accepting, finish what is in flight within
     ``shutdown_grace_ms``); returns the exit status."""
-    try:
-        token = None if config.token_file is None else read_token_file(config.token_file)
-    except ValueError as exc:
-        raise ConfigError(f"token_file: {exc}") from None
-    server, client = await start_gateway(config, token=token)
+    server, client = await start_gateway(config, token=config.own_token())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
