@@ -1768,8 +1768,10 @@ def test_the_builder_stage_builds_a_wheel_from_exactly_the_copied_files(tmp_path
         metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
         assert "kvcoord = kvcoord.cli:main" in archive.read(info).decode()
         assert "Provides-Extra: worker" in archive.read(metadata).decode()
-    assert {"kvcoord/cli.py", "coordinator/v1/coordinator_pb2.py",
-            "worker/v1/worker_pb2.py"} <= names
+    # The gateway pods' default tokenizer is package data of the wheel.
+    assert {"kvcoord/cli.py", "coordinator/v1/coordinator_pb2.py", "worker/v1/worker_pb2.py",
+            "kvcoord/gateway/server.py", "worker/text/reference_tokenizer/tokenizer.json",
+            "worker/text/reference_tokenizer/tokenizer_config.json"} <= names
 
 
 HADOLINT_IGNORE = re.compile(r"^# hadolint ignore=([A-Z0-9,]+)$")
