@@ -31,6 +31,7 @@ class ScriptedWorker:
         self, target: str, worker_id: str, *, hash_config: HashConfig,
         address: str | None = None, total_pages: int = 4096, model: str = "",
         policy_version: int = 0, auto_resync: bool = True, token: str | None = None,
+        external: bool = False, http_url: str = "",
     ) -> None:
         self.target = target
         self.worker_id = worker_id
@@ -40,6 +41,8 @@ class ScriptedWorker:
         self.total_pages = total_pages
         self.model = model
         self.policy_version = policy_version
+        self.external = external
+        self.http_url = http_url
         self.auto_resync = auto_resync
         self.metadata = call_metadata(token)
         self.incarnation = 0
@@ -67,7 +70,8 @@ class ScriptedWorker:
         stub = pb_grpc.CoordinatorStub(self._channel)
         identity = WorkerIdentity(worker_id=self.worker_id, address=self.address,
                                   model=self.model, total_pages=self.total_pages,
-                                  hash_config=self.hash_config)
+                                  hash_config=self.hash_config, external=self.external,
+                                  http_url=self.http_url)
         response: pb.RegisterResponse = await stub.Register(
             register_request(identity, self.policy_version), metadata=self.metadata)
         self.incarnation = response.incarnation

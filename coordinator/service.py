@@ -24,6 +24,7 @@ from coordinator.control.replication_sink import NoReplication, ReplicationSink
 from coordinator.control.rollouts import RolloutLog
 from coordinator.control.worker_streams import WorkerStreams
 from coordinator.control.worker_sync import WorkerSync
+from coordinator.core.awaited_routes import AwaitedRoutes
 from coordinator.core.errors import NotFound
 from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
 from coordinator.core.hash_config import DEV_HASH_KEY, HashAlgorithm, HashConfig
@@ -133,6 +134,8 @@ class CoordinatorService:
             rng=rng,
             weights=weights,
             max_inflight=config.max_inflight_per_worker,
+            awaited=AwaitedRoutes(ttl_s=config.route_end_ttl_ms / 1000,
+                                  capacity=config.max_inflight_per_worker),
         )
         self.streams = WorkerStreams()
         self.outbox = ReplicationOutbox() if replicate else None
@@ -238,6 +241,7 @@ class CoordinatorService:
             await asyncio.sleep(interval)
             try:
                 self.worker_sync.reap()
+                self.router.expire_awaited()
                 await self.updates.expire()
             except Exception:  # the reaper must outlive any one bad pass
                 log.exception("reaper.failed")

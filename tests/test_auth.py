@@ -33,6 +33,7 @@ def _requests(worker_id: str) -> dict[str, object]:
         "Lookup": pb.LookupRequest(prompt=prompt),
         "Route": pb.RouteRequest(prompt=prompt),
         "RouteBatch": pb.RouteBatchRequest(prompts=[prompt]),
+        "EndRoutes": pb.EndRoutesRequest(route_ids=["an-id-nobody-issued"]),
         "Register": pb.RegisterRequest(worker_id=worker_id, address="h:1"),
         "Sync": pb.SyncRequest(hello=pb.SyncHello(worker_id=worker_id, incarnation=1)),
         "Deregister": pb.DeregisterRequest(worker_id=worker_id),

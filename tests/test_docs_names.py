@@ -106,6 +106,9 @@ def test_every_kvcoord_command_line_in_the_docs_parses(doc: Path) -> None:
             words = line.split()[1:]
             if "$(" in line or "|" in words:
                 continue  # shell substitutions: not a literal command line
+            # A redirection and its file are the shell's, not arguments.
+            redirect = next((i for i, w in enumerate(words) if w in (">", ">>", "2>")), None)
+            words = words[:redirect]
             parser.parse_args(words)  # SystemExit on an unknown subcommand or flag
 
 

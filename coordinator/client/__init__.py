@@ -16,6 +16,7 @@ from coordinator.client.channels import ClientTls
 from coordinator.client.errors import KvcoordError
 from coordinator.client.outcomes import Outcome, outcome_of
 from coordinator.client.types import (
+    EndedRoutes,
     LookupResult,
     PageKeys,
     PolicyState,
@@ -32,6 +33,7 @@ __all__ = [
     "AsyncCoordinatorClient",
     "ClientTls",
     "CoordinatorClient",
+    "EndedRoutes",
     "KvcoordError",
     "LookupResult",
     "Outcome",

@@ -29,6 +29,8 @@ from coordinator.client.messages import (
     batch_from,
     batch_request,
     begin_request,
+    end_routes_request,
+    ended_from,
     lookup_from,
     lookup_request,
     policy_from,
@@ -40,6 +42,7 @@ from coordinator.client.messages import (
 )
 from coordinator.client.targets import Targets
 from coordinator.client.types import (
+    EndedRoutes,
     LookupResult,
     PolicyState,
     PolicyUpdate,
@@ -127,21 +130,26 @@ class AsyncCoordinatorClient:
     async def route(
         self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
         min_policy_version: int | None = None, policy_version: int | None = None,
-        routing_policy: str = "", exclude_workers: Sequence[str] = (),
+        routing_policy: str = "", exclude_workers: Sequence[str] = (), report_end: bool = False,
     ) -> Route:
-        """The worker for ``tokens`` (never one of ``exclude_workers``)."""
+        """The worker for ``tokens`` (never one of ``exclude_workers``). ``report_end``: you
+        will call ``end_routes`` when the request ends (see ``Route.end_awaited``)."""
         request = route_request(tokens, model, adapter, min_policy_version, policy_version,
-                                routing_policy, exclude_workers)
+                                routing_policy, exclude_workers, report_end)
         return await self._parsed("Route", request, route_from)
 
     async def route_batch(
         self, prompts: Sequence[Prompt], *, model: str | None = None, adapter: str | None = None,
         min_policy_version: int | None = None, policy_version: int | None = None,
-        routing_policy: str = "",
+        routing_policy: str = "", report_end: bool = False,
     ) -> RouteBatch:
         request = batch_request(prompts, model, adapter, min_policy_version, policy_version,
-                                routing_policy)
+                                routing_policy, report_end)
         return await self._parsed("RouteBatch", request, batch_from)
+
+    async def end_routes(self, route_ids: Sequence[str]) -> EndedRoutes:
+        """Report that these routes' requests ended (idempotent: an id ends once)."""
+        return await self._parsed("EndRoutes", end_routes_request(route_ids), ended_from)
 
     async def policy(self) -> PolicyState:
         return await self._parsed("GetPolicy", pb.GetPolicyRequest(), policy_from)

@@ -39,6 +39,8 @@ from coordinator.client.messages import (
     batch_from,
     batch_request,
     begin_request,
+    end_routes_request,
+    ended_from,
     lookup_from,
     lookup_request,
     policy_from,
@@ -50,6 +52,7 @@ from coordinator.client.messages import (
 )
 from coordinator.client.targets import Targets
 from coordinator.client.types import (
+    EndedRoutes,
     LookupResult,
     PageKeys,
     PolicyState,
@@ -132,23 +135,28 @@ class CoordinatorClient:
     def route(
         self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
         min_policy_version: int | None = None, policy_version: int | None = None,
-        routing_policy: str = "", exclude_workers: Sequence[str] = (),
+        routing_policy: str = "", exclude_workers: Sequence[str] = (), report_end: bool = False,
     ) -> Route:
         """Where should this prompt go? Marks it pending on the chosen worker (never one of
-        ``exclude_workers``)."""
+        ``exclude_workers``). ``report_end``: you will call ``end_routes`` when the request
+        ends (see ``Route.end_awaited``)."""
         request = route_request(tokens, model, adapter, min_policy_version, policy_version,
-                                routing_policy, exclude_workers)
+                                routing_policy, exclude_workers, report_end)
         return route_from(self._call("Route", request))
 
     def route_batch(
         self, prompts: Sequence[Prompt], *, model: str | None = None, adapter: str | None = None,
         min_policy_version: int | None = None, policy_version: int | None = None,
-        routing_policy: str = "",
+        routing_policy: str = "", report_end: bool = False,
     ) -> RouteBatch:
         """Route many prompts at once; ``order`` runs siblings sharing a prefix back to back."""
         request = batch_request(prompts, model, adapter, min_policy_version, policy_version,
-                                routing_policy)
+                                routing_policy, report_end)
         return batch_from(self._call("RouteBatch", request))
+
+    def end_routes(self, route_ids: Sequence[str]) -> EndedRoutes:
+        """Report that these routes' requests ended (idempotent: an id ends once)."""
+        return ended_from(self._call("EndRoutes", end_routes_request(route_ids)))
 
     def policy(self) -> PolicyState:
         return policy_from(self._call("GetPolicy", pb.GetPolicyRequest()))

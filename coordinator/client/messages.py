@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coordinator.client.types import (
+    EndedRoutes,
     LookupResult,
     PageKeys,
     PolicyState,
@@ -55,11 +56,12 @@ def lookup_request(
 def route_request(
     tokens: Sequence[int] | PageKeys, model: str | None, adapter: str | None,
     min_version: int | None, version: int | None, routing_policy: str,
-    exclude_workers: Sequence[str] = (),
+    exclude_workers: Sequence[str] = (), report_end: bool = False,
 ) -> pb.RouteRequest:
     request = pb.RouteRequest(
         prompt=prompt_pb(tokens), scope=scope_pb(model, adapter, version),
         routing_policy=routing_policy, exclude_workers=list(exclude_workers),
+        report_end=report_end,
     )
     if min_version is not None:
         request.min_policy_version = min_version
@@ -69,16 +71,21 @@ def route_request(
 def batch_request(
     prompts: Sequence[Sequence[int] | PageKeys], model: str | None, adapter: str | None,
     min_version: int | None, version: int | None, routing_policy: str,
+    report_end: bool = False,
 ) -> pb.RouteBatchRequest:
     if not prompts:
         raise ValueError("route_batch needs at least one prompt")
     request = pb.RouteBatchRequest(
         prompts=[prompt_pb(p) for p in prompts], scope=scope_pb(model, adapter, version),
-        routing_policy=routing_policy,
+        routing_policy=routing_policy, report_end=report_end,
     )
     if min_version is not None:
         request.min_policy_version = min_version
     return request
+
+
+def end_routes_request(route_ids: Sequence[str]) -> pb.EndRoutesRequest:
+    return pb.EndRoutesRequest(route_ids=list(route_ids))
 
 
 # ---------------------------------------------------------------- responses
@@ -100,11 +107,16 @@ def route_from(response: pb.RouteResponse) -> Route:
     return Route(
         response.worker_id, response.address, response.matched_tokens, response.policy_version,
         response.matched_pages, response.routing_policy, response.http_url,
+        response.route_id, response.end_awaited,
     )
 
 
 def batch_from(response: pb.RouteBatchResponse) -> RouteBatch:
     return RouteBatch([route_from(r) for r in response.routes], list(response.order))
+
+
+def ended_from(response: pb.EndRoutesResponse) -> EndedRoutes:
+    return EndedRoutes(response.ended, response.unknown)
 
 
 def policy_from(state: pb.PolicyState) -> PolicyState:

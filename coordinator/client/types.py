@@ -40,6 +40,20 @@ class Route:
     routing_policy: str = ""
     http_url: str = ""
     """The worker's OpenAI-compatible base URL, where it registered one."""
+    route_id: str = ""
+    """This routing decision's id (unique per coordinator process)."""
+    end_awaited: bool = False
+    """Asked with ``report_end`` and the worker is external: call ``end_routes([route_id])``
+    when the request ends (it counts as the worker's load until then)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndedRoutes:
+    """An ``end_routes`` answer: routes now ended, and ids that changed nothing (already
+    ended, expired, issued by another replica, or never awaited)."""
+
+    ended: int
+    unknown: int
 
 
 @dataclass(frozen=True, slots=True)

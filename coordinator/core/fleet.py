@@ -66,6 +66,9 @@ class RegisteredWorker:
     # Uncached prefill tokens of each route issued and not yet reported finished, oldest first.
     inflight: deque[int] = field(default_factory=deque)
     inflight_tokens: int = 0
+    # Routes whose end the caller reports (core.awaited_routes); heartbeats do not settle them.
+    awaited_routes: int = 0
+    awaited_tokens: int = 0
     # current_load() result, rebuilt only when the load changes (it is read on every route).
     _load_view: WorkerLoad | None = None
     _idle_candidate: Candidate | None = None
@@ -105,8 +108,8 @@ class RegisteredWorker:
                 queued_tokens=base.queued_tokens,
                 free_pages=base.free_pages,
                 total_pages=base.total_pages or self.total_pages,
-                inflight_routes=len(self.inflight),
-                inflight_tokens=self.inflight_tokens,
+                inflight_routes=len(self.inflight) + self.awaited_routes,
+                inflight_tokens=self.inflight_tokens + self.awaited_tokens,
             )
         return view
 
@@ -141,9 +144,24 @@ class RegisteredWorker:
         if len(self.inflight) > max_inflight:
             self.inflight_tokens -= self.inflight.popleft()
         self._load_changed()
+        self.count_routed(prompt_tokens, cached_tokens)
+
+    def count_routed(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """The routing totals `kvcoord status` shows (one route)."""
         self.routed_requests += 1
         self.routed_tokens += prompt_tokens
         self.routed_cached_tokens += cached_tokens
+
+    def hold_awaited(self, uncached_tokens: int, copies: int) -> None:
+        """Count ``copies`` routes as load until ``release_awaited`` (core.awaited_routes)."""
+        self.awaited_routes += copies
+        self.awaited_tokens += uncached_tokens * copies
+        self._load_changed()
+
+    def release_awaited(self, uncached_tokens: int, copies: int) -> None:
+        self.awaited_routes -= copies
+        self.awaited_tokens -= uncached_tokens * copies
+        self._load_changed()
 
     def check_batch(self, seq: int) -> BatchVerdict:
         """Judge a batch's sequence number against the next expected one; changes nothing

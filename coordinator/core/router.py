@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from operator import attrgetter
 
+from coordinator.core.awaited_routes import AwaitedRoutes, EndedRoutes
 from coordinator.core.errors import InvalidArgument, Unavailable
 from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
 from coordinator.core.hash_config import Namespace
@@ -73,6 +74,10 @@ class RouteResult:
     page_size: int
     routing_policy: str
     http_url: str = ""
+    route_id: str = ""
+    # The caller asked to report the end and the worker is external: the route is load on it
+    # until ``EndRoutes(route_id)`` (core.awaited_routes).
+    end_awaited: bool = False
 
     @property
     def matched_tokens(self) -> int:
@@ -129,8 +134,11 @@ class Router:
         rng: random.Random | None = None,
         weights: KvAwareWeights | None = None,
         max_inflight: int = 65_536,
+        awaited: AwaitedRoutes | None = None,
     ) -> None:
         self.max_inflight = max_inflight
+        self.awaited = (awaited if awaited is not None  # an empty one is falsy
+                        else AwaitedRoutes(ttl_s=600.0, capacity=max_inflight))
         self._hasher = hasher
         self._index = index
         self._fleet = fleet
@@ -217,9 +225,12 @@ class Router:
         min_policy_version: int | None = None,
         routing: str = "",
         exclude: frozenset[str] = frozenset(),
+        report_end: bool = False,
     ) -> RouteResult:
         """Choose a worker for one prompt; its keys become pending entries on that worker.
         Workers in ``exclude`` are not chosen (a caller routing around one that failed).
+        ``report_end``: the caller will end the route by id (``end_routes``); honoured for
+        external workers only (the others report their own ends).
 
         With several servable versions (an async update within ``max_staleness``) the prompt is
         hashed under each and every eligible worker of every version competes; the answer says
@@ -230,7 +241,8 @@ class Router:
             ns = self.namespace(replace(scope, policy_version=version))
             view = self._view(scope, version, self.keys(prompt, ns), now, min_policy_version)
             views.append(view if not exclude else _without(view, exclude))
-        return self._route_views(views, prompt.token_count, 1, min_policy_version, routing, now)
+        return self._route_views(views, prompt.token_count, 1, min_policy_version, routing, now,
+                                 report_end)
 
     def route_batch(
         self,
@@ -239,6 +251,7 @@ class Router:
         *,
         min_policy_version: int | None = None,
         routing: str = "",
+        report_end: bool = False,
     ) -> BatchResult:
         """Route many prompts: identical prompts (GRPO siblings) go to one worker as a group,
         groups are routed in order so later ones see earlier ones' pending entries, and the
@@ -265,7 +278,8 @@ class Router:
             views = [self._view(scope, v, keys_of(lead, v), now, min_policy_version)
                      for v in versions]
             result = self._route_views(
-                views, lead.token_count, len(group.members), min_policy_version, routing, now
+                views, lead.token_count, len(group.members), min_policy_version, routing, now,
+                report_end,
             )
             for member in group.members:
                 routes[member] = result
@@ -281,7 +295,9 @@ class Router:
         min_policy_version: int | None,
         routing: str,
         now: float,
+        report_end: bool = False,
     ) -> RouteResult:
+        self.awaited.expire(now)  # an expired route's load must not weigh on this choice
         chooser = self._chooser(routing or self.default_routing)
         pages = len(views[0].keys)
         request = RoutingRequest(
@@ -319,8 +335,15 @@ class Router:
             # Pages the worker already holds need no pending entry.
             self._index.add_pending(decision.worker_id, keys[confirmed:])
         cached_tokens = min(confirmed * self._page_size, token_count)
-        for _ in range(copies):
-            session.record_route(token_count, cached_tokens, self.max_inflight)
+        end_awaited = report_end and session.external
+        if end_awaited:
+            route_id = self.awaited.hold(session, token_count - cached_tokens, copies, now)
+            for _ in range(copies):
+                session.count_routed(token_count, cached_tokens)
+        else:
+            route_id = self.awaited.new_id()
+            for _ in range(copies):
+                session.record_route(token_count, cached_tokens, self.max_inflight)
         self.counters.routes += copies
         self.counters.prompt_tokens += token_count * copies
         self.counters.cached_tokens += cached_tokens * copies
@@ -333,7 +356,17 @@ class Router:
             page_size=self._page_size,
             routing_policy=chooser.name,
             http_url=session.http_url,
+            route_id=route_id,
+            end_awaited=end_awaited,
         )
+
+    def end_routes(self, route_ids: Sequence[str]) -> EndedRoutes:
+        """End awaited routes by id (idempotent: see ``core.awaited_routes``)."""
+        return self.awaited.end(route_ids, self._clock())
+
+    def expire_awaited(self) -> None:
+        """Release awaited routes past their TTL (the reaper calls this)."""
+        self.awaited.expire(self._clock())
 
     def _holders(
         self, details: dict[str, MatchDetail], now: float, ns: Namespace, min_version: int | None

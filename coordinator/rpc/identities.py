@@ -83,6 +83,7 @@ COORDINATOR_PERMISSIONS: Mapping[str, frozenset[Role]] = {
     "Lookup": frozenset({Role.SCHEDULER, Role.ADMIN}),
     "Route": frozenset({Role.SCHEDULER, Role.ADMIN}),
     "RouteBatch": frozenset({Role.SCHEDULER, Role.ADMIN}),
+    "EndRoutes": frozenset({Role.SCHEDULER, Role.ADMIN}),
     "Register": frozenset({Role.WORKER, Role.ADMIN}),
     "Sync": frozenset({Role.WORKER, Role.ADMIN}),
     "Deregister": frozenset({Role.WORKER, Role.ADMIN}),

@@ -21,6 +21,7 @@ from coordinator.control.sync_messages import (
     Resync,
     Welcome,
 )
+from coordinator.core.awaited_routes import MAX_ROUTE_ID_LENGTH
 from coordinator.core.errors import InvalidArgument
 from coordinator.core.hash_config import PAGE_KEY_BYTES
 from coordinator.core.hashing import split_page_keys, tokens_to_bytes
@@ -136,6 +137,7 @@ def route_to_pb(route: RouteResult) -> pb.RouteResponse:
         matched_pages=route.matched_pages, matched_tokens=route.matched_tokens,
         policy_version=route.policy_version, prompt_pages=route.prompt_pages,
         routing_policy=route.routing_policy, http_url=route.http_url,
+        route_id=route.route_id, end_awaited=route.end_awaited,
     )
 
 
@@ -164,6 +166,23 @@ def excluded_workers(worker_ids: Sequence[str]) -> frozenset[str]:
     if any(not w for w in worker_ids):
         raise InvalidArgument("exclude_workers holds an empty worker id")
     return frozenset(worker_ids)
+
+
+MAX_ENDED_ROUTES = 1024
+
+
+def route_ids_from(req: pb.EndRoutesRequest) -> list[str]:
+    """An EndRoutes request's ids; InvalidArgument past ``MAX_ENDED_ROUTES`` ids or for an
+    empty or overlong one."""
+    check_protocol(req.protocol_version)
+    ids = list(req.route_ids)
+    if not ids:
+        raise InvalidArgument("EndRoutes needs at least one route id")
+    if len(ids) > MAX_ENDED_ROUTES:
+        raise InvalidArgument(f"EndRoutes has {len(ids)} ids; at most {MAX_ENDED_ROUTES}")
+    if any(not i or len(i) > MAX_ROUTE_ID_LENGTH for i in ids):
+        raise InvalidArgument(f"a route id is empty or over {MAX_ROUTE_ID_LENGTH} characters")
+    return ids
 
 
 MAX_HTTP_URL_CHARS = 2048

@@ -78,6 +78,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             min_policy_version=_optional(request, "min_policy_version"),
             routing=request.routing_policy,
             exclude=convert.excluded_workers(request.exclude_workers),
+            report_end=request.report_end,
         )
         return convert.route_to_pb(route)
 
@@ -106,12 +107,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             self._scope(request.scope),
             min_policy_version=_optional(request, "min_policy_version"),
             routing=request.routing_policy,
+            report_end=request.report_end,
         )
         return pb.RouteBatchResponse(
             protocol_version=PROTOCOL_VERSION,
             routes=[convert.route_to_pb(r) for r in batch.routes],
             order=batch.order,
         )
+
+    async def EndRoutes(
+        self, request: pb.EndRoutesRequest, context: Context
+    ) -> pb.EndRoutesResponse:
+        ended = self._service.router.end_routes(convert.route_ids_from(request))
+        return pb.EndRoutesResponse(protocol_version=PROTOCOL_VERSION, ended=ended.ended,
+                                    unknown=ended.unknown)
 
     # ------------------------------------------------------------------ worker
 

@@ -106,23 +106,25 @@ class LookupResponse(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., matches: _Optional[_Iterable[_Union[WorkerMatch, _Mapping]]] = ..., policy_version: _Optional[int] = ..., prompt_pages: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("protocol_version", "prompt", "scope", "min_policy_version", "routing_policy", "exclude_workers")
+    __slots__ = ("protocol_version", "prompt", "scope", "min_policy_version", "routing_policy", "exclude_workers", "report_end")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTING_POLICY_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_END_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     prompt: Prompt
     scope: Scope
     min_policy_version: int
     routing_policy: str
     exclude_workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, protocol_version: _Optional[int] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., routing_policy: _Optional[str] = ..., exclude_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    report_end: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., routing_policy: _Optional[str] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., report_end: _Optional[bool] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("protocol_version", "worker_id", "address", "matched_pages", "matched_tokens", "policy_version", "prompt_pages", "routing_policy", "http_url")
+    __slots__ = ("protocol_version", "worker_id", "address", "matched_pages", "matched_tokens", "policy_version", "prompt_pages", "routing_policy", "http_url", "route_id", "end_awaited")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +134,8 @@ class RouteResponse(_message.Message):
     PROMPT_PAGES_FIELD_NUMBER: _ClassVar[int]
     ROUTING_POLICY_FIELD_NUMBER: _ClassVar[int]
     HTTP_URL_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_ID_FIELD_NUMBER: _ClassVar[int]
+    END_AWAITED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     worker_id: str
     address: str
@@ -141,21 +145,25 @@ class RouteResponse(_message.Message):
     prompt_pages: int
     routing_policy: str
     http_url: str
-    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_pages: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompt_pages: _Optional[int] = ..., routing_policy: _Optional[str] = ..., http_url: _Optional[str] = ...) -> None: ...
+    route_id: str
+    end_awaited: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_pages: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompt_pages: _Optional[int] = ..., routing_policy: _Optional[str] = ..., http_url: _Optional[str] = ..., route_id: _Optional[str] = ..., end_awaited: _Optional[bool] = ...) -> None: ...
 
 class RouteBatchRequest(_message.Message):
-    __slots__ = ("protocol_version", "prompts", "scope", "min_policy_version", "routing_policy")
+    __slots__ = ("protocol_version", "prompts", "scope", "min_policy_version", "routing_policy", "report_end")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTING_POLICY_FIELD_NUMBER: _ClassVar[int]
+    REPORT_END_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     scope: Scope
     min_policy_version: int
     routing_policy: str
-    def __init__(self, protocol_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., routing_policy: _Optional[str] = ...) -> None: ...
+    report_end: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., routing_policy: _Optional[str] = ..., report_end: _Optional[bool] = ...) -> None: ...
 
 class RouteBatchResponse(_message.Message):
     __slots__ = ("protocol_version", "routes", "order")
@@ -166,6 +174,24 @@ class RouteBatchResponse(_message.Message):
     routes: _containers.RepeatedCompositeFieldContainer[RouteResponse]
     order: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, protocol_version: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[RouteResponse, _Mapping]]] = ..., order: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EndRoutesRequest(_message.Message):
+    __slots__ = ("protocol_version", "route_ids")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_IDS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    route_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., route_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EndRoutesResponse(_message.Message):
+    __slots__ = ("protocol_version", "ended", "unknown")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    ended: int
+    unknown: int
+    def __init__(self, protocol_version: _Optional[int] = ..., ended: _Optional[int] = ..., unknown: _Optional[int] = ...) -> None: ...
 
 class HashConfig(_message.Message):
     __slots__ = ("algorithm", "page_size", "fingerprint")

@@ -49,6 +49,11 @@ class CoordinatorStub:
                 request_serializer=coordinator_dot_v1_dot_coordinator__pb2.RouteBatchRequest.SerializeToString,
                 response_deserializer=coordinator_dot_v1_dot_coordinator__pb2.RouteBatchResponse.FromString,
                 _registered_method=True)
+        self.EndRoutes = channel.unary_unary(
+                '/coordinator.v1.Coordinator/EndRoutes',
+                request_serializer=coordinator_dot_v1_dot_coordinator__pb2.EndRoutesRequest.SerializeToString,
+                response_deserializer=coordinator_dot_v1_dot_coordinator__pb2.EndRoutesResponse.FromString,
+                _registered_method=True)
         self.Register = channel.unary_unary(
                 '/coordinator.v1.Coordinator/Register',
                 request_serializer=coordinator_dot_v1_dot_coordinator__pb2.RegisterRequest.SerializeToString,
@@ -134,6 +139,13 @@ class CoordinatorServicer:
 
     def RouteBatch(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndRoutes(self, request, context):
+        """Routes asked with report_end whose requests ended (idempotent; schedulers and admins).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -236,6 +248,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RouteBatch,
                     request_deserializer=coordinator_dot_v1_dot_coordinator__pb2.RouteBatchRequest.FromString,
                     response_serializer=coordinator_dot_v1_dot_coordinator__pb2.RouteBatchResponse.SerializeToString,
+            ),
+            'EndRoutes': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndRoutes,
+                    request_deserializer=coordinator_dot_v1_dot_coordinator__pb2.EndRoutesRequest.FromString,
+                    response_serializer=coordinator_dot_v1_dot_coordinator__pb2.EndRoutesResponse.SerializeToString,
             ),
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
@@ -384,6 +401,33 @@ class Coordinator:
             '/coordinator.v1.Coordinator/RouteBatch',
             coordinator_dot_v1_dot_coordinator__pb2.RouteBatchRequest.SerializeToString,
             coordinator_dot_v1_dot_coordinator__pb2.RouteBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndRoutes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coordinator.v1.Coordinator/EndRoutes',
+            coordinator_dot_v1_dot_coordinator__pb2.EndRoutesRequest.SerializeToString,
+            coordinator_dot_v1_dot_coordinator__pb2.EndRoutesResponse.FromString,
             options,
             channel_credentials,
             insecure,

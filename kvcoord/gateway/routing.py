@@ -1,20 +1,30 @@
 """Where a gateway request goes: ``Route`` (or ``RouteBatch``) under the caller's own token, a
 sync drain waited out (bounded), and every refusal of the coordinator as the OpenAI-shaped
-answer a client should get."""
+answer a client should get.
+
+Routes are asked with ``report_end``: for an engine behind a bridge (which cannot report its
+finished requests) the coordinator then counts the route as that engine's load until the
+gateway ends it by id. ``RouteLedger`` holds one request's routes and ends each once: a worker
+that failed at once, the rest when the request ends however it ends (answered, failed, or the
+client gone). Reference workers report their own ends; their routes are not awaited and
+nothing is sent for them."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import grpc
+import structlog
 
 from coordinator.client import AsyncCoordinatorClient, KvcoordError
 from coordinator.client.types import Route
 from coordinator.wire import Reason
 from worker.http_api.openai_requests import OpenAIError
 from worker.http_api.serving import retry_after
+
+log = structlog.get_logger(__name__)
 
 _STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
@@ -44,6 +54,60 @@ def refusal_of(error: KvcoordError) -> OpenAIError:
                        type="server_error", code="coordinator_error")
 
 
+class RouteEnds:
+    """Sends ``EndRoutes`` off the request's path; a failure is logged, and the coordinator's
+    ``route_end_ttl_ms`` releases what was not ended."""
+
+    def __init__(self, client: AsyncCoordinatorClient) -> None:
+        self._client = client
+        self._sending: set[asyncio.Task[None]] = set()
+        self.sent = 0
+        """Route ids sent to be ended, since start."""
+
+    def end(self, routes: Iterable[Route], token: str | None) -> None:
+        ids = sorted({r.route_id for r in routes if r.end_awaited})
+        if ids:
+            self.sent += len(ids)
+            task = asyncio.get_running_loop().create_task(self._send(ids, token))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, ids: list[str], token: str | None) -> None:
+        try:
+            await self._client.as_caller(token).end_routes(ids)
+        except KvcoordError as exc:
+            log.warning("gateway.end_routes_failed", routes=len(ids), code=exc.code.name,
+                        error=exc.details)
+
+    async def flush(self, timeout: float = 2.0) -> None:
+        """Wait (bounded) for the ends in flight: before the gateway's client closes."""
+        if self._sending:
+            await asyncio.wait(set(self._sending), timeout=timeout)
+
+
+class RouteLedger:
+    """One request's routes, each ended exactly once (``end`` now, or ``close`` at the
+    request's end for all the rest)."""
+
+    def __init__(self, ends: RouteEnds, token: str | None) -> None:
+        self._ends = ends
+        self._token = token
+        self._open: dict[str, Route] = {}
+
+    def issued(self, routes: Iterable[Route]) -> None:
+        for route in routes:
+            if route.end_awaited:
+                self._open.setdefault(route.route_id, route)
+
+    def end(self, route: Route) -> None:
+        if self._open.pop(route.route_id, None) is not None:
+            self._ends.end([route], self._token)
+
+    def close(self) -> None:
+        routes, self._open = list(self._open.values()), {}
+        self._ends.end(routes, self._token)
+
+
 class RouteFinder:
     """Routes under a caller's token through one shared ``AsyncCoordinatorClient``."""
 
@@ -52,6 +116,10 @@ class RouteFinder:
         self._client = client
         self._model = model
         self._drain_wait_s = drain_wait_s
+        self.ends = RouteEnds(client)
+
+    def ledger(self, token: str | None) -> RouteLedger:
+        return RouteLedger(self.ends, token)
 
     async def route(self, prompt: Sequence[int], token: str | None,
                     exclude: Sequence[str] = ()) -> Route:
@@ -61,7 +129,8 @@ class RouteFinder:
         deadline = time.monotonic() + self._drain_wait_s
         while True:
             try:
-                return await caller.route(prompt, model=self._model, exclude_workers=exclude)
+                return await caller.route(prompt, model=self._model, exclude_workers=exclude,
+                                          report_end=True)
             except KvcoordError as error:
                 if not await self._waited(error, deadline):
                     raise refusal_of(error) from None
@@ -72,7 +141,8 @@ class RouteFinder:
         deadline = time.monotonic() + self._drain_wait_s
         while True:
             try:
-                return (await caller.route_batch(prompts, model=self._model)).routes
+                return (await caller.route_batch(prompts, model=self._model,
+                                                 report_end=True)).routes
             except KvcoordError as error:
                 if not await self._waited(error, deadline):
                     raise refusal_of(error) from None

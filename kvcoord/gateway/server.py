@@ -29,7 +29,7 @@ from coordinator.client.types import Route
 from kvcoord.gateway import fanout
 from kvcoord.gateway.config import GatewayConfig
 from kvcoord.gateway.metrics import GatewayMetrics, Observation
-from kvcoord.gateway.routing import RouteFinder
+from kvcoord.gateway.routing import RouteFinder, RouteLedger
 from worker.http_api.openai_requests import (
     CompletionRequest,
     OpenAIError,
@@ -124,6 +124,7 @@ class GatewayServer:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        await self._routes.ends.flush()
 
     # ------------------------------------------------------------------ endpoints
 
@@ -179,7 +180,16 @@ class GatewayServer:
                        prompt: list[int]) -> web.StreamResponse:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         token = self._token(request)
-        upstream, route = await self._open_upstream(path, raw, prompt, token, request_id)
+        ledger = self._routes.ledger(token)
+        try:
+            return await self._forward_one(request, path, raw, prompt, token, request_id, ledger)
+        finally:
+            ledger.close()
+
+    async def _forward_one(self, request: web.Request, path: str, raw: bytes,
+                           prompt: list[int], token: str | None, request_id: str,
+                           ledger: RouteLedger) -> web.StreamResponse:
+        upstream, route = await self._open_upstream(path, raw, prompt, token, request_id, ledger)
         self.metrics.policy_version.set(route.policy_version)
         streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         seen = Observation(self.metrics, route.worker_id, request[STARTED], len(prompt),
@@ -188,7 +198,8 @@ class GatewayServer:
             headers = {k: v for k, v in upstream.headers.items()
                        if k.lower() not in _HOP_HEADERS and not k.lower().startswith("x-kvcoord")}
             headers.update({"x-request-id": request_id, "x-kvcoord-worker": route.worker_id,
-                            "x-kvcoord-policy-version": str(route.policy_version)})
+                            "x-kvcoord-policy-version": str(route.policy_version),
+                            "x-kvcoord-route-id": route.route_id})
             response = web.StreamResponse(status=upstream.status, headers=headers)
             await response.prepare(request)
             try:
@@ -214,12 +225,13 @@ class GatewayServer:
             upstream.release()  # a client gone mid-stream closes the worker's request too
 
     async def _open_upstream(self, path: str, raw: bytes, prompt: list[int],
-                             token: str | None, request_id: str, first: Route | None = None
+                             token: str | None, request_id: str, ledger: RouteLedger,
+                             first: Route | None = None
                              ) -> tuple[aiohttp.ClientResponse, Route]:
         """The worker's answer, its status and headers read (nothing of the body yet), and
         the route that chose it (``first``, when given, is tried before routing). Workers that
         cannot be reached, have no HTTP endpoint or fail with a 5xx before any byte are routed
-        around, ``route_retries`` times."""
+        around, ``route_retries`` times; their routes end at once (``ledger``)."""
         assert self._session is not None, "start() first"
         excluded: list[str] = []
         headers = {"Content-Type": "application/json", "x-request-id": request_id}
@@ -228,7 +240,9 @@ class GatewayServer:
         for _ in range(1 + self._config.route_retries):
             route = first or await self._routes.route(prompt, token, excluded)
             first = None
+            ledger.issued([route])
             if not route.http_url:
+                ledger.end(route)
                 excluded.append(route.worker_id)
                 continue
             try:
@@ -238,11 +252,13 @@ class GatewayServer:
                 self.metrics.retries.inc()
                 log.warning("gateway.worker_failed", worker=route.worker_id,
                             request_id=request_id, error=str(exc) or type(exc).__name__)
+                ledger.end(route)
                 excluded.append(route.worker_id)
                 continue
             if upstream.status in (502, 503, 504):
                 self.metrics.retries.inc()
                 upstream.release()
+                ledger.end(route)
                 excluded.append(route.worker_id)
                 continue
             return upstream, route
@@ -257,13 +273,15 @@ class GatewayServer:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         token = self._token(request)
         routes = await self._routes.route_batch(prompts, token)
+        ledger = self._routes.ledger(token)
+        ledger.issued(routes)
         shares = fanout.shares(parsed, routes)
         opened = []
         try:
             for share in shares:
                 raw = json.dumps({**parsed.body, "prompt": share.prompts}).encode()
                 upstream, route = await self._open_upstream(
-                    "completions", raw, prompts[share.indexes[0]], token, request_id,
+                    "completions", raw, prompts[share.indexes[0]], token, request_id, ledger,
                     first=share.route)
                 opened.append((share, upstream, route))
             headers = {"x-request-id": request_id,
@@ -295,3 +313,4 @@ class GatewayServer:
         finally:
             for _, upstream, _ in opened:
                 upstream.release()
+            ledger.close()
