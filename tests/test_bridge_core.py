@@ -132,3 +132,17 @@ def test_blocks_keyed_on_more_than_tokens_are_skipped_never_merged() -> None:
             blocks.stored(event)
         assert refused.value.kind == "salted"
     assert len(blocks) == 1
+
+
+@pytest.mark.parametrize("key", [None, ""])
+def test_an_unset_or_empty_hash_key_is_the_development_key_as_everywhere_else(
+    key: str | None,
+) -> None:
+    from worker.bridge.bridge import BridgeConfig
+
+    config = BridgeConfig(events="tcp://127.0.0.1:1", coordinator="127.0.0.1:1",
+                          worker_id="e0", worker_address="127.0.0.1:8000", hash_key=key)
+    assert config.hash_config().key == DEV_HASH_KEY
+    with pytest.raises(ValueError, match=r"16\.\.64 bytes"):
+        BridgeConfig(events="tcp://127.0.0.1:1", coordinator="127.0.0.1:1", worker_id="e0",
+                     worker_address="127.0.0.1:8000", hash_key="abcd").hash_config()

@@ -98,7 +98,9 @@ class BridgeConfig:
                                  f"{endpoint!r}")
 
     def hash_config(self) -> HashConfig:
-        if self.hash_key is None:
+        """The deployment hashing; an unset or empty key is the development key, as for the
+        coordinator and the worker (an empty KVCOORD_HASH_KEY means "unset" everywhere)."""
+        if not self.hash_key:
             warn_development_key()
             return HashConfig(key=DEV_HASH_KEY, page_size=self.page_size)
         return HashConfig.from_hex_key(self.hash_key, page_size=self.page_size)

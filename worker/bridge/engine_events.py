@@ -4,9 +4,10 @@ A payload is ``[ts, [event, ...], data_parallel_rank]`` (the rank may be missing
 either a positional array tagged by its class name (older vLLM, SGLang):
 ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
 lora_name, ...]``, ``["BlockRemoved", block_hashes, medium, ...]``, ``["AllBlocksCleared"]``; or
-a map with a ``"type"`` field and named fields (vLLM 0.33). Trailing fields may be missing
-(engines omit defaults), fields this module does not know are ignored, hashes are ints or
-bytes. docs/PROTOCOL.md §8 lists the formats and the releases they come from.
+a map with a ``"type"`` field and named fields (vLLM 0.26 and later; 0.32.0 is checked by
+``make test-vllm``). Trailing fields may be missing (engines omit defaults), fields this module
+does not know are ignored, hashes are ints or bytes. docs/PROTOCOL.md §8 lists the formats and
+the releases they come from.
 
 Pure: no zmq, no grpc. Anything that does not fit raises ``MalformedInput`` with a ``kind``
 the bridge counts by.

