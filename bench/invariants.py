@@ -101,3 +101,23 @@ def security(results: Results) -> list[str]:
             broken.append(f"auth.{who}: {auth['leaks']} leaks, {auth['bugs']} bugs: calls not "
                           "refused as they must be")
     return broken
+
+
+def fleet(results: Results) -> list[str]:
+    """Every route answered, every probed key became visible on every replica (a lag sample
+    each), and the coordinators indexed what was sent."""
+    broken = []
+    for name, case in results.items():
+        for window in ("ingest", "ingest_and_routes"):
+            measured = case[window]
+            if measured["route_errors"]:
+                broken.append(f"{name}.{window}: {measured['route_errors']} routes refused")
+            samples = measured["lag_samples"]
+            if samples["owner"] == 0:
+                broken.append(f"{name}.{window}: no probed key became visible on its owner")
+            if case["replicas"] > 1 and samples["other"] == 0:
+                broken.append(f"{name}.{window}: no probed key became visible on the other "
+                              "replica")
+        if min(case["memory"]["index_keys"].values()) == 0:
+            broken.append(f"{name}: a replica indexed nothing")
+    return broken

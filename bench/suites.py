@@ -98,6 +98,12 @@ def gateway_steps(quick: bool) -> list[Step]:
             ("ttft", lambda: bench_gateway_ttft(300))]  # the whole committed slice, always
 
 
+def fleet_steps(quick: bool) -> list[Step]:
+    from bench.bench_fleet import fleet_steps as steps
+
+    return steps(quick)
+
+
 SUITES: dict[str, Suite] = {
     "coordinator": Suite(coordinator_steps, targets.coordinator_targets, invariants.coordinator),
     "worker": Suite(worker_steps, targets.worker_targets, invariants.worker),
@@ -106,4 +112,5 @@ SUITES: dict[str, Suite] = {
     "bridge": Suite(bridge_steps, targets.bridge_targets, invariants.bridge),
     "security": Suite(security_steps, targets.security_targets, invariants.security),
     "gateway": Suite(gateway_steps, targets.gateway_targets, invariants.gateway),
+    "fleet": Suite(fleet_steps, targets.fleet_targets, invariants.fleet),
 }

@@ -168,3 +168,54 @@ def security_targets(results: dict[str, Any]) -> list[list[str]]:
                      str(auth["leaks"] + auth["bugs"]), auth["leaks"] + auth["bugs"] == 0))
     return [[name, target, value, "-" if ok is None else "met" if ok else "MISSED"]
             for name, target, value, ok in rows]
+
+
+def _ratio(value: float | None, floor: float | None) -> str:
+    return f"{value / floor:.2f}x" if value and floor else "n/a"
+
+
+def fleet_targets(results: dict[str, Any]) -> list[list[str]]:
+    """Issue 17's bars against the same-run floors, on the largest single-replica case (its
+    floors were measured on that coordinator process, before the load)."""
+    from bench.bench_fleet import LAG_BOUND_MS, largest_n_under_bound
+
+    single = {k: v for k, v in results.items() if k.startswith("1r_")}
+    name = max(single, key=lambda k: single[k]["workers"])
+    case = single[name]
+    floors, ingest, alone = case["floors"], case["ingest"], case["route_alone"]
+    loaded = case["ingest_and_routes"]
+    batch_us, key_us = (ingest["marginal_cpu_us_per_batch"]["r0"],
+                        ingest["cpu_us_per_key_op"]["r0"])
+    batch_ratio = batch_us / floors["stream_message_cpu_us"]
+    route_ratio = alone["cpu_us"] / floors["unary_cpu_us"]
+    lag, route_p99 = loaded["lag_owner_p99_ms"], loaded["route_p99_ms"]
+    largest = largest_n_under_bound(results)
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    rss = case["memory"]["rss_bytes_per_key"]["r0"]
+    return [
+        [f"CPU per event batch (less idle) / bare stream message ({name})", "<= 1.5x",
+         f"{batch_us:.0f} us ({batch_ratio:.2f}x)", verdict(batch_ratio <= 1.5)],
+        [f"CPU per key operation ({name}, batch cost included)", "<= 0.3 us",
+         f"{key_us:.2f} us", verdict(key_us <= 0.3)],
+        [f"CPU per Route (trace prompts, {case['workers']} workers) / bare unary", "<= 1.25x",
+         _ratio(alone["cpu_us"], floors["unary_cpu_us"]), verdict(route_ratio <= 1.25)],
+        [f"lag p99 (owner) at {case['workers']} workers, with routes",
+         f"< {LAG_BOUND_MS:.0f} ms",
+         f"{lag:.0f} ms" if lag is not None else "no sample",
+         verdict(lag is not None and lag < LAG_BOUND_MS)],
+        [f"Route p99 under that ingest ({loaded['routes']} routes)", "< 5 ms",
+         f"{route_p99:.1f} ms" if route_p99 is not None else "none", verdict(
+             route_p99 is not None and route_p99 < 5.0)],
+        ["largest N with owner lag p99 < 300 ms", "1024", str(largest),
+         verdict(largest is not None and largest >= 1024)],
+        [f"workers per replica-core ({name})", "-",
+         f"{ingest['workers_per_replica_core']:.0f}" if ingest["workers_per_replica_core"]
+         else "n/a", "-"],
+        [f"RSS per index key ({name}, {case['memory']['index_keys']['r0']:,} keys)",
+         "<= 120 B at 1e7",
+         f"{rss:.0f} B" if rss else "n/a", verdict(rss is not None and rss <= 120)],
+        [f"batches sent / target ({name})", "-", f"{ingest['achieved_fraction']:.2f}", "-"],
+    ]

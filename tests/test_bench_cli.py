@@ -48,7 +48,7 @@ def test_from_another_directory_bench_finds_the_checkout(tmp_path: Path) -> None
     done = kvcoord("bench", "no-such-suite", cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr == ("kvcoord bench: unknown suite 'no-such-suite'; known: coordinator, "
-                           "worker, policy, replication, bridge, security, gateway, all\n")
+                           "worker, policy, replication, bridge, security, gateway, fleet, all\n")
 
 
 def test_no_installed_package_imports_bench() -> None:

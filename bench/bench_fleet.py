@@ -1,0 +1,128 @@
+"""``kvcoord bench fleet``: how many workers one coordinator replica indexes at an engine's
+cadence, measured from outside.
+
+Each case starts the coordinator replicas as ``kvcoord coordinator`` processes (one on the
+embedded store, or two on a redis-server with AOF ``everysec`` or ``always``) and the load
+generator (bench/fleet_load.py: emulated workers replaying the committed trace slice, a
+scheduler routing at a set rate) as another process. With ``taskset`` and two or more cores the
+coordinators are pinned to core 0 (every thread, ``taskset -a``) and the generator to core 1,
+so the generator's work neither slows the coordinator nor enters its CPU figures (read per
+process from /proc); the generator reports the batch rate it achieved and its own CPU share, so
+a run where the machine, not the coordinator, saturated first says so.
+
+Per case: the same-run floors (a bare unary call, a bare stream message), CPU per ``Route``
+alone, then under ingest CPU per event batch and per key operation, event-to-visible lag p50/p99
+on the owning and on the other replica, ``Route`` latency p50/p99, RSS per index key. The sweep
+reports the largest worker count whose lag p99 stayed under 300 ms and "workers per
+replica-core": workers / (the coordinator's CPU cores busy), at that cadence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from kvcoord.fleet_procs import free_port, start_coordinator_process, stop_processes, wait_healthy
+from tests.redis_server import RedisServer
+
+LAG_BOUND_MS = 300.0
+COORDINATOR_CORE, GENERATOR_CORE = "0", "1"
+
+
+def _pinning() -> bool:
+    return shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
+
+
+@contextmanager
+def _replicas(count: int, appendfsync: str | None) -> Iterator[tuple[list[str], list[int]]]:
+    """(targets, pids) of ``count`` coordinator processes; two or more share a redis-server
+    with AOF ``appendfsync``."""
+    redis = None
+    if count > 1:
+        redis = RedisServer(appendonly=appendfsync is not None,
+                            appendfsync=appendfsync or "everysec")
+        redis.start()
+    processes = []
+    try:
+        targets = []
+        for i in range(count):
+            port = free_port()
+            extra = ["--redis", redis.url, "--replica-id", f"r{i}"] if redis else []
+            process = start_coordinator_process(port, *extra, env={"KVCOORD_LEASE_MS": "20000"})
+            processes.append(process)
+            wait_healthy(f"127.0.0.1:{port}", process, timeout=60)
+            targets.append(f"127.0.0.1:{port}")
+        if _pinning():
+            for process in processes:
+                subprocess.run(["taskset", "-a", "-p", "-c", COORDINATOR_CORE, str(process.pid)],
+                               check=True, stdout=subprocess.DEVNULL)
+        yield targets, [p.pid for p in processes]
+    finally:
+        stop_processes(processes, 10)
+        if redis is not None:
+            redis.stop()
+
+
+def run_case(workers: int, *, replicas: int = 1, appendfsync: str | None = None,
+             seconds: float = 10.0, **load: Any) -> dict[str, Any]:
+    """One case: the replicas up, the generator run against them, its measures."""
+    with _replicas(replicas, appendfsync) as (targets, pids):
+        config = {"targets": targets, "pids": pids, "workers": workers, "seconds": seconds,
+                  **load}
+        argv = [sys.executable, "-m", "bench.fleet_load", json.dumps(config)]
+        if _pinning():
+            argv = ["taskset", "-c", GENERATOR_CORE, *argv]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                              stdin=subprocess.DEVNULL)
+        if done.returncode != 0:
+            raise RuntimeError(f"the fleet load generator failed: {done.stderr[-3000:]}")
+        result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    result["store"] = "embedded" if replicas == 1 else f"redis aof {appendfsync or 'off'}"
+    result["pinned"] = _pinning()
+    for window in ("ingest", "ingest_and_routes"):
+        measured = result[window]
+        busy = measured["coordinator_cpu_share"][0]
+        measured["workers_per_replica_core"] = workers / busy if busy > 0 else None
+        measured["achieved_fraction"] = measured["batches"] / measured["batches_target"]
+    for section in ("ingest", "ingest_and_routes", "memory"):
+        for key, value in list(result[section].items()):  # per replica, as r0, r1
+            if isinstance(value, list):
+                result[section][key] = {f"r{i}": v for i, v in enumerate(value)}
+    return result
+
+
+def fleet_steps(quick: bool) -> list[tuple[str, Any]]:
+    """``kvcoord bench fleet``'s steps: 1 replica at each N, then 2 replicas on Redis."""
+    sizes = [16] if quick else [64, 256, 1024]
+    seconds = 2.0 if quick else 10.0
+    load: dict[str, Any] = {"requests": 40, "floor_calls": 300} if quick else {}
+    steps: list[tuple[str, Any]] = [
+        (f"1r_{n}", lambda n=n: run_case(n, seconds=seconds, **load)) for n in sizes]
+    for fsync in ["everysec"] if quick else ["everysec", "always"]:
+        steps += [(f"2r_{fsync}_{n}", lambda n=n, fsync=fsync: run_case(
+            n, replicas=2, appendfsync=fsync, seconds=seconds, **load))
+            for n in (sizes[:1] if quick else sizes[:2])]
+    return steps
+
+
+def largest_n_under_bound(results: dict[str, Any]) -> int | None:
+    """The most workers one replica carried with owner lag p99 under ``LAG_BOUND_MS``."""
+    under = [c["workers"] for k, c in results.items() if k.startswith("1r_")
+             and (c["ingest_and_routes"]["lag_owner_p99_ms"] or 1e9) < LAG_BOUND_MS]
+    return max(under, default=None)
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    results = {name: step() for name, step in fleet_steps(quick)}
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

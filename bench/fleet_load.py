@@ -1,0 +1,347 @@
+"""The load generator of ``kvcoord bench fleet`` (bench/bench_fleet.py), a process of its own
+(pinned to its own core there): many emulated workers, each its own identity and ``Sync``
+stream, replaying the committed trace slice at an engine's cadence, and a scheduler issuing
+``Route`` at a set rate. It measures, on the coordinator processes named by pid (CPU from
+/proc, so this process's own work is never counted there):
+
+1. the floors, first: a bare unary call (grpc health ``Check``) and a bare stream message (a
+   heartbeat carrying no page events), CPU per message on the first replica;
+2. ``Route`` alone at the set rate: CPU per route, latency p50/p99;
+3. ingest: every worker sends ``steps_per_s`` event batches a second (``keys_per_step`` keys
+   stored from its share of the trace; past ``capacity`` pages its oldest are removed in the
+   same batch), heartbeats every ``heartbeat_s``, while routes go on at the set rate; CPU per
+   batch and per key operation, event-to-visible lag on the owning and on the other replica
+   (a batch's last stored key, polled with ``Lookup`` every 5 ms from its send), route
+   latency, and the batch rate this process achieved (the generator saturating first shows
+   there);
+4. RSS of each coordinator per index key.
+
+Prints one JSON object. Run: ``python -m bench.fleet_load CONFIG_JSON``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import resource
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.scripted_worker import ScriptedWorker
+from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig, Namespace
+from coordinator.core.hashing import PageHasher
+from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from kvcoord.simulate.trace import load_trace, prompt_bytes, trace_page_keys
+
+TRACE = Path(__file__).resolve().parent.parent / "tests" / "data" / "mooncake_300.jsonl"
+HASH = HashConfig(key=DEV_HASH_KEY)
+ROUTE_TOKENS = 4096
+POLL_S = 0.005
+STORED, REMOVED = pb.PageEvent.KIND_STORED, pb.PageEvent.KIND_REMOVED
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def quantile(samples: Sequence[float], q: float) -> float | None:
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class Config:
+    targets: list[str]  # one per replica
+    pids: list[int]
+    workers: int
+    seconds: float
+    steps_per_s: float = 5.0
+    keys_per_step: int = 64
+    capacity: int = 2048
+    routes_per_s: float = 200.0
+    heartbeat_s: float = 2.0
+    requests: int = 300
+    floor_calls: int = 2000
+
+
+class EmulatedWorker:
+    """A worker's page traffic: its share of the trace's keys, stored ``keys_per_step`` a
+    step; past ``capacity`` its oldest pages are removed in the same batch."""
+
+    def __init__(self, sync: ScriptedWorker, replica: int, prompts: list[list[bytes]],
+                 offset: int, config: Config) -> None:
+        self.sync = sync
+        self.replica = replica  # the replica that owns its stream
+        self._prompts = prompts
+        self._next_prompt = offset
+        self._pending: deque[bytes] = deque()
+        self._held: dict[bytes, None] = {}  # insertion order = age
+        self._config = config
+
+    def next_batch(self) -> tuple[list[pb.PageEvent], bytes | None, int]:
+        """(events, the last key stored, key operations) of the next step."""
+        want = self._config.keys_per_step
+        stored: list[bytes] = []
+        while len(stored) < want:
+            if not self._pending:
+                self._pending.extend(self._prompts[self._next_prompt % len(self._prompts)])
+                self._next_prompt += 1
+            key = self._pending.popleft()
+            if key not in self._held:
+                self._held[key] = None
+                stored.append(key)
+        removed = []
+        while len(self._held) > self._config.capacity:
+            oldest = next(iter(self._held))
+            del self._held[oldest]
+            removed.append(oldest)
+        events = [pb.PageEvent(kind=STORED, page_keys=b"".join(stored))]
+        if removed:
+            events.append(pb.PageEvent(kind=REMOVED, page_keys=b"".join(removed)))
+        return events, stored[-1], len(stored) + len(removed)
+
+
+class Fleet:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.channels = [grpc.aio.insecure_channel(t) for t in config.targets]
+        self.stubs = [pb_grpc.CoordinatorStub(c) for c in self.channels]
+        trace = load_trace(TRACE, limit=config.requests)
+        ns = Namespace(model="default", tenant="", policy_version=0, page_size=HASH.page_size)
+        self.prompt_keys = trace_page_keys(trace, PageHasher(HASH), ns)
+        self.route_prompts = [prompt_bytes(r)[: ROUTE_TOKENS * 4] for r in trace]
+        self.workers: list[EmulatedWorker] = []
+        self.batches = 0
+        self.key_ops = 0
+        self.lags: dict[str, list[float]] = {"owner": [], "other": []}
+        self.route_ms: list[float] = []
+        self.route_errors = 0
+        self.probe_lookups = 0
+        self.idle_share = [0.0 for _ in config.targets]
+        self._probes: set[asyncio.Task[None]] = set()
+
+    async def start_workers(self) -> None:
+        rng = random.Random(7)
+        for i in range(self.config.workers):
+            replica = i % len(self.config.targets)
+            sync = ScriptedWorker(self.config.targets[replica], f"fleet-{i:04d}",
+                                  hash_config=HASH, total_pages=self.config.capacity)
+            sync._channel = self.channels[replica]  # streams share one connection per replica
+            await sync.start()
+            offset = rng.randrange(len(self.prompt_keys))
+            self.workers.append(EmulatedWorker(sync, replica, self.prompt_keys, offset,
+                                               self.config))
+
+    # ------------------------------------------------------------------ the floors
+
+    async def floors(self) -> dict[str, float]:
+        pid, n = self.config.pids[0], self.config.floor_calls
+        health = health_pb2_grpc.HealthStub(self.channels[0])
+        before = cpu_seconds(pid)
+        for _ in range(n):
+            await health.Check(health_pb2.HealthCheckRequest())
+        unary = (cpu_seconds(pid) - before) / n
+        probe = self.workers[0].sync
+        before = cpu_seconds(pid)
+        for _ in range(n):
+            await probe.heartbeat()
+        # One acked batch after them: the coordinator has read every heartbeat (one stream).
+        await probe.store([os.urandom(16)])
+        stream = (cpu_seconds(pid) - before) / n
+        # What the replicas spend with the fleet connected and silent (reaper, policy reads,
+        # replication polls): subtracted from the windows' CPU for the marginal figures.
+        before_idle = [cpu_seconds(p) for p in self.config.pids]
+        await asyncio.sleep(1.0)
+        self.idle_share = [cpu_seconds(p) - b
+                           for p, b in zip(self.config.pids, before_idle, strict=True)]
+        return {"unary_cpu_us": unary * 1e6, "stream_message_cpu_us": stream * 1e6,
+                "idle_cpu_share": self.idle_share[0]}
+
+    # ------------------------------------------------------------------ routes
+
+    async def routes(self, seconds: float) -> None:
+        """Open-loop Route calls at ``routes_per_s`` to the first replica."""
+        period = 1.0 / self.config.routes_per_s
+        start = time.monotonic()
+        calls: set[asyncio.Task[None]] = set()
+        i = 0
+        while time.monotonic() - start < seconds:
+            task = asyncio.create_task(self._route(self.route_prompts[i % len(
+                self.route_prompts)]))
+            calls.add(task)
+            task.add_done_callback(calls.discard)
+            i += 1
+            await asyncio.sleep(max(0.0, start + i * period - time.monotonic()))
+        if calls:
+            await asyncio.wait(calls, timeout=10)
+
+    async def _route(self, prompt: bytes) -> None:
+        began = time.perf_counter()
+        try:
+            await self.stubs[0].Route(pb.RouteRequest(prompt=pb.Prompt(token_bytes=prompt)),
+                                      timeout=10)
+        except grpc.aio.AioRpcError:
+            self.route_errors += 1
+            return
+        self.route_ms.append((time.perf_counter() - began) * 1000)
+
+    # ------------------------------------------------------------------ ingest
+
+    async def ingest(self, seconds: float) -> None:
+        await asyncio.gather(*(self._run_worker(w, i, seconds)
+                               for i, w in enumerate(self.workers)))
+        if self._probes:
+            await asyncio.wait(self._probes, timeout=5)
+
+    async def _run_worker(self, worker: EmulatedWorker, i: int, seconds: float) -> None:
+        period = 1.0 / self.config.steps_per_s
+        start = time.monotonic() + period * (i / max(1, len(self.workers)))  # staggered
+        next_beat = start + self.config.heartbeat_s * random.random()
+        probe_every = max(1, int(len(self.workers) * self.config.steps_per_s / 20))  # ~20/s
+        step = 0
+        while True:
+            now = time.monotonic()
+            due = start + step * period
+            if due - start >= seconds:
+                return
+            if due > now:
+                await asyncio.sleep(due - now)
+            events, last, ops = worker.next_batch()
+            await worker.sync.send_events(events)
+            self.batches += 1
+            self.key_ops += ops
+            if (self.batches % probe_every) == 0 and last is not None:
+                task = asyncio.create_task(self._probe(last, worker.replica,
+                                                       time.perf_counter()))
+                self._probes.add(task)
+                task.add_done_callback(self._probes.discard)
+            while not worker.sync.received.empty():  # acks: nothing to wait for
+                worker.sync.received.get_nowait()
+            if time.monotonic() >= next_beat:
+                await worker.sync.heartbeat()
+                next_beat += self.config.heartbeat_s
+            step += 1
+
+    async def _probe(self, key: bytes, owner: int, sent: float) -> None:
+        """Event-to-visible lag of ``key``: from its batch's send until a ``Lookup`` (every
+        5 ms) sees it, on the replica that owns the worker's stream and on the others."""
+        request = pb.LookupRequest(prompt=pb.Prompt(page_keys=key))
+
+        async def seen(replica: int) -> None:
+            lags = self.lags["owner" if replica == owner else "other"]
+            deadline = sent + 5.0
+            while time.perf_counter() < deadline:
+                self.probe_lookups += 1
+                try:
+                    found = await self.stubs[replica].Lookup(request, timeout=2)
+                except grpc.aio.AioRpcError:
+                    found = None
+                if found is not None and found.matches:
+                    lags.append((time.perf_counter() - sent) * 1000)
+                    return
+                await asyncio.sleep(POLL_S)
+
+        await asyncio.gather(*(seen(r) for r in range(len(self.stubs))))
+
+    async def index_keys(self) -> list[int]:
+        return [(await s.GetStats(pb.GetStatsRequest())).index_keys for s in self.stubs]
+
+
+async def _window(fleet: Fleet, config: Config, *, with_routes: bool) -> dict[str, Any]:
+    """``config.seconds`` of the fleet's page traffic (and routes, ``with_routes``)."""
+    fleet.batches = fleet.key_ops = fleet.route_errors = fleet.probe_lookups = 0
+    fleet.route_ms.clear()
+    for lags in fleet.lags.values():
+        lags.clear()
+    cpu_before = [cpu_seconds(p) for p in config.pids]
+    own_before = resource.getrusage(resource.RUSAGE_SELF)
+    began = time.monotonic()
+    jobs = [fleet.ingest(config.seconds)]
+    if with_routes:
+        jobs.append(fleet.routes(config.seconds))
+    await asyncio.gather(*jobs)
+    elapsed = time.monotonic() - began
+    own_after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = [cpu_seconds(p) - b for p, b in zip(config.pids, cpu_before, strict=True)]
+    marginal = [max(0.0, c - idle * elapsed) for c, idle in zip(cpu, fleet.idle_share,
+                                                                 strict=True)]
+    own = (own_after.ru_utime + own_after.ru_stime) - (own_before.ru_utime + own_before.ru_stime)
+    return {
+        "seconds": elapsed, "batches": fleet.batches, "key_ops": fleet.key_ops,
+        "batches_target": config.workers * config.steps_per_s * config.seconds,
+        "generator_cpu_share": own / elapsed,
+        "coordinator_cpu_share": [c / elapsed for c in cpu],
+        # Every replica applies every batch: per-replica CPU over all batches.
+        "cpu_us_per_batch": [c / max(1, fleet.batches) * 1e6 for c in cpu],
+        "cpu_us_per_key_op": [c / max(1, fleet.key_ops) * 1e6 for c in cpu],
+        # Less the idle baseline; still holding heartbeats, acks and the lag probes' Lookups.
+        "marginal_cpu_us_per_batch": [c / max(1, fleet.batches) * 1e6 for c in marginal],
+        "probe_lookups": fleet.probe_lookups,
+        "routes": len(fleet.route_ms), "route_errors": fleet.route_errors,
+        "route_p50_ms": quantile(fleet.route_ms, 0.5),
+        "route_p99_ms": quantile(fleet.route_ms, 0.99),
+        **{f"lag_{side}_{name}_ms": quantile(lags, q) for side, lags in fleet.lags.items()
+           for name, q in (("p50", 0.5), ("p99", 0.99))},
+        "lag_samples": {side: len(lags) for side, lags in fleet.lags.items()},
+    }
+
+
+async def run(config: Config) -> dict[str, Any]:
+    fleet = Fleet(config)
+    rss_before = [rss_bytes(p) for p in config.pids]
+    await fleet.start_workers()
+    out: dict[str, Any] = {"workers": config.workers, "replicas": len(config.targets)}
+    out["floors"] = await fleet.floors()
+
+    # Ingest alone (CPU per batch and key, lag), then ingest with routes (their latency).
+    out["ingest"] = await _window(fleet, config, with_routes=False)
+    out["ingest_and_routes"] = await _window(fleet, config, with_routes=True)
+
+    # Routes alone, over the index the traffic built (trace prompts: partly cached).
+    fleet.route_ms.clear()
+    before = cpu_seconds(config.pids[0])
+    await fleet.routes(min(2.0, config.seconds))
+    out["route_alone"] = {
+        "routes": len(fleet.route_ms),
+        "cpu_us": (cpu_seconds(config.pids[0]) - before) / max(1, len(fleet.route_ms)) * 1e6,
+        "p50_ms": quantile(fleet.route_ms, 0.5), "p99_ms": quantile(fleet.route_ms, 0.99)}
+    keys = await fleet.index_keys()
+    rss = [rss_bytes(p) - b for p, b in zip(config.pids, rss_before, strict=True)]
+    out["memory"] = {"index_keys": keys,
+                     "rss_bytes_per_key": [r / k if k else None
+                                           for r, k in zip(rss, keys, strict=True)]}
+    for worker in fleet.workers:
+        await worker.sync.disconnect()  # the channels are shared: closed below
+    for channel in fleet.channels:
+        await channel.close()
+    return out
+
+
+def main() -> None:
+    config = Config(**json.loads(sys.argv[1]))
+    print(json.dumps(asyncio.run(run(config))))
+
+
+if __name__ == "__main__":
+    main()
