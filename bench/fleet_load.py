@@ -103,10 +103,16 @@ class EmulatedWorker:
         """(events, the last key stored, key operations) of the next step."""
         want = self._config.keys_per_step
         stored: list[bytes] = []
+        refills = 0
         while len(stored) < want:
-            if not self._pending:
+            while not self._pending:  # the next prompt of its share (some have no full page)
+                if refills > len(self._prompts):
+                    break  # every key of the trace is held already: send what there is
                 self._pending.extend(self._prompts[self._next_prompt % len(self._prompts)])
                 self._next_prompt += 1
+                refills += 1
+            if not self._pending:
+                break
             key = self._pending.popleft()
             if key not in self._held:
                 self._held[key] = None
@@ -116,10 +122,10 @@ class EmulatedWorker:
             oldest = next(iter(self._held))
             del self._held[oldest]
             removed.append(oldest)
-        events = [pb.PageEvent(kind=STORED, page_keys=b"".join(stored))]
+        events = [pb.PageEvent(kind=STORED, page_keys=b"".join(stored))] if stored else []
         if removed:
             events.append(pb.PageEvent(kind=REMOVED, page_keys=b"".join(removed)))
-        return events, stored[-1], len(stored) + len(removed)
+        return events, stored[-1] if stored else None, len(stored) + len(removed)
 
 
 class Fleet:
