@@ -40,9 +40,10 @@ def _pinning() -> bool:
 
 
 @contextmanager
-def _replicas(count: int, appendfsync: str | None) -> Iterator[tuple[list[str], list[int]]]:
+def _replicas(count: int, appendfsync: str | None, ingest_max_share: float | None = None
+              ) -> Iterator[tuple[list[str], list[int]]]:
     """(targets, pids) of ``count`` coordinator processes; two or more share a redis-server
-    with AOF ``appendfsync``."""
+    with AOF ``appendfsync``. ``ingest_max_share``: their ingest budget (None: the default)."""
     redis = None
     if count > 1:
         redis = RedisServer(appendonly=appendfsync is not None,
@@ -54,7 +55,10 @@ def _replicas(count: int, appendfsync: str | None) -> Iterator[tuple[list[str], 
         for i in range(count):
             port = free_port()
             extra = ["--redis", redis.url, "--replica-id", f"r{i}"] if redis else []
-            process = start_coordinator_process(port, *extra, env={"KVCOORD_LEASE_MS": "20000"})
+            env = {"KVCOORD_LEASE_MS": "20000"}
+            if ingest_max_share is not None:
+                env["KVCOORD_INGEST_MAX_SHARE"] = str(ingest_max_share)
+            process = start_coordinator_process(port, *extra, env=env)
             processes.append(process)
             wait_healthy(f"127.0.0.1:{port}", process, timeout=60)
             targets.append(f"127.0.0.1:{port}")
@@ -70,9 +74,10 @@ def _replicas(count: int, appendfsync: str | None) -> Iterator[tuple[list[str], 
 
 
 def run_case(workers: int, *, replicas: int = 1, appendfsync: str | None = None,
-             seconds: float = 10.0, **load: Any) -> dict[str, Any]:
+             seconds: float = 10.0, ingest_max_share: float | None = None,
+             **load: Any) -> dict[str, Any]:
     """One case: the replicas up, the generator run against them, its measures."""
-    with _replicas(replicas, appendfsync) as (targets, pids):
+    with _replicas(replicas, appendfsync, ingest_max_share) as (targets, pids):
         config = {"targets": targets, "pids": pids, "workers": workers, "seconds": seconds,
                   **load}
         argv = [sys.executable, "-m", "bench.fleet_load", json.dumps(config)]
@@ -84,6 +89,7 @@ def run_case(workers: int, *, replicas: int = 1, appendfsync: str | None = None,
             raise RuntimeError(f"the fleet load generator failed: {done.stderr[-3000:]}")
         result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     result["store"] = "embedded" if replicas == 1 else f"redis aof {appendfsync or 'off'}"
+    result["ingest_max_share"] = "default" if ingest_max_share is None else ingest_max_share
     result["pinned"] = _pinning()
     for window in ("ingest", "ingest_and_routes"):
         measured = result[window]
@@ -104,6 +110,9 @@ def fleet_steps(quick: bool) -> list[tuple[str, Any]]:
     load: dict[str, Any] = {"requests": 40, "floor_calls": 300} if quick else {}
     steps: list[tuple[str, Any]] = [
         (f"1r_{n}", lambda n=n: run_case(n, seconds=seconds, **load)) for n in sizes]
+    if not quick:  # the largest fleet again with ingest unbounded (no budget): what it buys
+        steps.append((f"unbounded_1r_{sizes[-1]}", lambda: run_case(
+            sizes[-1], seconds=seconds, ingest_max_share=1.0, **load)))
     for fsync in ["everysec"] if quick else ["everysec", "always"]:
         steps += [(f"2r_{fsync}_{n}", lambda n=n, fsync=fsync: run_case(
             n, replicas=2, appendfsync=fsync, seconds=seconds, **load))

@@ -104,13 +104,14 @@ def security(results: Results) -> list[str]:
 
 
 def fleet(results: Results) -> list[str]:
-    """Every route answered, every probed key became visible on every replica (a lag sample
-    each), and the coordinators indexed what was sent."""
+    """Every route answered (with the ingest budget on), every probed key became visible on
+    every replica (a lag sample each), and the coordinators indexed what was sent."""
     broken = []
     for name, case in results.items():
         for window in ("ingest", "ingest_and_routes"):
             measured = case[window]
-            if measured["route_errors"]:
+            # The unbounded baseline shows what starved routes look like: measured, not held.
+            if measured["route_errors"] and case.get("ingest_max_share") != 1.0:
                 broken.append(f"{name}.{window}: {measured['route_errors']} routes refused")
             samples = measured["lag_samples"]
             if samples["owner"] == 0:

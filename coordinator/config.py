@@ -60,6 +60,9 @@ class CoordinatorConfig:
     max_inflight_per_worker: int = 65_536
     """In-flight routes remembered per worker; beyond it the oldest are assumed finished (a
     worker that never reports completions must not grow the coordinator without bound)."""
+    ingest_max_share: float = 0.7
+    """The share of each 100 ms of the event loop that page-event batches may take; past it
+    their streams wait (routes never do). 1 = unbounded (control/ingest_governor.py)."""
     route_end_ttl_ms: int = 600_000
     """A route whose caller said it would report the end (``EndRoutes``: gateways, for engines
     behind a bridge) stops counting as load after this long without one (a caller that died)."""
@@ -161,6 +164,8 @@ class CoordinatorConfig:
             raise ConfigError(f"page_size must be <= 4096, got {self.page_size}")
         if self.max_inflight_per_worker <= 0:
             raise ConfigError("max_inflight_per_worker must be > 0")
+        if not 0 < self.ingest_max_share <= 1:
+            raise ConfigError(f"ingest_max_share must be in (0, 1], got {self.ingest_max_share}")
         if self.route_end_ttl_ms <= 0:
             raise ConfigError(f"route_end_ttl_ms must be > 0, got {self.route_end_ttl_ms}")
         if not self.store_namespace or any(c in self.store_namespace for c in "{}"):

@@ -18,6 +18,7 @@ import structlog
 
 from coordinator.config import CoordinatorConfig
 from coordinator.control.high_water import HighWater
+from coordinator.control.ingest_governor import IngestGovernor
 from coordinator.control.policy_updates import PolicyUpdates
 from coordinator.control.policy_view import PolicyView
 from coordinator.control.replication_sink import NoReplication, ReplicationSink
@@ -137,6 +138,7 @@ class CoordinatorService:
             awaited=AwaitedRoutes(ttl_s=config.route_end_ttl_ms / 1000,
                                   capacity=config.max_inflight_per_worker),
         )
+        self.ingest = IngestGovernor(config.ingest_max_share)
         self.streams = WorkerStreams()
         self.outbox = ReplicationOutbox() if replicate else None
         replication: ReplicationSink = self.outbox or NoReplication()

@@ -1546,6 +1546,7 @@ _TARGET_LABELS = {"namespace", "pod", "service", "job", "instance", "container",
 def exported_metrics() -> dict[str, set[str]]:
     """Every kvcoord_* series name the coordinator, the worker and the gateway export, with
     its labels."""
+    from coordinator.control.ingest_governor import IngestGovernor
     from coordinator.server.metrics import CoordinatorMetrics
     from coordinator.service import StatsSnapshot
     from kvcoord.gateway.metrics import GatewayMetrics
@@ -1556,9 +1557,11 @@ def exported_metrics() -> dict[str, set[str]]:
     # replica_id set: the replication metrics appear only with replicas.
     stats = StatsSnapshot(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, types.SimpleNamespace(version=0),
                           "RedisStore", replica_id="r1")
-    # What CoordinatorMetrics reads of the service: its stats and the policy view's restores.
+    # What CoordinatorMetrics reads of the service: its stats, the policy view's restores and
+    # the ingest governor.
     coordinator = CoordinatorMetrics(types.SimpleNamespace(
-        stats=lambda: stats, policy_view=types.SimpleNamespace(restores=0)))
+        stats=lambda: stats, policy_view=types.SimpleNamespace(restores=0),
+        ingest=IngestGovernor(0.7)))
     worker = WorkerMetrics(lambda: RuntimeStats(0, 0, 0, 0, 0, 0), sync=SyncCounters())
     gateway = GatewayMetrics()
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}

@@ -32,6 +32,12 @@ class CoordinatorMetrics:
 
     def _bind(self, service: CoordinatorService) -> None:
         self.registry.register(_StateCollector(service))
+        self.ingest_wait = Histogram(
+            "kvcoord_ingest_wait_seconds", "How long event batches waited for the ingest "
+            "budget (ingest_max_share of the event loop): the lag admission adds",
+            registry=self.registry,
+            buckets=(1e-3, 5e-3, 2.5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+        service.ingest.on_wait = self.ingest_wait.observe
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Expose ``/metrics`` over HTTP; returns the bound port (``port=0`` picks a free one)."""
@@ -58,6 +64,8 @@ class _StateCollector(Collector):
              s.pending_entries),
             ("kvcoord_policy_version", "Current policy version", s.policy.version),
         ]
+        gauges.append(("kvcoord_ingest_waiting_streams", "Sync streams whose next event batch "
+                       "waits for the ingest budget now", self._service.ingest.waiting))
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = [
@@ -69,6 +77,8 @@ class _StateCollector(Collector):
             ("kvcoord_sync_events_applied", "Page events applied from workers",
              s.events_applied),
             ("kvcoord_sync_resyncs", "Resync requests sent to workers", s.resyncs),
+            ("kvcoord_ingest_waited_batches", "Event batches that waited for the ingest budget",
+             self._service.ingest.waited),
             ("kvcoord_policy_version_restored",
              "Times the store's policy state was found behind what this coordinator had seen "
              "(data lost) and restored", self._service.policy_view.restores),

@@ -6,6 +6,7 @@ No decisions are made here. Errors are domain exceptions; ``coordinator.rpc.inte
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
@@ -182,6 +183,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         outgoing: asyncio.Queue[pb.SyncResponse | BaseException | None],
     ) -> None:
         sessions = self._service.worker_sync
+        ingest = self._service.ingest
         session: RegisteredWorker | None = None
         stream_id = 0
 
@@ -212,6 +214,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 check_protocol(request.protocol_version)
                 if not sessions.owns(session, stream_id):
                     return  # WorkerStreams.close queued the FAILED_PRECONDITION that ends us
+                if request.WhichOneof("body") == "events":
+                    await ingest.admit()  # within the loop's budget for page events
+                    if not sessions.owns(session, stream_id):
+                        return
+                    began = time.perf_counter()
+                    send(await self._dispatch(session, request))
+                    ingest.applied(time.perf_counter() - began)
+                    continue
                 send(await self._dispatch(session, request))
             outgoing.put_nowait(None)
         except asyncio.CancelledError:

@@ -1,0 +1,78 @@
+"""Ingest is bounded: page-event batches take at most ``ingest_max_share`` of the event loop;
+past it their streams wait (flow control pushes back to the workers) while routes are answered,
+and nothing a worker sent is lost or reordered. The governor alone, then a real coordinator
+with a budget so small that nearly every batch waits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from bench.scripted_worker import ScriptedWorker
+from coordinator.client import AsyncCoordinatorClient
+from coordinator.config import ConfigError, CoordinatorConfig
+from coordinator.control.ingest_governor import IngestGovernor
+from coordinator.server.metrics import CoordinatorMetrics
+from coordinator.v1 import coordinator_pb2 as pb
+from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
+
+
+async def test_a_batch_past_the_windows_budget_waits_for_the_next_window() -> None:
+    waits: list[float] = []
+    governor = IngestGovernor(0.5, window_s=0.2)
+    governor.on_wait = waits.append
+    await asyncio.wait_for(governor.admit(), 0.01)  # budget left: at once
+    governor.applied(0.15)  # more than half of the window spent on events
+    admitted = asyncio.create_task(governor.admit())
+    await asyncio.sleep(0)
+    assert not admitted.done() and governor.waiting == 1
+    await asyncio.wait_for(admitted, 2.0)
+    assert governor.waiting == 0 and governor.waited == 1 and len(waits) == 1
+
+
+async def test_unbounded_admits_everything_at_once() -> None:
+    governor = IngestGovernor(1.0)
+    governor.applied(100.0)
+    await asyncio.wait_for(governor.admit(), 0.01)
+    assert governor.waited == 0
+
+
+@pytest.mark.parametrize("share", [0.0, -0.1, 1.5])
+def test_a_share_outside_zero_to_one_is_refused(share: float) -> None:
+    with pytest.raises(ConfigError, match="ingest_max_share"):
+        CoordinatorConfig(ingest_max_share=share)
+    with pytest.raises(ValueError, match="max_share"):
+        IngestGovernor(share)
+
+
+async def test_batches_held_back_are_all_applied_in_order_and_routes_still_answer() -> None:
+    # A budget of 1 ms per 100 ms: a few batches a window. The lease outlasts the test: a
+    # held-back stream's heartbeats wait behind its batches too.
+    async with running_coordinator(ingest_max_share=0.01, lease_ms=30_000) as running, \
+            AsyncCoordinatorClient(target(running)) as client:
+        metrics = CoordinatorMetrics(running.service)
+        worker = ScriptedWorker(target(running), "w1", hash_config=DEV_HASH)
+        await worker.start()
+        await worker.heartbeat()
+        batches = [[os.urandom(16) for _ in range(32)] for _ in range(40)]
+        try:
+            for keys in batches:  # sent without waiting for acks: the stream backs up
+                worker.held.update(keys)
+                await worker.send_events([pb.PageEvent(kind=pb.PageEvent.KIND_STORED,
+                                                       page_keys=b"".join(keys))])
+            answered = await client.route(list(range(64)))  # not held back by the events
+            assert answered.worker_id == "w1"
+            acks = [await worker.next_message(timeout=30) for _ in batches]
+            assert [a.ack.seq for a in acks] == list(range(1, len(batches) + 1))
+
+            async def all_indexed() -> bool:
+                return (await client.stats()).index_keys == len(worker.held)
+
+            await eventually(all_indexed, what="every batch's keys in the index")
+            waited = metrics.registry.get_sample_value("kvcoord_ingest_waited_batches_total")
+            assert waited is not None and waited > 0  # the budget did hold batches back
+            assert metrics.registry.get_sample_value("kvcoord_ingest_wait_seconds_count") == waited
+        finally:
+            await worker.close()
