@@ -48,6 +48,8 @@ TRACE = Path(__file__).resolve().parent.parent / "tests" / "data" / "mooncake_30
 HASH = HashConfig(key=DEV_HASH_KEY)
 ROUTE_TOKENS = 4096
 POLL_S = 0.005
+PROBE_DEADLINE_S = 5.0
+"""A key not visible by then is recorded at this lag (censored) and counted."""
 STORED, REMOVED = pb.PageEvent.KIND_STORED, pb.PageEvent.KIND_REMOVED
 
 
@@ -131,8 +133,13 @@ class EmulatedWorker:
 class Fleet:
     def __init__(self, config: Config) -> None:
         self.config = config
+        # The workers' streams share one connection per replica; the scheduler and the lag
+        # probes have connections of their own, as they would in a deployment (a stalled
+        # stream's flow-control window must not hold their calls back).
         self.channels = [grpc.aio.insecure_channel(t) for t in config.targets]
-        self.stubs = [pb_grpc.CoordinatorStub(c) for c in self.channels]
+        own = [("grpc.use_local_subchannel_pool", 1)]
+        self.clients = [grpc.aio.insecure_channel(t, options=own) for t in config.targets]
+        self.stubs = [pb_grpc.CoordinatorStub(c) for c in self.clients]
         trace = load_trace(TRACE, limit=config.requests)
         ns = Namespace(model="default", tenant="", policy_version=0, page_size=HASH.page_size)
         self.prompt_keys = trace_page_keys(trace, PageHasher(HASH), ns)
@@ -144,6 +151,7 @@ class Fleet:
         self.route_ms: list[float] = []
         self.route_errors = 0
         self.probe_lookups = 0
+        self.censored = {"owner": 0, "other": 0}
         self.idle_share = [0.0 for _ in config.targets]
         self._probes: set[asyncio.Task[None]] = set()
 
@@ -202,6 +210,18 @@ class Fleet:
         if calls:
             await asyncio.wait(calls, timeout=10)
 
+    async def routes_elsewhere(self, seconds: float) -> None:
+        """Routes at ``routes_per_s`` from a scheduler process of its own (bench/fleet_routes.py:
+        this process's loop is busy with the fleet, and would add its own delay)."""
+        scheduler = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.fleet_routes", self.config.targets[0],
+            str(self.config.routes_per_s), str(seconds), str(self.config.requests),
+            stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
+        out, _ = await scheduler.communicate()
+        answer = json.loads(out.decode().splitlines()[-1])
+        self.route_ms.extend(answer["ms"])
+        self.route_errors += answer["errors"]
+
     async def _route(self, prompt: bytes) -> None:
         began = time.perf_counter()
         try:
@@ -255,8 +275,9 @@ class Fleet:
         request = pb.LookupRequest(prompt=pb.Prompt(page_keys=key))
 
         async def seen(replica: int) -> None:
-            lags = self.lags["owner" if replica == owner else "other"]
-            deadline = sent + 5.0
+            side = "owner" if replica == owner else "other"
+            lags = self.lags[side]
+            deadline = sent + PROBE_DEADLINE_S
             while time.perf_counter() < deadline:
                 self.probe_lookups += 1
                 try:
@@ -267,6 +288,8 @@ class Fleet:
                     lags.append((time.perf_counter() - sent) * 1000)
                     return
                 await asyncio.sleep(POLL_S)
+            lags.append(PROBE_DEADLINE_S * 1000)
+            self.censored[side] += 1
 
         await asyncio.gather(*(seen(r) for r in range(len(self.stubs))))
 
@@ -280,12 +303,13 @@ async def _window(fleet: Fleet, config: Config, *, with_routes: bool) -> dict[st
     fleet.route_ms.clear()
     for lags in fleet.lags.values():
         lags.clear()
+    fleet.censored = {"owner": 0, "other": 0}
     cpu_before = [cpu_seconds(p) for p in config.pids]
     own_before = resource.getrusage(resource.RUSAGE_SELF)
     began = time.monotonic()
     jobs = [fleet.ingest(config.seconds)]
     if with_routes:
-        jobs.append(fleet.routes(config.seconds))
+        jobs.append(fleet.routes_elsewhere(config.seconds))
     await asyncio.gather(*jobs)
     elapsed = time.monotonic() - began
     own_after = resource.getrusage(resource.RUSAGE_SELF)
@@ -310,6 +334,7 @@ async def _window(fleet: Fleet, config: Config, *, with_routes: bool) -> dict[st
         **{f"lag_{side}_{name}_ms": quantile(lags, q) for side, lags in fleet.lags.items()
            for name, q in (("p50", 0.5), ("p99", 0.99))},
         "lag_samples": {side: len(lags) for side, lags in fleet.lags.items()},
+        "lag_censored_at_5s": dict(fleet.censored),
     }
 
 
@@ -339,7 +364,7 @@ async def run(config: Config) -> dict[str, Any]:
                                            for r, k in zip(rss, keys, strict=True)]}
     for worker in fleet.workers:
         await worker.sync.disconnect()  # the channels are shared: closed below
-    for channel in fleet.channels:
+    for channel in [*fleet.channels, *fleet.clients]:
         await channel.close()
     return out
 

@@ -208,6 +208,7 @@ class CoordinatorService:
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvcoord-reaper")
         self._policy_reader = asyncio.create_task(self._read_policy_forever(),
                                                   name="kvcoord-policy-reader")
+        self.ingest.start()
 
     async def wait_ready(self) -> None:
         """Return once this replica's index holds the other replicas' workers (or they did not
@@ -232,6 +233,7 @@ class CoordinatorService:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
+        await self.ingest.stop()
         if self.replicator is not None:
             await self.replicator.flush()
             await self.replicator.stop()

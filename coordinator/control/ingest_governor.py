@@ -3,7 +3,9 @@ more than one replica can apply slows its own events down instead of starving ro
 
 Every Sync stream's reader asks ``admit()`` before it applies an event batch and reports how
 long the apply took (``applied``). Within each window (100 ms) event batches may use at most
-``max_share`` of the window's time; past it, readers wait for the next window. A waiting reader
+``share`` of the window's time; past it, readers wait, first come first served. ``share`` starts
+at ``max_share`` and follows the loop's own lag: reading what arrives costs the loop too, so when
+a timer fires late the share is cut, and given back while the loop keeps time. A waiting reader
 stops reading its stream, so HTTP/2 flow control pushes back to the worker, whose agent (or
 bridge) holds and coalesces what it has not sent: the queue is bounded by one batch per stream
 here, and by the workers' own event logs behind that. Routes, lookups, heartbeats and
@@ -16,10 +18,20 @@ before it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
 
 WINDOW_S = 0.1
+# The share adapts to what routes feel: a timer every TICK_S that fires more than LOOP_LAG_S
+# late (the loop is busy with something: applying, or just reading what arrives) cuts the share
+# (x BACKOFF, down to MIN_SHARE); a timely one gives back STEP, up to ``max_share``.
+TICK_S = 0.02
+LOOP_LAG_S = 0.01
+BACKOFF = 0.7
+STEP = 0.02
+MIN_SHARE = 0.05
 
 
 class IngestGovernor:
@@ -28,10 +40,19 @@ class IngestGovernor:
         if not 0 < max_share <= 1:
             raise ValueError(f"max_share must be in (0, 1], got {max_share}")
         self.max_share = max_share
+        self.share = max_share
+        """The share in force now (adapted to the loop's lag, at most ``max_share``)."""
+        self.loop_lag_s = 0.0
+        """How late the last watch tick fired."""
+        self._watcher: asyncio.Task[None] | None = None
         self._window_s = window_s
         self._clock = clock
         self._window_start = clock()
         self._busy_s = 0.0
+        # Readers waiting for the budget, first come first served: one is let in at a time
+        # (its apply is charged before the next is), so waiting costs no polling.
+        self._queue: deque[asyncio.Future[None]] = deque()
+        self._timer: asyncio.TimerHandle | None = None
         self.waiting = 0
         """Streams whose next event batch waits for the budget now."""
         self.waited = 0
@@ -47,32 +68,80 @@ class IngestGovernor:
         if now - self._window_start >= self._window_s:
             # Time spent past the last window's budget is carried over, so a long apply
             # (a big batch) is paid for rather than forgotten at the boundary.
-            over = self._busy_s - self.max_share * self._window_s
+            over = self._busy_s - self.share * self._window_s
             self._busy_s = max(0.0, over)
             self._window_start = now
 
     def _over_budget(self, now: float) -> bool:
         self._roll(now)
-        return self._busy_s >= self.max_share * self._window_s
+        return self._busy_s >= self.share * self._window_s
+
+    def start(self) -> None:
+        """Watch the loop's lag (adapts ``share``); a no-op when unbounded."""
+        if self.enabled and self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+            self._watcher = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    async def _watch(self) -> None:
+        while True:
+            began = self._clock()
+            await asyncio.sleep(TICK_S)
+            self.loop_lag_s = max(0.0, self._clock() - began - TICK_S)
+            if self.loop_lag_s > LOOP_LAG_S:
+                self.share = max(MIN_SHARE, self.share * BACKOFF)
+            else:
+                self.share = min(self.max_share, self.share + STEP)
 
     async def admit(self) -> None:
-        """Return once this window's budget has room for one more event batch."""
+        """Return once this window's budget has room for one more event batch (at once when
+        it has and nobody is waiting)."""
         if not self.enabled:
             return
         began = self._clock()
-        if not self._over_budget(began):
+        if not self._queue and not self._over_budget(began):
             return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append(turn)
         self.waiting += 1
         self.waited += 1
+        self._arm()
         try:
-            while self._over_budget(self._clock()):
-                left = self._window_s - (self._clock() - self._window_start)
-                await asyncio.sleep(max(left, 0.001))
+            await turn
         finally:
             self.waiting -= 1
             if self.on_wait is not None:
                 self.on_wait(self._clock() - began)
 
     def applied(self, seconds: float) -> None:
-        """An event batch took ``seconds`` of the loop to apply."""
+        """An event batch took ``seconds`` of the loop to apply; the next waiter may go if the
+        budget still has room."""
         self._busy_s += seconds
+        self._release()
+
+    def _release(self) -> None:
+        if not self._over_budget(self._clock()):
+            while self._queue:
+                turn = self._queue.popleft()
+                if not turn.done():  # a waiter whose stream ended is skipped
+                    turn.set_result(None)
+                    break
+        if self._queue:
+            self._arm()  # the next window lets the rest in, if no apply does first
+
+    def _arm(self) -> None:
+        if self._timer is None:
+            wait = self._window_start + self._window_s - self._clock()
+            self._timer = asyncio.get_running_loop().call_later(max(wait, 0.001), self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._release()

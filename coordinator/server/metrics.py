@@ -53,7 +53,7 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self._service.stats()
-        gauges = [
+        gauges: list[tuple[str, str, float]] = [
             ("kvcoord_coordinator_workers", "Registered workers", s.workers),
             ("kvcoord_coordinator_routable_workers", "Workers that can take routes",
              s.routable_workers),
@@ -64,8 +64,11 @@ class _StateCollector(Collector):
              s.pending_entries),
             ("kvcoord_policy_version", "Current policy version", s.policy.version),
         ]
-        gauges.append(("kvcoord_ingest_waiting_streams", "Sync streams whose next event batch "
-                       "waits for the ingest budget now", self._service.ingest.waiting))
+        ingest = self._service.ingest
+        gauges += [("kvcoord_ingest_waiting_streams", "Sync streams whose next event batch "
+                    "waits for the ingest budget now", ingest.waiting),
+                   ("kvcoord_ingest_share", "Share of the event loop event batches may take now "
+                    "(follows the loop's lag, at most ingest_max_share)", ingest.share)]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = [
