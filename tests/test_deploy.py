@@ -309,10 +309,15 @@ def test_a_patch_that_misses_its_target_fails_the_render(tmp_path: Path) -> None
 
 # --------------------------------------------------------------------------- schemas
 
-# The ServiceMonitor (monitoring.coreos.com/v1) is not in the Kubernetes schemas: it is checked
-# against the Prometheus Operator's published CRD (tests/data/README.md: its release and source).
+# The ServiceMonitor and PrometheusRule (monitoring.coreos.com/v1) are not in the Kubernetes
+# schemas: they are checked against the Prometheus Operator's published CRDs (tests/data/README.md:
+# their release and source).
 SERVICE_MONITOR_CRD = ROOT / "tests" / "data" / "monitoring.coreos.com_servicemonitors.yaml"
 SERVICE_MONITOR_CRD_SHA256 = "a99047972c9dd7679ce2050b9968e8a08773492e671b3e17abd476d42aa78a32"
+PROMETHEUS_RULE_CRD = ROOT / "tests" / "data" / "monitoring.coreos.com_prometheusrules.yaml"
+PROMETHEUS_RULE_CRD_SHA256 = "78be98554b9c8506ab2b4f4feb91c5f3a56e536a0a510f3a8e876a459970d56d"
+CRDS = {"ServiceMonitor": (SERVICE_MONITOR_CRD, SERVICE_MONITOR_CRD_SHA256),
+        "PrometheusRule": (PROMETHEUS_RULE_CRD, PROMETHEUS_RULE_CRD_SHA256)}
 
 
 def refusing_unknown_fields(schema: dict[str, Any]) -> dict[str, Any]:
@@ -337,20 +342,24 @@ def refusing_unknown_fields(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 @functools.cache
-def service_monitor_validators() -> dict[str, jsonschema.Draft4Validator]:
-    """apiVersion -> a strict validator, for every version the CRD serves."""
-    crd = yaml.safe_load(SERVICE_MONITOR_CRD.read_text())
-    assert crd["spec"]["names"]["kind"] == "ServiceMonitor"
+def crd_validators(kind: str) -> dict[str, jsonschema.Draft4Validator]:
+    """apiVersion -> a strict validator, for every version the CRD of ``kind`` serves."""
+    crd = yaml.safe_load(CRDS[kind][0].read_text())
+    assert crd["spec"]["names"]["kind"] == kind
     return {f"{crd['spec']['group']}/{v['name']}": jsonschema.Draft4Validator(
                 refusing_unknown_fields(v["schema"]["openAPIV3Schema"]))
             for v in crd["spec"]["versions"] if v["served"]}
 
 
+def service_monitor_validators() -> dict[str, jsonschema.Draft4Validator]:
+    return crd_validators("ServiceMonitor")
+
+
 def validate_schema(resource: Resource, version: str) -> None:
-    if resource["kind"] != "ServiceMonitor":
+    if resource["kind"] not in CRDS:
         kubernetes_validate.validate(resource, version, strict=True)
         return
-    validators = service_monitor_validators()
+    validators = crd_validators(resource["kind"])
     if resource["apiVersion"] not in validators:
         raise jsonschema.ValidationError(f"the CRD serves no {resource['apiVersion']}")
     validators[resource["apiVersion"]].validate(resource)
@@ -359,11 +368,13 @@ def validate_schema(resource: Resource, version: str) -> None:
                                   "metadata": resource["metadata"]}, version, strict=True)
 
 
-def test_the_service_monitor_schema_is_the_published_crd() -> None:
-    digest = hashlib.sha256(SERVICE_MONITOR_CRD.read_bytes()).hexdigest()
-    assert digest == SERVICE_MONITOR_CRD_SHA256
+@pytest.mark.parametrize("kind", sorted(CRDS))
+def test_the_monitoring_schemas_are_the_published_crds(kind: str) -> None:
+    path, published = CRDS[kind]
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == published
     assert digest in (ROOT / "tests" / "data" / "README.md").read_text()
-    assert list(service_monitor_validators()) == ["monitoring.coreos.com/v1"]
+    assert list(crd_validators(kind)) == ["monitoring.coreos.com/v1"]
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -391,6 +402,11 @@ def test_the_schema_check_refuses_unknown_fields() -> None:
     with pytest.raises(jsonschema.ValidationError, match="intervall"):
         validate_schema(monitor, KUBERNETES_VERSIONS[0])
     # And the CRD's own rules: its duration pattern, ObjectMeta for metadata, its apiVersion.
+    rule = named(render("overlays/monitoring"), "PrometheusRule", "kvcoord-alerts")
+    validate_schema(rule, KUBERNETES_VERSIONS[0])
+    rule["spec"]["groups"][0]["rules"][0]["expresion"] = "up"
+    with pytest.raises(jsonschema.ValidationError, match="expresion"):
+        validate_schema(rule, KUBERNETES_VERSIONS[0])
     broken = named(render("overlays/monitoring"), "ServiceMonitor", "kvcoord-worker")
     broken["spec"]["endpoints"][0]["interval"] = "15 seconds"
     with pytest.raises(jsonschema.ValidationError, match="15 seconds"):
@@ -1596,28 +1612,47 @@ def _dashboard() -> dict[str, Any]:
     return dashboard
 
 
-def test_the_dashboard_plots_metrics_and_labels_the_code_exports() -> None:
-    exported = exported_metrics()
+def check_promql(expr: str, exported: dict[str, set[str]]) -> None:
+    """Every kvcoord_* series ``expr`` reads is exported, with the labels it selects and groups
+    by (or a scrape target's); a ``method`` names RPCs that exist."""
     rpcs = {m.name for d in (coordinator_pb2.DESCRIPTOR, worker_pb2.DESCRIPTOR)
             for s in d.services_by_name.values() for m in s.methods}
+    used = re.findall(r"\bkvcoord_\w+", expr)
+    assert used, expr
+    labels = set(_TARGET_LABELS)
+    for name in used:
+        assert name in exported, f"{name} is exported by no kvcoord process"
+        labels |= exported[name]
+    for selector in re.findall(r"\{([^}]*)\}", expr):
+        for label, value in re.findall(r'(\w+)\s*(?:=~|!~|!=|=)\s*"([^"]*)"', selector):
+            assert label in labels, f"{label} in {expr}"
+            if label == "method":
+                assert set(value.split("|")) <= rpcs, f"{value} is no RPC"
+    for grouping in re.findall(r"\bby \(([^)]*)\)", expr):
+        for label in grouping.split(","):
+            assert label.strip() in labels, f"by {label} in {expr}"
+
+
+def test_the_dashboard_plots_metrics_and_labels_the_code_exports() -> None:
+    exported = exported_metrics()
     exprs = [t["expr"] for p in _dashboard()["panels"] for t in p.get("targets", [])]
     exprs += [v["definition"] for v in _dashboard()["templating"]["list"] if "definition" in v]
     assert len(exprs) > 20
     for expr in exprs:
-        used = re.findall(r"\bkvcoord_\w+", expr)
-        assert used, expr
-        labels = set(_TARGET_LABELS)
-        for name in used:
-            assert name in exported, f"{name} is exported by no kvcoord process"
-            labels |= exported[name]
-        for selector in re.findall(r"\{([^}]*)\}", expr):
-            for label, value in re.findall(r'(\w+)\s*(?:=~|!~|!=|=)\s*"([^"]*)"', selector):
-                assert label in labels, f"{label} in {expr}"
-                if label == "method":
-                    assert set(value.split("|")) <= rpcs, f"{value} is no RPC"
-        for grouping in re.findall(r"\bby \(([^)]*)\)", expr):
-            for label in grouping.split(","):
-                assert label.strip() in labels, f"by {label} in {expr}"
+        check_promql(expr, exported)
+
+
+def test_the_alert_rules_are_the_guides_and_read_metrics_the_code_exports() -> None:
+    (rule,) = of_kind(render("overlays/monitoring"), "PrometheusRule")
+    (group,) = rule["spec"]["groups"]
+    guide = re.search(r"Prometheus rules to start from.*?```yaml\n(.*?)```", GUIDE.read_text(),
+                      re.S)
+    assert guide is not None
+    assert group["rules"] == yaml.safe_load(guide.group(1))  # one set of alerts, two places
+    exported = exported_metrics()
+    for alert in group["rules"]:
+        check_promql(alert["expr"], exported)
+    assert "KvcoordIngestLag" in {a["alert"] for a in group["rules"]}
 
 
 def test_the_dashboard_is_a_grafana_dashboard_in_a_labelled_configmap() -> None:
