@@ -48,15 +48,16 @@ def test_a_share_outside_zero_to_one_is_refused(share: float) -> None:
 
 
 async def test_batches_held_back_are_all_applied_in_order_and_routes_still_answer() -> None:
-    # A budget of 1 ms per 100 ms: a few batches a window. The lease outlasts the test: a
-    # held-back stream's heartbeats wait behind its batches too.
+    # A budget of 1 ms per 100 ms, and batches of 2,048 keys that each take longer than that
+    # to apply: the second batch, sent right behind the first, must wait. The lease outlasts
+    # the test: a held-back stream's heartbeats wait behind its batches too.
     async with running_coordinator(ingest_max_share=0.01, lease_ms=30_000) as running, \
             AsyncCoordinatorClient(target(running)) as client:
         metrics = CoordinatorMetrics(running.service)
         worker = ScriptedWorker(target(running), "w1", hash_config=DEV_HASH)
         await worker.start()
         await worker.heartbeat()
-        batches = [[os.urandom(16) for _ in range(32)] for _ in range(40)]
+        batches = [[os.urandom(16) for _ in range(2048)] for _ in range(8)]
         try:
             for keys in batches:  # sent without waiting for acks: the stream backs up
                 worker.held.update(keys)

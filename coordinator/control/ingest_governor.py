@@ -97,7 +97,9 @@ class IngestGovernor:
             await asyncio.sleep(TICK_S)
             self.loop_lag_s = max(0.0, self._clock() - began - TICK_S)
             if self.loop_lag_s > LOOP_LAG_S:
-                self.share = max(MIN_SHARE, self.share * BACKOFF)
+                # Never below MIN_SHARE, nor above max_share (a configured share under
+                # MIN_SHARE stays as configured).
+                self.share = max(min(MIN_SHARE, self.max_share), self.share * BACKOFF)
             else:
                 self.share = min(self.max_share, self.share + STEP)
 
