@@ -6,7 +6,8 @@ stream, replaying the committed trace slice at an engine's cadence, and a schedu
 
 1. the floors, first: a bare unary call (grpc health ``Check``) and a bare stream message (a
    heartbeat carrying no page events), CPU per message on the first replica;
-2. ``Route`` alone at the set rate: CPU per route, latency p50/p99;
+2. ``Route`` alone at the set rate (after the ingest windows, from the scheduler process):
+   CPU per route, latency p50/p99;
 3. ingest: every worker sends ``steps_per_s`` event batches a second (``keys_per_step`` keys
    stored from its share of the trace; past ``capacity`` pages its oldest are removed in the
    same batch), heartbeats every ``heartbeat_s``, while routes go on at the set rate; CPU per
@@ -42,7 +43,7 @@ from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig, Namespace
 from coordinator.core.hashing import PageHasher
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from kvcoord.simulate.trace import load_trace, prompt_bytes, trace_page_keys
+from kvcoord.simulate.trace import load_trace, trace_page_keys
 
 TRACE = Path(__file__).resolve().parent.parent / "tests" / "data" / "mooncake_300.jsonl"
 HASH = HashConfig(key=DEV_HASH_KEY)
@@ -143,7 +144,6 @@ class Fleet:
         trace = load_trace(TRACE, limit=config.requests)
         ns = Namespace(model="default", tenant="", policy_version=0, page_size=HASH.page_size)
         self.prompt_keys = trace_page_keys(trace, PageHasher(HASH), ns)
-        self.route_prompts = [prompt_bytes(r)[: ROUTE_TOKENS * 4] for r in trace]
         self.workers: list[EmulatedWorker] = []
         self.batches = 0
         self.key_ops = 0
@@ -194,22 +194,6 @@ class Fleet:
 
     # ------------------------------------------------------------------ routes
 
-    async def routes(self, seconds: float) -> None:
-        """Open-loop Route calls at ``routes_per_s`` to the first replica."""
-        period = 1.0 / self.config.routes_per_s
-        start = time.monotonic()
-        calls: set[asyncio.Task[None]] = set()
-        i = 0
-        while time.monotonic() - start < seconds:
-            task = asyncio.create_task(self._route(self.route_prompts[i % len(
-                self.route_prompts)]))
-            calls.add(task)
-            task.add_done_callback(calls.discard)
-            i += 1
-            await asyncio.sleep(max(0.0, start + i * period - time.monotonic()))
-        if calls:
-            await asyncio.wait(calls, timeout=10)
-
     async def routes_elsewhere(self, seconds: float) -> None:
         """Routes at ``routes_per_s`` from a scheduler process of its own (bench/fleet_routes.py:
         this process's loop is busy with the fleet, and would add its own delay)."""
@@ -221,16 +205,6 @@ class Fleet:
         answer = json.loads(out.decode().splitlines()[-1])
         self.route_ms.extend(answer["ms"])
         self.route_errors += answer["errors"]
-
-    async def _route(self, prompt: bytes) -> None:
-        began = time.perf_counter()
-        try:
-            await self.stubs[0].Route(pb.RouteRequest(prompt=pb.Prompt(token_bytes=prompt)),
-                                      timeout=10)
-        except grpc.aio.AioRpcError:
-            self.route_errors += 1
-            return
-        self.route_ms.append((time.perf_counter() - began) * 1000)
 
     # ------------------------------------------------------------------ ingest
 
@@ -364,7 +338,7 @@ async def run(config: Config) -> dict[str, Any]:
     await quiesce(config.pids[0])
     fleet.route_ms.clear()
     before = cpu_seconds(config.pids[0])
-    await fleet.routes(min(2.0, config.seconds))
+    await fleet.routes_elsewhere(min(2.0, config.seconds))
     out["route_alone"] = {
         "routes": len(fleet.route_ms),
         "cpu_us": (cpu_seconds(config.pids[0]) - before) / max(1, len(fleet.route_ms)) * 1e6,

@@ -137,3 +137,11 @@ async def _ready(client: AsyncCoordinatorClient, worker_id: str) -> bool:
 
 async def _is(client: AsyncCoordinatorClient, worker_id: str, count: int) -> bool:
     return await _inflight(client, worker_id) == count
+
+
+@pytest.mark.parametrize("ttl_ms", [0, -1])
+def test_a_route_end_ttl_that_is_not_positive_is_refused(ttl_ms: int) -> None:
+    from coordinator.config import ConfigError, CoordinatorConfig
+
+    with pytest.raises(ConfigError, match="route_end_ttl_ms must be > 0"):
+        CoordinatorConfig(route_end_ttl_ms=ttl_ms)
