@@ -121,6 +121,11 @@ class ScriptedWorker:
             raise EOFError("the coordinator closed the Sync stream")
         return message
 
+    @property
+    def streaming(self) -> bool:
+        """The Sync stream is open (connected and not closed by either side)."""
+        return self._call is not None and self.stream_error is None
+
     async def send(self, request: pb.SyncRequest) -> None:
         assert self._call is not None, "connect() first"
         await self._call.write(request)

@@ -89,6 +89,10 @@ class CoordinatorConfig:
     replication: bool = True
     """With ``redis``: share the index with the other replicas on it (off: a lone coordinator
     that only keeps its metadata in Redis, and publishes nothing)."""
+    share_routes: bool = True
+    """With ``replication``: publish every routing decision (its pending entries and in-flight
+    load) and every ``EndRoutes``, so the replicas route as one (off: each counts only the
+    routes it chose, and a route can be ended only through the replica that issued it)."""
     replica_id: str | None = None
     """This replica's name in the events stream and ``kvcoord status`` (unset: host-pid-rand)."""
     bootstrap_timeout_ms: int = 5_000

@@ -122,6 +122,8 @@ class CoordinatorService:
         high_water = HighWater()
         self.policy_view = PolicyView(config=config, store=store, high_water=high_water,
                                       clock=clock)
+        self.outbox = ReplicationOutbox() if replicate else None
+        shared_routes = self.outbox if self.outbox is not None and config.share_routes else None
         self.router = Router(
             hasher=self.hasher,
             index=self.index,
@@ -137,10 +139,11 @@ class CoordinatorService:
             max_inflight=config.max_inflight_per_worker,
             awaited=AwaitedRoutes(ttl_s=config.route_end_ttl_ms / 1000,
                                   capacity=config.max_inflight_per_worker),
+            on_routed=shared_routes.routed if shared_routes else None,
+            on_routes_ended=shared_routes.routes_ended if shared_routes else None,
         )
         self.ingest = IngestGovernor(config.ingest_max_share)
         self.streams = WorkerStreams()
-        self.outbox = ReplicationOutbox() if replicate else None
         replication: ReplicationSink = self.outbox or NoReplication()
         self.replication = replication
         self.worker_sync = WorkerSync(
@@ -166,6 +169,7 @@ class CoordinatorService:
                 config=config, store=store, fleet=self.fleet, index=self.index,
                 sessions=self.worker_sync, streams=self.streams, updates=self.updates,
                 outbox=self.outbox, clock=clock,
+                router=self.router if config.share_routes else None,
             )
         self.rollouts = RolloutLog(store, maxlen=config.max_rollouts)
         self._reaper: asyncio.Task[None] | None = None

@@ -8,6 +8,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.control.sync_messages import Outbound, RegistrationRequest
 from coordinator.core.errors import DomainError
 from coordinator.core.page_events import PageEvent
+from coordinator.core.router import PromptInput, RouteReservation, Scope
 from coordinator.core.routing import WorkerLoad
 from coordinator.replication.apply import ReplicaApplier
 from coordinator.replication.events import (
@@ -17,6 +18,8 @@ from coordinator.replication.events import (
     Pages,
     Registered,
     Replaced,
+    Routed,
+    RoutesEnded,
     State,
 )
 from coordinator.service import CoordinatorService
@@ -128,3 +131,83 @@ async def test_a_worker_streaming_here_is_ours_until_another_replica_says_it_mov
     assert "attached to coordinator replica c2" in str(closed[0])
     assert session.owner == "c2"
     assert not r.service.worker_sync.owns(session, stream)  # the servicer stops reading it
+
+
+class RoutingReplica(Replica):
+    """A replica whose router publishes its decisions to its outbox and takes others'."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.service = CoordinatorService(
+            CoordinatorConfig(replica_id="here"), MemoryStore(clock=self.clock),
+            clock=self.clock, replicate=True,
+        )
+        self.wanted = []
+        self.applier = ReplicaApplier(
+            config=self.service.config, fleet=self.service.fleet, index=self.service.index,
+            sessions=self.service.worker_sync, streams=self.service.streams, clock=self.clock,
+            want_snapshot=self.wanted.append, router=self.service.router,
+        )
+
+    def published(self) -> list[object]:
+        assert self.service.outbox is not None
+        return list(self.service.outbox.events)
+
+    def inflight(self, worker_id: str = "w1") -> tuple[int, int]:
+        session = self.service.fleet.get(worker_id)
+        assert session is not None
+        load = session.current_load()
+        return load.inflight_routes, load.inflight_tokens
+
+
+def remote_worker(r: Replica, incarnation: int = 1, external: bool = False) -> None:
+    r.applier.apply("c2", Registered("w1", incarnation, "10.0.0.1:7000", "default", 0,
+                                     external, 64))
+    r.applier.apply("c2", Attached("w1", incarnation, 1))
+
+
+def test_a_route_chosen_here_is_published_with_the_keys_its_worker_lacks() -> None:
+    r = RoutingReplica()
+    remote_worker(r)
+    r.applier.apply("c2", stored(1, K[0]))
+    keys = [K[0], K[1], K[2]]
+    route = r.service.router.route(PromptInput(48, page_keys=tuple(keys)), Scope())
+    (event,) = [e for e in r.published() if isinstance(e, Routed)]
+    assert event.reservation == RouteReservation("w1", 1, route.route_id, (K[1], K[2]), 32, 1,
+                                                 False)
+    r.service.router.end_routes(["x-1", route.route_id])
+    assert [e for e in r.published() if isinstance(e, RoutesEnded)] == [
+        RoutesEnded(("x-1", route.route_id))]
+
+
+def test_another_replicas_route_counts_here_even_for_a_worker_streaming_here() -> None:
+    r = RoutingReplica()
+    remote_worker(r)
+    reservation = RouteReservation("w1", 1, "c2-1", (K[3], K[4]), 100, 16, False)
+    r.applier.apply("c2", Routed(reservation))
+    assert r.inflight() == (16, 1600)
+    detail = r.service.index.match_detail([K[3], K[4]], include_pending=True)
+    assert detail["w1"].pages == 2 and detail["w1"].confirmed_pages == 0
+    # The owner's heartbeat settles routes whoever chose them.
+    r.applier.apply("c2", State("w1", 1, 0, WorkerLoad(), 10, False, False))
+    assert r.inflight() == (6, 600)
+    # A route to an incarnation not known here changes nothing.
+    r.applier.apply("c2", Routed(RouteReservation("w1", 2, "c2-2", (K[5],), 1, 1, False)))
+    assert r.inflight() == (6, 600)
+    assert r.applier.counters.ignored == 1
+    assert not r.published()  # nothing taken from another replica is published again
+
+
+def test_an_awaited_route_ends_through_any_replica_once() -> None:
+    r = RoutingReplica()
+    remote_worker(r, external=True)
+    r.applier.apply("c2", Routed(RouteReservation("w1", 1, "c2-7", (), 50, 2, True)))
+    r.applier.apply("c2", Routed(RouteReservation("w1", 1, "c2-7", (), 50, 2, True)))  # again
+    assert r.inflight() == (2, 100)
+    r.applier.apply("c2", State("w1", 1, 0, WorkerLoad(), 5, False, False))
+    assert r.inflight() == (2, 100)  # heartbeats do not settle awaited routes
+    ended = r.service.router.end_routes(["c2-7"])  # the caller ends it here
+    assert (ended.ended, ended.unknown, r.inflight()) == (1, 0, (0, 0))
+    r.applier.apply("c2", Routed(RouteReservation("w1", 1, "c2-8", (), 50, 1, True)))
+    r.applier.apply("c2", RoutesEnded(("c2-8", "c2-7")))  # ended through c2
+    assert r.inflight() == (0, 0)

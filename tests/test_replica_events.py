@@ -10,6 +10,7 @@ import pytest
 
 from coordinator.core.index_types import Tier
 from coordinator.core.page_events import PageEvent
+from coordinator.core.router import RouteReservation
 from coordinator.core.routing import WorkerLoad
 from coordinator.replication.events import (
     Attached,
@@ -22,6 +23,8 @@ from coordinator.replication.events import (
     Registered,
     Replaced,
     ReplicaEvent,
+    Routed,
+    RoutesEnded,
     SnapshotDone,
     SnapshotWanted,
     State,
@@ -50,6 +53,10 @@ EVENTS: list[ReplicaEvent] = [
     SnapshotWanted(""),
     SnapshotWanted("w1"),
     SnapshotDone("c2"),
+    Routed(RouteReservation("w1", 3, "ab12-f", tuple(KEYS[2:5]), 4096, 16, False)),
+    Routed(RouteReservation("w1", 3, "ab12-10", (), 0, 1, True)),
+    RoutesEnded(("ab12-f", "cd34-1")),
+    RoutesEnded(()),
 ]
 
 
@@ -96,6 +103,15 @@ PAGES = {"w": "w", "i": 1, "s": 1}
      "short load"),
     (entry("state", {"w": "w", "i": 1, "v": 0, "l": [-1, 0, 0, 0], "c": 0, "d": False,
                      "f": False}), "negative load"),
+    (entry("routed", {"w": "w", "i": 1, "r": "x", "u": 1, "c": 0, "a": False}), "no copies"),
+    (entry("routed", {"w": "w", "i": 1, "r": "x", "u": -1, "c": 1, "a": False}),
+     "negative tokens"),
+    (entry("routed", {"w": "w", "i": 1, "r": "x", "u": 1, "c": 1}), "missing awaited flag"),
+    (entry("routed", {"w": "w", "i": 1, "r": "x", "u": 1, "c": 1, "a": False}, b"x" * 15),
+     "a ragged pending-key blob"),
+    (entry("ended", {"r": "x"}), "ids not a list"),
+    (entry("ended", {"r": [1]}), "an id not a string"),
+    (entry("ended", {"r": []}, KEYS[0]), "keys with ended ids"),
 ])
 def test_malformed_entries_are_refused_with_a_reason(fields: dict[str, str], why: str) -> None:
     with pytest.raises(MalformedEvent, match="unreadable replication event"):

@@ -9,8 +9,9 @@ until ``ttl_s`` passes (a caller that died), and heartbeats do not settle it. En
 idempotent: an id already ended, expired, or never awaited counts as unknown and changes
 nothing, so no route is settled twice.
 
-Pure core: time comes from the caller. Held per coordinator replica, like the rest of the
-in-flight accounting: an id is known only to the replica that issued it.
+Pure core: time comes from the caller. With replicas, the one that issues an id publishes it
+(``Router.take_reservation`` holds it elsewhere) and an ``EndRoutes`` on any replica is passed
+to all, so a caller may end a route through any replica.
 """
 
 from __future__ import annotations
@@ -64,11 +65,14 @@ class AwaitedRoutes:
         return f"{self._prefix}-{next(self._counter):x}"
 
     def hold(self, session: RegisteredWorker, uncached_tokens: int, copies: int,
-             now: float) -> str:
+             now: float, route_id: str = "") -> str:
         """Count ``copies`` routes of ``uncached_tokens`` each as ``session``'s load until
-        ``end`` or the deadline; returns their id."""
+        ``end`` or the deadline; returns their id (a new one, unless ``route_id`` gives the id
+        another replica issued; an id held already is not held twice)."""
         self.expire(now)
-        route_id = self.new_id()
+        if route_id in self._held:
+            return route_id
+        route_id = route_id or self.new_id()
         self._held[route_id] = _Held(session, uncached_tokens, copies, now + self.ttl_s)
         session.hold_awaited(uncached_tokens, copies)
         if len(self._held) > self._capacity:

@@ -135,16 +135,16 @@ class RegisteredWorker:
         if self.floor_of is not None:
             self.load_floor = self.floor_of(self.current_load())
 
-    def record_route(self, prompt_tokens: int, cached_tokens: int, max_inflight: int) -> None:
-        """Count a route issued to this worker until a heartbeat reports it finished; at most
-        ``max_inflight`` are remembered (the oldest are then assumed finished)."""
-        uncached = prompt_tokens - cached_tokens
-        self.inflight.append(uncached)
-        self.inflight_tokens += uncached
-        if len(self.inflight) > max_inflight:
-            self.inflight_tokens -= self.inflight.popleft()
+    def hold_inflight(self, uncached_tokens: int, copies: int, max_inflight: int) -> None:
+        """Count ``copies`` routes issued to this worker (by any replica) until heartbeats
+        report them finished; at most ``max_inflight`` are remembered (the oldest are then
+        assumed finished)."""
+        for _ in range(copies):
+            self.inflight.append(uncached_tokens)
+            self.inflight_tokens += uncached_tokens
+            if len(self.inflight) > max_inflight:
+                self.inflight_tokens -= self.inflight.popleft()
         self._load_changed()
-        self.count_routed(prompt_tokens, cached_tokens)
 
     def count_routed(self, prompt_tokens: int, cached_tokens: int) -> None:
         """The routing totals `kvcoord status` shows (one route)."""

@@ -85,6 +85,28 @@ class RouteResult:
 
 
 @dataclass(frozen=True, slots=True)
+class RouteReservation:
+    """What one routing decision reserved on its worker, for the other coordinator replicas to
+    count as well (issue 17 §4: replicas route as one): pending entries for the prompt's keys
+    the worker does not hold yet, and ``copies`` in-flight routes of the uncached tokens. An
+    ``awaited`` route is held until ``EndRoutes(route_id)`` (or the TTL), any other until the
+    worker's heartbeats report it finished, as on the replica that chose it."""
+
+    worker_id: str
+    incarnation: int
+    route_id: str
+    pending_keys: tuple[bytes, ...]
+    uncached_tokens: int
+    copies: int
+    awaited: bool
+
+    def __post_init__(self) -> None:
+        if self.copies < 1 or self.uncached_tokens < 0:
+            raise ValueError(f"a reservation needs copies >= 1 and uncached_tokens >= 0, got "
+                             f"{self.copies}, {self.uncached_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
 class BatchResult:
     routes: list[RouteResult]
     order: list[int]
@@ -135,7 +157,11 @@ class Router:
         weights: KvAwareWeights | None = None,
         max_inflight: int = 65_536,
         awaited: AwaitedRoutes | None = None,
+        on_routed: Callable[[RouteReservation], None] | None = None,
+        on_routes_ended: Callable[[tuple[str, ...]], None] | None = None,
     ) -> None:
+        """``on_routed`` and ``on_routes_ended`` hear of every decision and every EndRoutes
+        made here (the replication outbox publishes them; unset: nobody else counts them)."""
         self.max_inflight = max_inflight
         self.awaited = (awaited if awaited is not None  # an empty one is falsy
                         else AwaitedRoutes(ttl_s=600.0, capacity=max_inflight))
@@ -151,6 +177,8 @@ class Router:
         self._clock = clock
         self._rng = rng or random.Random()
         self._weights = weights or KvAwareWeights()
+        self._on_routed = on_routed
+        self._on_routes_ended = on_routes_ended
         self._choosers: dict[str, RouteChooser] = {}  # by routing policy name
         self.default_routing = self._chooser(default_routing).name
         self.counters = RouterCounters()
@@ -331,19 +359,25 @@ class Router:
         keys = view.keys
         chosen_detail = view.details.get(decision.worker_id)
         confirmed = chosen_detail.confirmed_pages if chosen_detail is not None else 0
-        if confirmed < len(keys):
-            # Pages the worker already holds need no pending entry.
-            self._index.add_pending(decision.worker_id, keys[confirmed:])
+        # Pages the worker already holds need no pending entry.
+        pending = keys[confirmed:]
+        if pending:
+            self._index.add_pending(decision.worker_id, pending)
         cached_tokens = min(confirmed * self._page_size, token_count)
+        uncached_tokens = token_count - cached_tokens
         end_awaited = report_end and session.external
         if end_awaited:
-            route_id = self.awaited.hold(session, token_count - cached_tokens, copies, now)
-            for _ in range(copies):
-                session.count_routed(token_count, cached_tokens)
+            route_id = self.awaited.hold(session, uncached_tokens, copies, now)
         else:
             route_id = self.awaited.new_id()
-            for _ in range(copies):
-                session.record_route(token_count, cached_tokens, self.max_inflight)
+            session.hold_inflight(uncached_tokens, copies, self.max_inflight)
+        for _ in range(copies):
+            session.count_routed(token_count, cached_tokens)
+        if self._on_routed is not None:
+            self._on_routed(RouteReservation(
+                session.worker_id, session.incarnation, route_id, tuple(pending),
+                uncached_tokens, copies, end_awaited,
+            ))
         self.counters.routes += copies
         self.counters.prompt_tokens += token_count * copies
         self.counters.cached_tokens += cached_tokens * copies
@@ -361,7 +395,33 @@ class Router:
         )
 
     def end_routes(self, route_ids: Sequence[str]) -> EndedRoutes:
-        """End awaited routes by id (idempotent: see ``core.awaited_routes``)."""
+        """End awaited routes by id (idempotent: see ``core.awaited_routes``). Every id is
+        passed on to ``on_routes_ended``, known here or not: another replica may have issued
+        it."""
+        ended = self.awaited.end(route_ids, self._clock())
+        if self._on_routes_ended is not None and route_ids:
+            self._on_routes_ended(tuple(route_ids))
+        return ended
+
+    def take_reservation(self, reservation: RouteReservation) -> bool:
+        """Count a decision another replica made, as if made here (pending entries, in-flight
+        load; not this replica's routing totals). False, changing nothing, when the worker is
+        not the incarnation it was routed to."""
+        session = self._fleet.get(reservation.worker_id)
+        if session is None or session.incarnation != reservation.incarnation:
+            return False
+        if reservation.pending_keys:
+            self._index.add_pending(session.worker_id, reservation.pending_keys)
+        if reservation.awaited:
+            self.awaited.hold(session, reservation.uncached_tokens, reservation.copies,
+                              self._clock(), route_id=reservation.route_id)
+        else:
+            session.hold_inflight(reservation.uncached_tokens, reservation.copies,
+                                  self.max_inflight)
+        return True
+
+    def end_remote_routes(self, route_ids: Sequence[str]) -> EndedRoutes:
+        """End routes another replica was told to end (not passed on again)."""
         return self.awaited.end(route_ids, self._clock())
 
     def expire_awaited(self) -> None:

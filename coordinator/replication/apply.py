@@ -12,7 +12,10 @@ Pure core: no grpc, redis or asyncio. Rules that keep every replica's view conve
   it are ignored, except a newer registration or an ``Attached`` (the worker moved: its stream
   here is stale and is closed);
 - a remote worker stays routable only while its owner's events keep its lease: when the owner
-  dies its workers lapse here after one lease, like a worker whose stream closed.
+  dies its workers lapse here after one lease, like a worker whose stream closed;
+- a route another replica chose (``Routed``) counts here whoever owns the worker, its own
+  included: its pending entries and in-flight load are the fleet's, not the chooser's
+  (``Router.take_reservation``); heartbeats settle it on every replica alike.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from coordinator.control.worker_sync import DEREGISTERED, WorkerSync
 from coordinator.core.fleet import Fleet, RegisteredWorker
 from coordinator.core.index import PrefixIndex
 from coordinator.core.page_events import apply_page_events
+from coordinator.core.router import Router
 from coordinator.replication.events import (
     Attached,
     Cordoned,
@@ -37,6 +41,8 @@ from coordinator.replication.events import (
     Registered,
     Replaced,
     ReplicaEvent,
+    Routed,
+    RoutesEnded,
     State,
 )
 from coordinator.wire import Reason
@@ -58,9 +64,11 @@ class ReplicaApplier:
     def __init__(
         self, *, config: CoordinatorConfig, fleet: Fleet, index: PrefixIndex,
         sessions: WorkerSync, streams: WorkerStreams, clock: Callable[[], float],
-        want_snapshot: Callable[[str], None],
+        want_snapshot: Callable[[str], None], router: Router | None = None,
     ) -> None:
+        """``router``: takes other replicas' routes (None: they are ignored)."""
         self._config = config
+        self._router = router
         self._fleet = fleet
         self._index = index
         self._sessions = sessions
@@ -72,7 +80,9 @@ class ReplicaApplier:
 
     def apply(self, origin: str, event: ReplicaEvent) -> None:
         """Apply one worker event published by replica ``origin`` (not this one)."""
-        if isinstance(event, Registered):
+        if isinstance(event, Routed | RoutesEnded):
+            self._route_event(event)
+        elif isinstance(event, Registered):
             self._registered(origin, event)
         elif isinstance(event, Cordoned):
             session = self._fleet.get(event.worker_id)
@@ -106,6 +116,17 @@ class ReplicaApplier:
             elif isinstance(event, Dropped):
                 self._sessions.forget(session.worker_id, f"{event.reason} (replica {origin})",
                                       final=event.reason == DEREGISTERED)
+
+    def _route_event(self, event: Routed | RoutesEnded) -> None:
+        if self._router is None:
+            self.counters.ignored += 1
+        elif isinstance(event, RoutesEnded):
+            self._router.end_remote_routes(event.route_ids)
+            self.counters.applied += 1
+        elif self._router.take_reservation(event.reservation):
+            self.counters.applied += 1
+        else:
+            self.counters.ignored += 1  # routed to an incarnation this replica does not know
 
     def _session(self, event: ReplicaEvent, *, ask: bool) -> RegisteredWorker | None:
         """The session the event is about, when the incarnations match. A worker this replica

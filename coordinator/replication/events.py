@@ -27,6 +27,7 @@ from typing import Any
 from coordinator.core.hashing import split_page_keys
 from coordinator.core.index_types import Tier
 from coordinator.core.page_events import PageEvent
+from coordinator.core.router import RouteReservation
 from coordinator.core.routing import WorkerLoad
 
 
@@ -96,6 +97,20 @@ class State:
 
 
 @dataclass(frozen=True, slots=True)
+class Routed:
+    """A route the origin chose: count its reservation here too (``Router.take_reservation``)."""
+
+    reservation: RouteReservation
+
+
+@dataclass(frozen=True, slots=True)
+class RoutesEnded:
+    """A caller ended these route ids through the origin (``EndRoutes``)."""
+
+    route_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Cordoned:
     worker_id: str
     cordoned: bool
@@ -134,7 +149,7 @@ class SnapshotDone:
 
 ReplicaEvent = (
     Registered | Attached | Detached | Pages | Replaced | State | Cordoned | Dropped
-    | PolicyChanged | SnapshotWanted | SnapshotDone
+    | PolicyChanged | SnapshotWanted | SnapshotDone | Routed | RoutesEnded
 )
 
 
@@ -152,7 +167,8 @@ class MalformedEvent(ValueError):
 _KINDS: dict[str, type[Any]] = {
     "registered": Registered, "attached": Attached, "detached": Detached, "pages": Pages,
     "replaced": Replaced, "state": State, "cordoned": Cordoned, "dropped": Dropped,
-    "policy": PolicyChanged, "want": SnapshotWanted, "done": SnapshotDone,
+    "policy": PolicyChanged, "want": SnapshotWanted, "done": SnapshotDone, "routed": Routed,
+    "ended": RoutesEnded,
 }
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
 _LOAD_FIELDS = ("running_requests", "queued_tokens", "free_pages", "total_pages")
@@ -175,6 +191,13 @@ def encode(origin: str, published_ms: int, event: ReplicaEvent) -> dict[str, str
         body = {"w": event.worker_id, "i": event.incarnation, "v": event.policy_version,
                 "l": [getattr(load, name) for name in _LOAD_FIELDS],
                 "c": event.completed_routes, "d": event.draining, "f": event.fenced}
+    elif isinstance(event, Routed):
+        r = event.reservation
+        body = {"w": r.worker_id, "i": r.incarnation, "r": r.route_id, "u": r.uncached_tokens,
+                "c": r.copies, "a": r.awaited}
+        blob = b"".join(r.pending_keys)
+    elif isinstance(event, RoutesEnded):
+        body = {"r": list(event.route_ids)}
     else:
         body = {name: getattr(event, name) for name in event.__slots__}
     parts = (origin, str(published_ms), _KIND_OF[type(event)],
@@ -233,8 +256,18 @@ def _decode_body(kind: type[Any], body: dict[str, Any], keys: list[bytes]) -> Re
         load = WorkerLoad(**dict(zip(_LOAD_FIELDS, map(int, body["l"]), strict=True)))
         return State(str(body["w"]), int(body["i"]), int(body["v"]), load, int(body["c"]),
                      bool(body["d"]), bool(body["f"]))
+    if kind is Routed:
+        return Routed(RouteReservation(
+            str(body["w"]), int(body["i"]), str(body["r"]), tuple(keys), int(body["u"]),
+            int(body["c"]), bool(body["a"]),
+        ))
     if keys:
         raise ValueError(f"{kind.__name__} carries no page keys")
+    if kind is RoutesEnded:
+        ids = body["r"]
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise ValueError("RoutesEnded.route_ids must be a list of strings")
+        return RoutesEnded(tuple(ids))
     hints = _hints(kind)
     if not _required(kind) <= set(body) <= set(hints):
         raise ValueError(f"{kind.__name__} fields {sorted(body)}, expected {sorted(hints)}")

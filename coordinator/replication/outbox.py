@@ -18,6 +18,7 @@ import structlog
 
 from coordinator.core.fleet import RegisteredWorker
 from coordinator.core.page_events import PageEvent
+from coordinator.core.router import RouteReservation
 from coordinator.replication.events import (
     Attached,
     Cordoned,
@@ -28,6 +29,8 @@ from coordinator.replication.events import (
     Registered,
     Replaced,
     ReplicaEvent,
+    Routed,
+    RoutesEnded,
     SnapshotWanted,
     State,
 )
@@ -103,6 +106,14 @@ class ReplicationOutbox:
 
     def policy_changed(self, abort_running: bool) -> None:
         self.put(PolicyChanged(abort_running))
+
+    # ------------------------------------------------------------------ the router's decisions
+
+    def routed(self, reservation: RouteReservation) -> None:
+        self.put(Routed(reservation))
+
+    def routes_ended(self, route_ids: tuple[str, ...]) -> None:
+        self.put(RoutesEnded(route_ids))
 
 
 def registered_event(session: RegisteredWorker) -> Registered:

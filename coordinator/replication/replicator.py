@@ -36,6 +36,7 @@ from coordinator.control.worker_streams import WorkerStreams
 from coordinator.control.worker_sync import WorkerSync
 from coordinator.core.fleet import Fleet, RegisteredWorker
 from coordinator.core.index import PrefixIndex
+from coordinator.core.router import Router
 from coordinator.replication.apply import ReplicaApplier
 from coordinator.replication.events import (
     Attached,
@@ -90,10 +91,11 @@ class Replicator:
         index: PrefixIndex, sessions: WorkerSync, streams: WorkerStreams,
         updates: PolicyUpdates, outbox: ReplicationOutbox,
         clock: Callable[[], float], wall_clock: Callable[[], float] = time.time,
+        router: Router | None = None,
     ) -> None:
         """``outbox``: what this replica's services queued for the others (the publisher
         drains it); ``sessions``, ``streams`` and ``updates``: where the others' events and
-        policy changes are applied here."""
+        policy changes are applied here; ``router``: where their routes are counted."""
         self.replica_id = sessions.replica_id
         self._config = config
         self._store = store
@@ -105,7 +107,7 @@ class Replicator:
         self._wall_clock = wall_clock
         self._applier = ReplicaApplier(
             config=config, fleet=fleet, index=index, sessions=sessions, streams=streams,
-            clock=clock, want_snapshot=outbox.snapshot_wanted,
+            clock=clock, want_snapshot=outbox.snapshot_wanted, router=router,
         )
         self._outbox = outbox
         self._publishing = False

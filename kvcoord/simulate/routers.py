@@ -5,7 +5,7 @@ very code the coordinator's ``Router`` runs: ``coordinator.core.routing.make_cho
 choosing among :class:`Candidate` objects built from the production
 ``PrefixIndex.match_detail(keys, include_pending=True)`` (holders) plus every other worker as
 an idle candidate in ascending ``load_floor`` order, then ``add_pending`` for the chosen
-worker's unconfirmed pages and ``record_route`` in the coordinator's books. The loads it
+worker's unconfirmed pages and ``hold_inflight`` in the coordinator's books. The loads it
 reads are the coordinator's (``views.CoordinatorLoads``: heartbeat-delayed, plus in-flight).
 """
 

@@ -66,7 +66,9 @@ class CoordinatorLoads:
         self._sessions[worker].report_load(load, completed_routes)
 
     def routed(self, worker: int, prompt_tokens: int, cached_tokens: int) -> None:
-        self._sessions[worker].record_route(prompt_tokens, cached_tokens, MAX_INFLIGHT)
+        session = self._sessions[worker]
+        session.hold_inflight(prompt_tokens - cached_tokens, 1, MAX_INFLIGHT)
+        session.count_routed(prompt_tokens, cached_tokens)
 
 
 class HeartbeatClock:
