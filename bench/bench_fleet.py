@@ -14,7 +14,8 @@ Per case: the same-run floors (a bare unary call, a bare stream message), CPU pe
 alone, then under ingest CPU per event batch and per key operation, event-to-visible lag p50/p99
 on the owning and on the other replica, ``Route`` latency p50/p99, RSS per index key. The sweep
 reports the largest worker count whose lag p99 stayed under 300 ms and "workers per
-replica-core": workers / (the coordinator's CPU cores busy), at that cadence.
+replica-core": workers / (the coordinator's CPU cores busy), at that cadence. The last case,
+``shared_routes`` (bench/fleet_shared_routes.py), asks whether two replicas route as one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from bench.fleet_shared_routes import shared_routes_case
 from kvcoord.fleet_procs import free_port, start_coordinator_process, stop_processes, wait_healthy
 from tests.redis_server import RedisServer
 
@@ -117,6 +119,8 @@ def fleet_steps(quick: bool) -> list[tuple[str, Any]]:
         steps += [(f"2r_{fsync}_{n}", lambda n=n, fsync=fsync: run_case(
             n, replicas=2, appendfsync=fsync, seconds=seconds, **load))
             for n in (sizes[:1] if quick else sizes[:2])]
+    shared = {"groups": 2, "pairs": 10, "burst": 64} if quick else {}
+    steps.append(("shared_routes", lambda: shared_routes_case(**shared)))
     return steps
 
 

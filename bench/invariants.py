@@ -107,7 +107,15 @@ def fleet(results: Results) -> list[str]:
     """Every route answered (with the ingest budget on), keys were probed (one not visible in
     5 s is a censored lag sample, counted), and the coordinators indexed what was sent."""
     broken = []
+    shared = results.get("shared_routes")
+    if shared is not None:
+        for label in ("1r", "2r_shared", "2r_not_shared"):
+            measured = shared[label]
+            if measured["burst_routes"] != sum(measured["burst_routes_by_worker"].values()):
+                broken.append(f"shared_routes.{label}: burst routes miscounted")
     for name, case in results.items():
+        if name == "shared_routes":
+            continue
         for window in ("ingest", "ingest_and_routes"):
             measured = case[window]
             # The unbounded baseline shows what starved routes look like: measured, not held.

@@ -4,6 +4,7 @@ measured, verdict]`` with verdict met, MISSED or "-" (reported only). A miss is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -226,4 +227,29 @@ def fleet_targets(results: dict[str, Any]) -> list[list[str]]:
          "<= 120 B at 1e7",
          f"{rss:.0f} B" if rss else "n/a", verdict(rss is not None and rss <= 120)],
         [f"batches sent / target ({name})", "-", f"{ingest['achieved_fraction']:.2f}", "-"],
+        *_shared_routes_rows(results.get("shared_routes"), verdict),
+    ]
+
+
+def _shared_routes_rows(shared: dict[str, Any] | None,
+                        verdict: Callable[[bool], str]) -> list[list[str]]:
+    """Issue 17 §4: two replicas on Redis route as one (share_routes off: the baseline)."""
+    if shared is None:
+        return []
+    on, off, one = shared["2r_shared"], shared["2r_not_shared"], shared["1r"]
+    groups = on["siblings_groups"]
+    ratio = shared["burst_imbalance_vs_1r"]
+    return [
+        ["16 siblings alternately to 2 replicas, 20 ms apart: groups placed as by 1 replica",
+         f"{groups}/{groups}",
+         f"{on['siblings_placed_as_one_replica']}/{groups} "
+         f"(not shared: {off['siblings_placed_as_one_replica']}/{groups})",
+         verdict(on["siblings_placed_as_one_replica"] == groups)],
+        ["concurrent burst from 2 replicas: load imbalance / 1 replica's", "<= 1.1x",
+         f"{ratio['2r_shared']:.2f}x (not shared: {ratio['2r_not_shared']:.2f}x; "
+         f"1 replica {one['burst_imbalance']:.2f})", verdict(ratio["2r_shared"] <= 1.1)],
+        ["concurrent sibling pairs (one per replica) on one worker / apart", "-",
+         f"{on['pairs_together']} / {on['pairs_apart']} (not shared: {off['pairs_together']} "
+         f"/ {off['pairs_apart']}; 1 replica {one['pairs_together']} / {one['pairs_apart']})",
+         "-"],
     ]
