@@ -101,7 +101,10 @@ def _prompt(case: int, n: int) -> list[int]:
     return [case * 10_000_000 + n * 10_000 + i for i in range(PROMPT_TOKENS)]
 
 
-def _ranks(chosen: list[str]) -> list[int]:
+def placement_ranks(chosen: list[str]) -> list[int]:
+    """How a group was placed, whoever the workers: for each sibling, how many of the group
+    its worker already had. One replica (equal, idle workers) spreads a fresh prompt's siblings
+    one per worker, then a second round: [0] * 8 + [1] * 8."""
     seen: Counter[str] = Counter()
     ranks = []
     for worker_id in chosen:
@@ -115,7 +118,7 @@ async def _siblings(clients: list[AsyncCoordinatorClient], tokens: list[int]) ->
     for i in range(SIBLINGS):
         chosen.append((await clients[i % len(clients)].route(tokens)).worker_id)
         await asyncio.sleep(GAP_S)
-    return _ranks(chosen)
+    return placement_ranks(chosen)
 
 
 async def _measure(targets: list[str], hash_config: HashConfig, groups: int, pairs: int,

@@ -6,12 +6,12 @@ and a route ends through any replica. Real replicas on a real redis-server, scri
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 
+from bench.fleet_shared_routes import placement_ranks
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.server.main import RunningCoordinator
@@ -74,24 +74,12 @@ async def place_siblings(targets: list[str], tokens: list[int]) -> list[str]:
             await client.close()
 
 
-def shape(chosen: list[str]) -> list[int]:
-    """How a group was placed, whoever the workers: for each sibling, how many of the group
-    its worker already had. One replica (equal, idle workers) spreads a fresh prompt's siblings
-    one per worker, then a second round: [0] * 8 + [1] * 8."""
-    seen: Counter[str] = Counter()
-    ranks = []
-    for worker_id in chosen:
-        ranks.append(seen[worker_id])
-        seen[worker_id] += 1
-    return ranks
-
-
 @pytest.mark.parametrize("share_routes", [True, False], ids=["shared", "not_shared"])
 async def test_siblings_sent_alternately_to_two_replicas_land_as_one_replica_places_them(
         redis_url: str, share_routes: bool) -> None:
     async with fleet(redis_url, share_routes) as (a, b, _):
-        one = [shape(await place_siblings([target(a)], prompt(g, 0))) for g in range(3)]
-        two = [shape(await place_siblings([target(a), target(b)], prompt(g, 1)))
+        one = [placement_ranks(await place_siblings([target(a)], prompt(g, 0))) for g in range(3)]
+        two = [placement_ranks(await place_siblings([target(a), target(b)], prompt(g, 1)))
                for g in range(3)]
     spread = [0] * WORKERS + [1] * (SIBLINGS - WORKERS)
     assert one == [spread] * 3
