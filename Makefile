@@ -10,7 +10,7 @@ LISTEN ?= 127.0.0.1:50051
 GEN_DIRS := coordinator/v1 $(wildcard worker/v1)
 
 .DEFAULT_GOAL := help
-.PHONY: help install proto proto-check lint test test-vllm smoke bench chaos run demo clean
+.PHONY: help install proto proto-check lint test test-vllm smoke bench bench-peers chaos run demo clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -20,10 +20,19 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	# torch pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
 	$(PIP) install --quiet "torch==2.13.0"
-	$(PIP) install --quiet -e ".[worker,text,gateway,bridge,dev,plot]"
+	$(PIP) install --quiet -e ".[worker,text,gateway,bridge,dev,plot,accel]"
 	touch $(STAMP)
 
-install: $(STAMP) ## create .venv and install everything (runtime, worker, dev)
+# The index's optional compiled core (Cython + the C compiler; coordinator/core/holdings.py).
+# Where it cannot build, the pure-Python holdings serve; either way this says which.
+ACCEL := $(VENV)/.accel
+$(ACCEL): $(STAMP) setup.py coordinator/core/_holdings_accel.pyx
+	@$(PY) setup.py -q build_ext --inplace > $(VENV)/accel-build.log 2>&1 || \
+	  echo "install: the compiled index core did not build (see $(VENV)/accel-build.log)"
+	@$(PY) -c "from coordinator.core.holdings import accel_status as s; print('install: index core:', s())"
+	@touch $(ACCEL)
+
+install: $(STAMP) $(ACCEL) ## create .venv and install everything (runtime, worker, dev), build the index core
 
 proto: $(STAMP) ## regenerate the gRPC stubs from proto/
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
@@ -40,7 +49,7 @@ lint: $(STAMP) ## ruff, mypy (strict) and the import contracts of the layers (li
 	$(VENV)/bin/mypy coordinator worker kvcoord
 	$(VENV)/bin/lint-imports --no-cache
 
-test: $(STAMP) proto-check lint ## lint, the whole test suite (starts its own redis-server), smoke
+test: $(STAMP) $(ACCEL) proto-check lint ## lint, the whole test suite (starts its own redis-server), smoke
 	$(VENV)/bin/pytest tests --durations=15
 	@$(MAKE) --no-print-directory smoke
 
@@ -59,14 +68,14 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-test-vllm: $(STAMP) $(VLLM_STAMP) ## a real vLLM (CPU) behind the bridge and gateway (~40 s; first builds .venv-vllm, 3.4 GB)
+test-vllm: $(STAMP) $(ACCEL) $(VLLM_STAMP) ## a real vLLM (CPU) behind the bridge and gateway (~40 s; first builds .venv-vllm, 3.4 GB)
 	KVCOORD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/pytest tests_vllm --durations=5
 
 # Every `kvcoord bench` suite at its quick sizes, then one chaos round of each fault, all writing
 # under a temporary directory (bench/results/ is for full runs). Fails when a suite crashes or an
 # invariant it measures breaks. Chaos needs root and `ip netns`: without them `--quick` skips
 # with its reason, except under CI=true, where it fails.
-smoke: $(STAMP) ## quick bench suites + one chaos round, into a temp dir; fails on a broken invariant
+smoke: $(STAMP) $(ACCEL) ## quick bench suites + one chaos round, into a temp dir; fails on a broken invariant
 	@tmp=$$(mktemp -d -t kvcoord-smoke-XXXXXX); status=0; began=$$SECONDS; \
 	$(VENV)/bin/kvcoord bench all --quick --out $$tmp || status=1; \
 	bench_s=$$((SECONDS - began)); began=$$SECONDS; \
@@ -75,16 +84,22 @@ smoke: $(STAMP) ## quick bench suites + one chaos round, into a temp dir; fails 
 	if [ $$status = 0 ]; then rm -rf $$tmp; else echo "smoke: FAILED (results in $$tmp)"; fi; \
 	exit $$status
 
-bench: $(STAMP) ## run the benchmarks; tables printed, JSON in bench/results/
+bench: $(STAMP) $(ACCEL) ## run the benchmarks; tables printed, JSON in bench/results/
 	$(VENV)/bin/kvcoord bench
 
-chaos: $(STAMP) ## faults on a namespace cluster, 2 replicas (root; ~5 min); bench/results/chaos.json
+# NVIDIA Dynamo's Rust radix tree (ai-dynamo-runtime, ~220 MB installed: not in `make install`)
+# beside our index on the same prompts; `kvcoord bench coordinator` prints null without it.
+bench-peers: $(STAMP) $(ACCEL) ## install the bench-peer extra (Dynamo) and run the coordinator benchmark beside it
+	$(PIP) install --quiet "ai-dynamo-runtime==1.6.1"
+	$(VENV)/bin/kvcoord bench coordinator
+
+chaos: $(STAMP) $(ACCEL) ## faults on a namespace cluster, 2 replicas (root; ~5 min); bench/results/chaos.json
 	$(PY) -m bench.chaos
 
-run: $(STAMP) ## run a coordinator on LISTEN (embedded store)
+run: $(STAMP) $(ACCEL) ## run a coordinator on LISTEN (embedded store)
 	$(VENV)/bin/kvcoord coordinator --listen $(LISTEN)
 
-demo: $(STAMP) ## the main job: `kvcoord up` (local fleet, demo workload, report)
+demo: $(STAMP) $(ACCEL) ## the main job: `kvcoord up` (local fleet, demo workload, report)
 	$(VENV)/bin/kvcoord up
 
 clean: ## remove caches (keeps .venv)

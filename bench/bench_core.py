@@ -23,6 +23,7 @@ from typing import Any
 
 from coordinator.core.hash_config import HashAlgorithm, HashConfig, Namespace
 from coordinator.core.hashing import PageHasher
+from coordinator.core.holdings import compiled_available
 from coordinator.core.index import PrefixIndex
 
 PAGE = 16
@@ -109,25 +110,45 @@ def _bench_algorithm(config: HashConfig, repeats: int) -> dict[str, float]:
     }
 
 
-def bench_index(workers: int, prompts_per_worker: int = 8, repeats: int = 3) -> dict[str, float]:
+def bench_index(workers: int, prompts_per_worker: int = 8, repeats: int = 3,
+                accelerated: bool | None = None) -> dict[str, float]:
     """Store throughput and match latency for 256-page prompts over ``workers`` workers;
-    ``owner_misses``: stored prompts that do not match in full on their owner (must be 0)."""
+    ``owner_misses``: stored prompts that do not match in full on their owner (must be 0).
+    ``accelerated``: the index's holdings (None: as ``make_holdings`` picks)."""
     load = make_workload(workers, prompts_per_worker)
     hasher = PageHasher(HashConfig(_KEY))
     keys = [hasher.page_keys(p, Namespace()) for p in load.prompts]
-    return {"workers": workers, **_bench_prefix_index(load, keys, repeats)}
+    return {"workers": workers, **_bench_prefix_index(load, keys, repeats, accelerated)}
 
 
-def _bench_prefix_index(load: Workload, keys: list[list[bytes]], repeats: int) -> dict[str, float]:
+def _sync_batches(keys: list[list[bytes]]) -> list[bytes]:
+    """Each prompt's keys as the serialized ``EventBatch`` a worker sends (one stored event)."""
+    from coordinator.v1 import coordinator_pb2 as pb
+
+    return [pb.EventBatch(seq=i + 1, events=[pb.PageEvent(
+        kind=pb.PageEvent.KIND_STORED, page_keys=b"".join(k), tier=pb.TIER_GPU)],
+    ).SerializeToString() for i, k in enumerate(keys)]
+
+
+def _bench_prefix_index(load: Workload, keys: list[list[bytes]], repeats: int,
+                        accelerated: bool | None = None) -> dict[str, float]:
+    """Store from serialized ``Sync`` batches (parsed, converted and applied as the servicer
+    does: the same start as Dynamo's JSON events), then match."""
+    from coordinator.core.page_events import apply_page_events
+    from coordinator.server.convert import events_from
+    from coordinator.v1 import coordinator_pb2 as pb
+
     names = [f"worker-{w}" for w in sorted(set(load.owners))]
     pages = sum(map(len, keys))
+    batches = _sync_batches(keys)
     store_s: list[float] = []
-    index = PrefixIndex(clock=time.monotonic)
+    index = PrefixIndex(clock=time.monotonic, accelerated=accelerated)
+    parse = pb.EventBatch.FromString
     for _ in range(repeats):
-        index = PrefixIndex(clock=time.monotonic)
+        index = PrefixIndex(clock=time.monotonic, accelerated=accelerated)
         start = time.perf_counter_ns()
-        for owner, prompt_keys in zip(load.owners, keys, strict=True):
-            index.store(names[owner], prompt_keys)
+        for owner, batch in zip(load.owners, batches, strict=True):
+            apply_page_events(index, names[owner], events_from(parse(batch)))
         store_s.append((time.perf_counter_ns() - start) / 1e9)
     queries = random.Random(3).choices(keys, k=2000)
     match = _latencies_us(index.match, queries, repeats)
@@ -193,23 +214,61 @@ def bench_dynamo_peer(
             out[f"speedup.hash_4096_{label}_{phase}"] = dynamo_hash / ours[f"4096_{phase}_us"]
         out[f"ours_{label}_conv_cached_us"] = ours["conv_cached_us"]
         out[f"speedup.hash_conversation_{label}"] = out["conv_us"] / ours["conv_cached_us"]
+    paths = [(True, ""), (False, "pure_")] if compiled_available() else [(False, "pure_")]
     for workers in worker_counts:
         load = make_workload(workers, prompts_per_worker)
         hasher = PageHasher(HashConfig(_KEY))
         keys = [hasher.page_keys(p, Namespace()) for p in load.prompts]
-        ours = _bench_prefix_index(load, keys, repeats)
         theirs = _bench_radix_tree(load, keys, repeats)
-        for name, value in theirs.items():
-            out[f"w{workers}_{name}"] = value
-        for name in ("store_pages_per_s", "match_p50_us", "match_detail_p50_us"):
-            out[f"w{workers}_ours_{name}"] = ours[name]
         w = f"w{workers}"
-        out[f"speedup.{w}_store"] = ours["store_pages_per_s"] / theirs["store_pages_per_s"]
-        out[f"speedup.{w}_match"] = theirs["match_p50_us"] / ours["match_p50_us"]
-        # match_detail(include_pending=True): the router's whole walk (pending-inclusive and
-        # confirmed depths) against the same find_matches.
-        out[f"speedup.{w}_match_detail"] = theirs["match_p50_us"] / ours["match_detail_p50_us"]
+        for name, value in theirs.items():
+            out[f"{w}_{name}"] = value
+        for accelerated, path in paths:  # the compiled index core, then pure Python
+            ours = _bench_prefix_index(load, keys, repeats, accelerated)
+            for name in ("store_pages_per_s", "match_p50_us", "match_detail_p50_us"):
+                out[f"{w}_ours_{path}{name}"] = ours[name]
+            out[f"speedup.{w}_{path}store"] = (ours["store_pages_per_s"]
+                                               / theirs["store_pages_per_s"])
+            out[f"speedup.{w}_{path}match"] = theirs["match_p50_us"] / ours["match_p50_us"]
+            # match_detail(include_pending=True): the router's whole walk (pending-inclusive
+            # and confirmed depths) against the same find_matches.
+            out[f"speedup.{w}_{path}match_detail"] = (theirs["match_p50_us"]
+                                                      / ours["match_detail_p50_us"])
     return out
+
+
+def bench_index_memory(unique_keys: int, workers: int = 256,
+                       accelerated: bool | None = None) -> dict[str, float]:
+    """Bytes per unique key of an index holding ``unique_keys`` keys, each on one of
+    ``workers`` workers (stored in 64-key batches, round robin), by tracemalloc (every
+    allocation the index made, the compiled table's included) and by RSS growth."""
+    import hashlib
+    import tracemalloc
+
+    def rss_bytes() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096
+
+    names = [f"worker-{w}" for w in range(workers)]
+    tracemalloc.start()
+    rss_before, traced_before = rss_bytes(), tracemalloc.get_traced_memory()[0]
+    index = PrefixIndex(clock=time.monotonic, accelerated=accelerated)
+    start = time.perf_counter()
+    for batch in range(0, unique_keys, 64):
+        keys = [hashlib.blake2b(n.to_bytes(8, "little"), digest_size=16).digest()
+                for n in range(batch, min(batch + 64, unique_keys))]
+        index.store(names[(batch // 64) % workers], keys)
+    seconds = time.perf_counter() - start
+    traced = tracemalloc.get_traced_memory()[0] - traced_before
+    tracemalloc.stop()
+    rss = rss_bytes() - rss_before
+    stats = index.stats()
+    return {
+        "unique_keys": stats.keys,
+        "traced_bytes_per_key": traced / stats.keys,
+        "rss_bytes_per_key": rss / stats.keys,
+        "store_s": seconds,
+    }
 
 
 def _bench_radix_tree(load: Workload, keys: list[list[bytes]], repeats: int) -> dict[str, float]:

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from bench.fleet_shared_routes import shared_routes_case
+from coordinator.core.holdings import compiled_available
 from kvcoord.fleet_procs import free_port, start_coordinator_process, stop_processes, wait_healthy
 from tests.redis_server import RedisServer
 
@@ -42,10 +43,11 @@ def _pinning() -> bool:
 
 
 @contextmanager
-def _replicas(count: int, appendfsync: str | None, ingest_max_share: float | None = None
-              ) -> Iterator[tuple[list[str], list[int]]]:
+def _replicas(count: int, appendfsync: str | None, ingest_max_share: float | None = None,
+              accelerated: bool = True) -> Iterator[tuple[list[str], list[int]]]:
     """(targets, pids) of ``count`` coordinator processes; two or more share a redis-server
-    with AOF ``appendfsync``. ``ingest_max_share``: their ingest budget (None: the default)."""
+    with AOF ``appendfsync``. ``ingest_max_share``: their ingest budget (None: the default);
+    ``accelerated=False``: their index on the pure-Python holdings (``KVCOORD_NO_ACCEL=1``)."""
     redis = None
     if count > 1:
         redis = RedisServer(appendonly=appendfsync is not None,
@@ -60,6 +62,8 @@ def _replicas(count: int, appendfsync: str | None, ingest_max_share: float | Non
             env = {"KVCOORD_LEASE_MS": "20000"}
             if ingest_max_share is not None:
                 env["KVCOORD_INGEST_MAX_SHARE"] = str(ingest_max_share)
+            if not accelerated:
+                env["KVCOORD_NO_ACCEL"] = "1"
             process = start_coordinator_process(port, *extra, env=env)
             processes.append(process)
             wait_healthy(f"127.0.0.1:{port}", process, timeout=60)
@@ -77,9 +81,11 @@ def _replicas(count: int, appendfsync: str | None, ingest_max_share: float | Non
 
 def run_case(workers: int, *, replicas: int = 1, appendfsync: str | None = None,
              seconds: float = 10.0, ingest_max_share: float | None = None,
-             **load: Any) -> dict[str, Any]:
-    """One case: the replicas up, the generator run against them, its measures."""
-    with _replicas(replicas, appendfsync, ingest_max_share) as (targets, pids):
+             accelerated: bool = True, **load: Any) -> dict[str, Any]:
+    """One case: the replicas up, the generator run against them, its measures.
+    ``accelerated``: the coordinators' index core (compiled where built, else pure Python
+    either way; ``index_core`` in the result says which ran)."""
+    with _replicas(replicas, appendfsync, ingest_max_share, accelerated) as (targets, pids):
         config = {"targets": targets, "pids": pids, "workers": workers, "seconds": seconds,
                   **load}
         argv = [sys.executable, "-m", "bench.fleet_load", json.dumps(config)]
@@ -93,6 +99,7 @@ def run_case(workers: int, *, replicas: int = 1, appendfsync: str | None = None,
     result["store"] = "embedded" if replicas == 1 else f"redis aof {appendfsync or 'off'}"
     result["ingest_max_share"] = "default" if ingest_max_share is None else ingest_max_share
     result["pinned"] = _pinning()
+    result["index_core"] = "compiled" if accelerated and compiled_available() else "pure"
     for window in ("ingest", "ingest_and_routes"):
         measured = result[window]
         busy = measured["coordinator_cpu_share"][0]
@@ -115,6 +122,10 @@ def fleet_steps(quick: bool) -> list[tuple[str, Any]]:
     if not quick:  # the largest fleet again with ingest unbounded (no budget): what it buys
         steps.append((f"unbounded_1r_{sizes[-1]}", lambda: run_case(
             sizes[-1], seconds=seconds, ingest_max_share=1.0, **load)))
+    # The pure-Python index core beside the compiled one (where no compiler exists).
+    steps += [(f"pure_1r_{n}", lambda n=n: run_case(n, seconds=seconds, accelerated=False,
+                                                    **load))
+              for n in (sizes if quick else sizes[1:])]
     for fsync in ["everysec"] if quick else ["everysec", "always"]:
         steps += [(f"2r_{fsync}_{n}", lambda n=n, fsync=fsync: run_case(
             n, replicas=2, appendfsync=fsync, seconds=seconds, **load))

@@ -24,7 +24,8 @@ def _nonzero(section: Results | None, name: str, what: str) -> list[str]:
 def coordinator(results: Results) -> list[str]:
     broken = _nonzero(results["hashing"], "cache_mismatches",
                       "the chain cache changed page keys")
-    for name in ("index_64_workers", "index_1024_workers"):
+    for name in ("index_64_workers", "index_1024_workers", "index_64_workers_pure",
+                 "index_1024_workers_pure"):
         broken += [f"{name}.{line}" for line in _nonzero(
             results[name], "owner_misses", "stored prompts not matched in full on their owner")]
     for name in ("route_work_64_workers", "route_work_1024_workers"):

@@ -28,7 +28,12 @@ class Suite:
 
 
 def coordinator_steps(quick: bool) -> list[Step]:
-    from bench.bench_core import bench_dynamo_peer, bench_hashing, bench_index
+    from bench.bench_core import (
+        bench_dynamo_peer,
+        bench_hashing,
+        bench_index,
+        bench_index_memory,
+    )
     from bench.bench_route import bench_route_work
     from bench.bench_rpc import bench_rpc
 
@@ -37,6 +42,16 @@ def coordinator_steps(quick: bool) -> list[Step]:
         ("index_64_workers", lambda: bench_index(64, repeats=1 if quick else 3)),
         ("index_1024_workers", lambda: bench_index(1024, prompts_per_worker=1 if quick else 8,
                                                    repeats=1 if quick else 3)),
+        # The same on the pure-Python holdings (the path where no compiler exists).
+        ("index_64_workers_pure", lambda: bench_index(64, repeats=1 if quick else 3,
+                                                      accelerated=False)),
+        ("index_1024_workers_pure", lambda: bench_index(
+            1024, prompts_per_worker=1 if quick else 8, repeats=1 if quick else 3,
+            accelerated=False)),
+        # Bytes per unique key at 10^7 keys (10^5 quick), both paths.
+        ("index_memory", lambda: bench_index_memory(10**5 if quick else 10**7)),
+        ("index_memory_pure", lambda: bench_index_memory(10**5 if quick else 10**7,
+                                                         accelerated=False)),
         ("dynamo", bench_dynamo_peer),
         ("route_work_64_workers", lambda: bench_route_work(64, quick=quick)),
         ("route_work_1024_workers", lambda: bench_route_work(1024, quick=quick)),

@@ -36,6 +36,16 @@ def coordinator_targets(results: dict[str, Any]) -> list[list[str]]:
         limit = thresholds.get(target)
         verdict = "-" if limit is None else ("met" if value >= limit else "MISSED")
         out.append([name, target, f"{value:.2f}x", verdict])
+    for name, path in (("index_memory", "compiled index core"),
+                       ("index_memory_pure", "pure-Python index")):
+        memory = results.get(name)
+        if memory:
+            per_key = memory["traced_bytes_per_key"]
+            out.append([f"bytes per unique key at {memory['unique_keys']:,.0f} keys ({path}; "
+                        f"RSS {memory['rss_bytes_per_key']:.0f})", "<= 120 B at 1e7",
+                        f"{per_key:.0f} B",
+                        "met" if per_key <= 120 and memory["unique_keys"] >= 10**7 else
+                        ("MISSED" if memory["unique_keys"] >= 10**7 else "-")])
     peer = results.get("dynamo")
     if peer:
         for key, value in peer.items():
@@ -227,7 +237,28 @@ def fleet_targets(results: dict[str, Any]) -> list[list[str]]:
          "<= 120 B at 1e7",
          f"{rss:.0f} B" if rss else "n/a", verdict(rss is not None and rss <= 120)],
         [f"batches sent / target ({name})", "-", f"{ingest['achieved_fraction']:.2f}", "-"],
+        *_pure_rows(results.get(f"pure_{name}"), floors),
         *_shared_routes_rows(results.get("shared_routes"), verdict),
+    ]
+
+
+def _pure_rows(pure: dict[str, Any] | None, floors: dict[str, Any]) -> list[list[str]]:
+    """The same fleet on the pure-Python index core, beside (reported, not judged)."""
+    if pure is None:
+        return []
+    ingest, loaded = pure["ingest"], pure["ingest_and_routes"]
+    batch_us = ingest["marginal_cpu_us_per_batch"]["r0"]
+    lag = loaded["lag_owner_p99_ms"]
+    rss = pure["memory"]["rss_bytes_per_key"]["r0"]
+    n = pure["workers"]
+    return [
+        [f"pure-Python index, {n} workers: CPU per batch / per key op", "(reported)",
+         f"{batch_us:.0f} us ({batch_us / floors['stream_message_cpu_us']:.2f}x) / "
+         f"{ingest['cpu_us_per_key_op']['r0']:.2f} us", "-"],
+        [f"pure-Python index, {n} workers: lag p99 with routes / Route p99 / RSS per key",
+         "(reported)", f"{lag:.0f} ms / {loaded['route_p99_ms']:.1f} ms / "
+         f"{rss:.0f} B" if lag is not None and loaded["route_p99_ms"] is not None and rss
+         else "n/a", "-"],
     ]
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from coordinator.core.holdings import accel_status, compiled_available
 from coordinator.server.main import RunningCoordinator
 from coordinator.store.memory import MemoryStore
 from coordinator.store.protocol import MetadataStore
@@ -110,3 +111,11 @@ async def auth_coordinator(identities: IdentityFile) -> AsyncIterator[RunningCoo
     """A coordinator with auth on, serving ``identities``."""
     async with running_coordinator(auth_file=str(identities.path)) as running:
         yield running
+
+
+INDEX_PATHS = [
+    pytest.param(False, id="pure"),
+    pytest.param(True, id="compiled",
+                 marks=pytest.mark.skipif(not compiled_available(), reason=accel_status())),
+]
+"""Both holdings of the prefix index (coordinator.core.holdings), for tests to run on each."""

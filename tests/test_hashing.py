@@ -17,7 +17,7 @@ from coordinator.core.hash_config import (
     encode_root,
     load_hash_config,
 )
-from coordinator.core.hashing import PageHasher, split_page_keys, tokens_to_bytes
+from coordinator.core.hashing import PageHasher, PageKeys, split_page_keys, tokens_to_bytes
 
 KEY = bytes(range(32))
 NS = Namespace(model="llama-3-8b", tenant="acme", policy_version=7, page_size=4)
@@ -191,8 +191,9 @@ def test_non_integer_token_is_refused() -> None:
 
 def test_split_page_keys() -> None:
     keys = [bytes([i]) * 16 for i in range(3)]
-    assert split_page_keys(b"".join(keys)) == keys
-    assert split_page_keys(b"") == []
+    assert split_page_keys(b"".join(keys)) == tuple(keys)
+    assert type(split_page_keys(b"".join(keys))) is PageKeys  # the index trusts this type
+    assert split_page_keys(b"") == ()
     with pytest.raises(ValueError, match="multiple of 16"):
         split_page_keys(b"\x00" * 17)
 

@@ -6,6 +6,7 @@ import pytest
 
 from coordinator.core.index import PrefixIndex
 from coordinator.core.index_types import IndexIntegrityError, IndexStats, MatchDetail, Tier
+from tests.conftest import INDEX_PATHS
 
 
 class FakeClock:
@@ -29,9 +30,15 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+@pytest.fixture(params=INDEX_PATHS)
+def accelerated(request: pytest.FixtureRequest) -> bool:
+    """Each test runs on both holdings (pure Python; compiled, where built)."""
+    return bool(request.param)
+
+
 @pytest.fixture
-def idx(clock: FakeClock) -> PrefixIndex:
-    return PrefixIndex(clock=clock, pending_ttl=2.0)
+def idx(clock: FakeClock, accelerated: bool) -> PrefixIndex:
+    return PrefixIndex(clock=clock, pending_ttl=2.0, accelerated=accelerated)
 
 
 def test_match_reports_each_holder_of_the_first_key_with_its_depth(idx: PrefixIndex) -> None:
@@ -156,8 +163,9 @@ def test_remove_also_drops_pending_entries(idx: PrefixIndex) -> None:
     idx.check_integrity()
 
 
-def test_max_pending_evicts_the_oldest_records_first(idx: PrefixIndex, clock: FakeClock) -> None:
-    small = PrefixIndex(clock=clock, pending_ttl=2.0, max_pending=5)
+def test_max_pending_evicts_the_oldest_records_first(idx: PrefixIndex, clock: FakeClock,
+                                                     accelerated: bool) -> None:
+    small = PrefixIndex(clock=clock, pending_ttl=2.0, max_pending=5, accelerated=accelerated)
     small.add_pending("w1", A[:3])
     small.add_pending("w2", A[:2])
     small.add_pending("w3", A[:2])  # 7 > 5: w1's record (oldest) goes
@@ -189,8 +197,8 @@ def test_bad_input_is_refused_without_mutation(idx: PrefixIndex) -> None:
 
 def test_check_integrity_detects_corruption(idx: PrefixIndex) -> None:
     idx.store("w1", A)
-    idx._holders[A[3]] = 0b10  # a bit for a slot nobody has
-    with pytest.raises(IndexIntegrityError, match="holders"):
+    idx._holdings.add([A[3]], 1)  # a holding for a slot nobody has
+    with pytest.raises(IndexIntegrityError, match="free slot"):
         idx.check_integrity()
 
 
@@ -231,9 +239,10 @@ def test_worker_names_follow_slot_reuse_between_lookups(idx: PrefixIndex) -> Non
     assert idx.match_detail(A) == {"w2": MatchDetail(5, 0, 0, 5)}
 
 
-def test_digest_is_order_independent_and_covers_worker_key_and_tier(clock: FakeClock) -> None:
+def test_digest_is_order_independent_and_covers_worker_key_and_tier(
+        clock: FakeClock, accelerated: bool) -> None:
     def built(steps: list[tuple[str, list[bytes], Tier]]) -> PrefixIndex:
-        idx = PrefixIndex(clock=clock)
+        idx = PrefixIndex(clock=clock, accelerated=accelerated)
         for worker, keys, tier in steps:
             idx.store(worker, keys, tier)
         return idx
@@ -250,4 +259,4 @@ def test_digest_is_order_independent_and_covers_worker_key_and_tier(clock: FakeC
     assert pending.digest() == one.digest()
     one.remove("w2", b)
     one.drop_worker("w1")
-    assert one.digest() == PrefixIndex(clock=clock).digest() == bytes(16)
+    assert one.digest() == PrefixIndex(clock=clock, accelerated=accelerated).digest() == bytes(16)

@@ -6,10 +6,12 @@ with the model, and calls ``check_integrity()``.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from coordinator.core.holdings import accel_status, compiled_available
 from coordinator.core.index import PrefixIndex
 from coordinator.core.index_types import MatchDetail, Tier
 
@@ -35,10 +37,13 @@ prompt_slices = st.tuples(
 
 
 class IndexMachine(RuleBasedStateMachine):
+    accelerated = False  # the holdings under test (coordinator.core.holdings)
+
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
-        self.index = PrefixIndex(clock=lambda: self.now, pending_ttl=TTL)
+        self.index = PrefixIndex(clock=lambda: self.now, pending_ttl=TTL,
+                                 accelerated=self.accelerated)
         self.held: dict[str, dict[bytes, Tier]] = {}
         self.pending: dict[str, dict[bytes, float]] = {}  # key -> deadline
 
@@ -157,3 +162,12 @@ class IndexMachine(RuleBasedStateMachine):
 
 IndexMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 TestIndexStateful = IndexMachine.TestCase
+
+
+class CompiledIndexMachine(IndexMachine):
+    accelerated = True
+
+
+CompiledIndexMachine.TestCase.settings = IndexMachine.TestCase.settings
+TestCompiledIndexStateful = pytest.mark.skipif(
+    not compiled_available(), reason=accel_status())(CompiledIndexMachine.TestCase)

@@ -72,12 +72,19 @@ def tokens_to_bytes(tokens: Sequence[int] | bytes | bytearray | memoryview) -> b
     return packed.tobytes()
 
 
-def split_page_keys(blob: bytes) -> list[bytes]:
+class PageKeys(tuple[bytes, ...]):
+    """Page keys known to be 16-byte ``bytes`` (cut from a wire blob by ``split_page_keys``):
+    immutable, so the index's mutators skip re-checking them (``index_types.check_keys``)."""
+
+    __slots__ = ()
+
+
+def split_page_keys(blob: bytes) -> PageKeys:
     """Split concatenated 16-byte digests (the wire form) into keys; ValueError if ragged."""
     if len(blob) % PAGE_KEY_BYTES:
         raise ValueError(f"page key blob length {len(blob)} is not a multiple of {PAGE_KEY_BYTES}")
     # One C-level unpack ("16s" repeated) is ~6x faster than slicing in a comprehension.
-    return list(struct.unpack(f"{PAGE_KEY_BYTES}s" * (len(blob) // PAGE_KEY_BYTES), blob))
+    return PageKeys(struct.unpack(f"{PAGE_KEY_BYTES}s" * (len(blob) // PAGE_KEY_BYTES), blob))
 
 
 class PageHasher:

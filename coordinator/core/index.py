@@ -1,12 +1,13 @@
 """The global prefix index: which worker holds which page key, and how deep a prompt matches.
 
 Layout: every worker owns a *slot*, one bit in the masks (Python ints).
-- ``_holders[key]``: mask of confirmed holders; ``_lower[key]``: those holding it only in CPU
-  or DISK tier; ``_pending[key]``: those a route was sent to that have not confirmed it yet.
-  A zero mask is never stored.
-- ``_workers[w]``: the reverse side (held keys, tiers of spilled keys, pending deadlines), so
-  a worker is dropped in O(its pages). ``_queue`` lists pending records (deadline, worker,
-  keys) oldest first, for expiry and for the ``max_pending`` bound.
+- ``_holdings``: the confirmed ``(slot, key)`` pairs (:mod:`coordinator.core.holdings`: compiled
+  where built, else pure Python; the same contract), with the prefix walk over them.
+- ``_lower[key]``: mask of those holding it only in CPU or DISK tier; ``_pending[key]``: those
+  a route was sent to that have not confirmed it yet. A zero mask is never stored.
+- ``_workers[w]``: the reverse side (tiers of spilled keys, pending deadlines).
+  ``_queue`` lists pending records (deadline, worker, keys) oldest first, for expiry and for
+  the ``max_pending`` bound.
 
 Page keys are chained (a key names its whole prefix), so a worker's depth is the length of
 its leading run of held keys. ``match`` sees confirmed holdings only and is exact;
@@ -27,11 +28,11 @@ from coordinator.core.holder_masks import (
     by_depth,
     clear_bit,
     clear_bits,
-    prefix_runs,
     set_bits,
     slot_names,
     tier_counts,
 )
+from coordinator.core.holdings import MAX_SLOTS, make_holdings
 from coordinator.core.index_types import (
     IndexStats,
     MatchDetail,
@@ -48,7 +49,6 @@ _NAMES_MEMO = 1024  # masks whose worker lists are memoised (each a tuple of nam
 class _Worker:
     slot: int
     bit: int
-    held: set[bytes] = field(default_factory=set)
     spilled: dict[bytes, Tier] = field(default_factory=dict)  # held keys not in GPU
     pending: dict[bytes, float] = field(default_factory=dict)  # key -> deadline
 
@@ -61,8 +61,11 @@ class PrefixIndex:
     """
 
     def __init__(
-        self, *, clock: Callable[[], float], pending_ttl: float = 2.0, max_pending: int = 1_000_000
+        self, *, clock: Callable[[], float], pending_ttl: float = 2.0,
+        max_pending: int = 1_000_000, accelerated: bool | None = None,
     ) -> None:
+        """``accelerated``: the compiled holdings (None: when built and not disabled by
+        ``KVCOORD_NO_ACCEL=1``; see ``coordinator.core.holdings``)."""
         if pending_ttl <= 0 or max_pending < 0:
             raise ValueError("pending_ttl must be > 0 and max_pending >= 0")
         self._clock = clock
@@ -74,7 +77,7 @@ class PrefixIndex:
         # and decoding a 1,000-slot mask costs ~10 us. Cleared whenever the slot table changes.
         self._names: dict[int, tuple[str, ...]] = {}
         self._free_slots: list[int] = []  # heap: reuse low slots so masks stay short
-        self._holders: dict[bytes, int] = {}
+        self._holdings = make_holdings(accelerated)
         self._lower: dict[bytes, int] = {}
         self._pending: dict[bytes, int] = {}
         self._pending_count = 0
@@ -93,17 +96,22 @@ class PrefixIndex:
         check_worker(worker_id)
         check_keys(keys)
         w = self._worker(worker_id)
-        before = len(w.held)
-        set_bits(self._holders, keys, w.bit)
-        w.held.update(keys)
+        added = self._holdings.add(keys, w.slot)
         if tier is not Tier.GPU:
             set_bits(self._lower, keys, w.bit)
             w.spilled.update(dict.fromkeys(keys, tier))
         elif w.spilled:  # most workers never spill: skip the scan
             self._unspill(w, w.spilled.keys() & set(keys))
         if w.pending:
-            self._drop_pending(w, w.pending.keys() & set(keys))
-        return len(w.held) - before
+            # Held and pending keys were disjoint: the pending entries confirmed now are the
+            # pending keys held now (a scan of the shorter side).
+            if len(w.pending) <= len(keys):
+                holds, slot = self._holdings.holds, w.slot
+                confirmed: Iterable[bytes] = [k for k in w.pending if holds(k, slot)]
+            else:
+                confirmed = w.pending.keys() & set(keys)
+            self._drop_pending(w, confirmed)
+        return added
 
     def remove(self, worker_id: str, keys: Sequence[bytes]) -> int:
         """Forget that ``worker_id`` holds ``keys``, and any pending entry for them.
@@ -118,7 +126,9 @@ class PrefixIndex:
             return 0
         if w.pending:
             self._drop_pending(w, w.pending.keys() & set(keys))
-        return self._release(w, w.held.intersection(keys))
+        if w.spilled:
+            self._unspill(w, w.spilled.keys() & set(keys))
+        return self._holdings.discard(keys, w.slot)
 
     def drop_worker(self, worker_id: str) -> int:
         """Forget the worker entirely (holdings, pending entries, slot); returns holdings
@@ -128,7 +138,8 @@ class PrefixIndex:
         if w is None:
             return 0
         self._drop_pending(w, list(w.pending))
-        dropped = self._release(w, set(w.held))
+        self._unspill(w, list(w.spilled))
+        dropped = self._holdings.drop_slot(w.slot)
         self._slots[w.slot] = None
         heapq.heappush(self._free_slots, w.slot)
         return dropped
@@ -146,7 +157,9 @@ class PrefixIndex:
             check_keys(keys)
             wanted.update(keys)
         w = self._worker(worker_id)
-        self._release(w, w.held - wanted)
+        stale = [k for k in self._holdings.keys_of(w.slot) if k not in wanted]
+        self._unspill(w, w.spilled.keys() & set(stale))
+        self._holdings.discard(stale, w.slot)
         for tier in (Tier.DISK, Tier.CPU, Tier.GPU):  # slowest first: the fastest wins
             self.store(worker_id, inventory.get(tier, ()), tier)
 
@@ -158,7 +171,7 @@ class PrefixIndex:
         Exact even when a worker lost a middle page: its depth stops there. Does not mutate.
         """
         check_read_keys(keys)
-        return by_depth(prefix_runs(keys, self._holders, None), self._workers_in, int)
+        return by_depth(self._holdings.runs(keys, None), self._workers_in, int)
 
     def match_detail(
         self, keys: Sequence[bytes], *, include_pending: bool = False
@@ -174,7 +187,7 @@ class PrefixIndex:
         if include_pending:
             self.expire_pending()
         with_pending = include_pending and bool(self._pending)
-        runs = prefix_runs(keys, self._holders, self._pending if with_pending else None)
+        runs = self._holdings.runs(keys, self._pending if with_pending else None)
         lower = tier_counts(self._lower, keys, runs, self._workers_in)
         first_pending: dict[str, int] = {}
         pend = (
@@ -196,12 +209,12 @@ class PrefixIndex:
     def held_count(self, worker_id: str) -> int:
         """How many keys ``worker_id`` holds (confirmed; pending entries not counted)."""
         w = self._workers.get(worker_id)
-        return len(w.held) if w else 0
+        return self._holdings.count(w.slot) if w else 0
 
     def worker_keys(self, worker_id: str) -> frozenset[bytes]:
         """The keys ``worker_id`` holds (confirmed), any tier."""
         w = self._workers.get(worker_id)
-        return frozenset(w.held if w else ())
+        return frozenset(self._holdings.keys_of(w.slot) if w else ())
 
     def worker_inventory(self, worker_id: str) -> dict[str, list[bytes]]:
         """The keys ``worker_id`` holds by tier value (the form ``replace_worker`` takes)."""
@@ -209,14 +222,14 @@ class PrefixIndex:
         if w is None:
             return {}
         inventory: dict[str, list[bytes]] = {}
-        for key in w.held:
+        for key in self._holdings.keys_of(w.slot):
             inventory.setdefault(w.spilled.get(key, Tier.GPU).value, []).append(key)
         return inventory
 
     def tier_of(self, worker_id: str, key: bytes) -> Tier | None:
         """The tier in which ``worker_id`` holds ``key``, or None if it does not hold it."""
         w = self._workers.get(worker_id)
-        if w is None or key not in w.held:
+        if w is None or not self._holdings.holds(key, w.slot):
             return None
         return w.spilled.get(key, Tier.GPU)
 
@@ -230,8 +243,8 @@ class PrefixIndex:
         return [w for w in self._slots if w is not None]
 
     def stats(self) -> IndexStats:
-        holdings = sum(len(w.held) for w in self._workers.values())
-        return IndexStats(len(self._holders), holdings, self._pending_count, len(self._workers))
+        holdings = sum(self._holdings.count(w.slot) for w in self._workers.values())
+        return IndexStats(len(self._holdings), holdings, self._pending_count, len(self._workers))
 
     def digest(self) -> bytes:
         """16 bytes naming the confirmed ``(worker, key, tier)`` entries as a set: the sum mod
@@ -253,7 +266,7 @@ class PrefixIndex:
         check_keys(keys)
         self.expire_pending()
         w = self._worker(worker_id)
-        fresh = tuple(dict.fromkeys(k for k in keys if k not in w.held))[: self._max_pending]
+        fresh = tuple(dict.fromkeys(self._holdings.not_held(keys, w.slot)))[: self._max_pending]
         while self._queue and self._queued + len(fresh) > self._max_pending:
             self._pop_oldest()
         if not fresh:
@@ -291,16 +304,12 @@ class PrefixIndex:
                 self._slots[slot] = worker_id
             else:
                 slot = len(self._slots)
+                if slot >= MAX_SLOTS:
+                    raise ValueError(f"the index holds at most {MAX_SLOTS} workers")
                 self._slots.append(worker_id)
             w = self._workers[worker_id] = _Worker(slot, 1 << slot)
             self._names.clear()
         return w
-
-    def _release(self, w: _Worker, keys: set[bytes]) -> int:
-        self._unspill(w, keys & w.spilled.keys())
-        clear_bits(self._holders, keys, w.bit)
-        w.held -= keys
-        return len(keys)
 
     def _unspill(self, w: _Worker, keys: Iterable[bytes]) -> None:
         for key in keys:

@@ -3,7 +3,7 @@ tests, operators and replicas, never on a hot path. Both read the index's privat
 (this module is the index's friend) and mutate nothing.
 
 - :func:`check_integrity`: raise :class:`IndexIntegrityError` unless the slot table, the
-  per-worker records, the three mask dicts and the pending queue all agree.
+  per-worker records, the holdings, the two mask dicts and the pending queue all agree.
 - :func:`digest`: 16 bytes naming the confirmed ``(worker, key, tier)`` entries as a set.
 
 Pure core: no I/O.
@@ -30,13 +30,26 @@ def check_integrity(index: PrefixIndex) -> None:
         and set(index._free_slots) == set(range(len(index._slots))) - occupied.keys(),
         "slot table, free slots and workers disagree",
     )
-    expected: tuple[dict[bytes, int], ...] = ({}, {}, {})
+    expected: tuple[dict[bytes, int], ...] = ({}, {})
     queued = {(name, k, d) for d, name, keys in index._queue for k in keys}
+    holdings = index._holdings
+    try:
+        holdings.check()
+    except AssertionError as exc:
+        raise IndexIntegrityError(f"holdings: {exc}") from None
+    counted = 0
     for name, w in index._workers.items():
         _require(w.bit == 1 << w.slot, f"{name}: bit does not match slot")
-        _require(w.spilled.keys() <= w.held, f"{name}: a spilled key is not held")
-        _require(w.pending.keys().isdisjoint(w.held), f"{name}: a held key is pending")
-        sets: tuple[Iterable[bytes], ...] = (w.held, w.spilled, w.pending)
+        _require(all(holdings.holds(k, w.slot) for k in w.spilled),
+                 f"{name}: a spilled key is not held")
+        _require(not any(holdings.holds(k, w.slot) for k in w.pending),
+                 f"{name}: a held key is pending")
+        held = holdings.keys_of(w.slot)
+        _require(len(held) == holdings.count(w.slot), f"{name}: holdings count is wrong")
+        _require(all(holdings.mask(k) >> w.slot & 1 for k in held),
+                 f"{name}: a held key's mask lacks the worker")
+        counted += len(held)
+        sets: tuple[Iterable[bytes], ...] = (w.spilled, w.pending)
         for masks, keys in zip(expected, sets, strict=True):
             for key in keys:
                 masks[key] = masks.get(key, 0) | w.bit
@@ -44,11 +57,13 @@ def check_integrity(index: PrefixIndex) -> None:
             all((name, k, d) in queued for k, d in w.pending.items()),
             f"{name}: a pending entry has no queue record",
         )
+    occupied_bits = sum(w.bit for w in index._workers.values())
+    _require(counted == sum(holdings.count(s) for s in range(len(index._slots))),
+             "a free slot still holds keys")
+    _require(all(holdings.mask(k) & ~occupied_bits == 0 for w in index._workers.values()
+                 for k in holdings.keys_of(w.slot)), "a key is held by a free slot")
     for actual, wanted, label in zip(
-        (index._holders, index._lower, index._pending),
-        expected,
-        ("holders", "lower", "pending"),
-        strict=True,
+        (index._lower, index._pending), expected, ("lower", "pending"), strict=True,
     ):
         _require(actual == wanted, f"{label} masks disagree with the workers' key sets")
     live = sum(len(w.pending) for w in index._workers.values())
@@ -62,7 +77,7 @@ def digest(index: PrefixIndex) -> bytes:
     total = 0
     for worker_id, w in index._workers.items():
         name = worker_id.encode() + b"\0"
-        for key in w.held:
+        for key in index._holdings.keys_of(w.slot):
             tier = w.spilled.get(key, Tier.GPU).value.encode()
             entry = hashlib.blake2b(name + key + tier, digest_size=PAGE_KEY_BYTES).digest()
             total += int.from_bytes(entry, "big")

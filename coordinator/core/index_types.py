@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from coordinator.core.hash_config import PAGE_KEY_BYTES
+from coordinator.core.hashing import PageKeys
 
 
 class Tier(enum.StrEnum):
@@ -60,6 +61,8 @@ def check_worker(worker_id: str) -> None:
 
 
 def check_keys(keys: Sequence[bytes]) -> None:
+    if type(keys) is PageKeys:
+        return  # cut from a wire blob of whole keys: checked when made
     # Two C-level passes instead of a Python loop: store() runs at millions of keys/s.
     if isinstance(keys, (bytes, bytearray, memoryview, str)):
         raise ValueError("keys must be a sequence of 16-byte keys, not one blob")

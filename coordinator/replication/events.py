@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.core.hashing import split_page_keys
+from coordinator.core.hashing import PageKeys, split_page_keys
 from coordinator.core.index_types import Tier
 from coordinator.core.page_events import PageEvent
 from coordinator.core.router import RouteReservation
@@ -227,13 +227,13 @@ def decode(fields: Mapping[str, str]) -> Envelope:
         raise MalformedEvent(f"unreadable replication event {dict(fields)!r}: {exc}") from exc
 
 
-def _take(keys: list[bytes], start: int, count: int) -> tuple[bytes, ...]:
+def _take(keys: PageKeys, start: int, count: int) -> PageKeys:
     if count < 0 or start + count > len(keys):
         raise ValueError("key counts do not match the key blob")
-    return tuple(keys[start:start + count])
+    return PageKeys(keys[start:start + count])
 
 
-def _decode_body(kind: type[Any], body: dict[str, Any], keys: list[bytes]) -> ReplicaEvent:
+def _decode_body(kind: type[Any], body: dict[str, Any], keys: PageKeys) -> ReplicaEvent:
     if kind is Pages:
         events, at = [], 0
         for event_kind, tier, count in body["e"]:

@@ -24,7 +24,7 @@ from coordinator.control.sync_messages import (
 from coordinator.core.awaited_routes import MAX_ROUTE_ID_LENGTH
 from coordinator.core.errors import InvalidArgument
 from coordinator.core.hash_config import PAGE_KEY_BYTES
-from coordinator.core.hashing import split_page_keys, tokens_to_bytes
+from coordinator.core.hashing import PageKeys, split_page_keys, tokens_to_bytes
 from coordinator.core.index_types import Tier
 from coordinator.core.page_events import PageEvent
 from coordinator.core.policy_state import PolicyPhase, PolicyRecord
@@ -61,7 +61,7 @@ PHASE_TO_PB = {
 }
 
 
-def page_keys_from(blob: bytes, what: str) -> list[bytes]:
+def page_keys_from(blob: bytes, what: str) -> PageKeys:
     if len(blob) % PAGE_KEY_BYTES:
         raise InvalidArgument(
             f"{what}: {len(blob)} bytes of page keys is not a multiple of {PAGE_KEY_BYTES}"

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2
 
 from coordinator.client.channels import channel_options
 from coordinator.config import CoordinatorConfig
+from coordinator.core.holdings import accel_status
 from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.health import add_health_and_reflection, warn_if_open
 from coordinator.rpc.identities import COORDINATOR_PERMISSIONS
@@ -92,7 +93,8 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     log.info(
         "coordinator.serving", listen=config.listen, port=port, metrics_port=metrics_port,
         store=type(service.store).__name__, page_size=config.page_size,
-        policy_version=service.policy.version, **security.describe(),
+        policy_version=service.policy.version, index_core=accel_status(),
+        **security.describe(),
     )
     warn_if_open(config.listen, security)
     return RunningCoordinator(server, service, health, port, metrics_port)

@@ -1,0 +1,492 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The compiled holdings (``coordinator.core.holdings`` states the contract; ``PyHoldings`` is
+the same in pure Python).
+
+One open-addressing table (linear probing, backward-shift deletion, power-of-two capacity,
+grown at 3/4 full) of 32-byte entries: the 16-byte key, its holder count, and its holder slots
+as sorted 16-bit ints, up to four inline and past that in a sorted heap array. The slot hash
+is the key's first 8 bytes mixed with a per-table random seed (keys are keyed BLAKE2b digests,
+but callers may send trusted keys: the seed keeps chosen keys from clustering). A count of
+holdings per slot answers ``count`` in O(1); ``keys_of`` and ``drop_slot`` scan the table.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from libc.stdint cimport uint16_t, uint32_t, uint64_t
+from libc.string cimport memcmp, memcpy, memmove, memset
+
+import os
+
+DEF INLINE = 6
+DEF KEY_BYTES = 16
+
+cdef struct Entry:
+    uint64_t k0
+    uint64_t k1
+    uint16_t n        # holders; 0 = an empty entry
+    uint16_t cap      # capacity of the out-of-line array (0: the holders are inline)
+    # The holders, sorted: inline when cap == 0; else the first 8 bytes hold a pointer to a
+    # heap array of cap slots (n used). 16 + 4 + 12 = 32 bytes an entry.
+    uint16_t inl[INLINE]
+
+
+cdef inline uint16_t *_ext(Entry *e) noexcept:
+    cdef uint16_t *p
+    memcpy(&p, e.inl, sizeof(p))
+    return p
+
+
+cdef inline void _set_ext(Entry *e, uint16_t *p) noexcept:
+    memcpy(e.inl, &p, sizeof(p))
+
+
+cdef inline uint64_t _mix(uint64_t x) noexcept:
+    # splitmix64's finaliser
+    x ^= x >> 30
+    x *= <uint64_t>0xbf58476d1ce4e5b9
+    x ^= x >> 27
+    x *= <uint64_t>0x94d049bb133111eb
+    x ^= x >> 31
+    return x
+
+
+cdef inline uint16_t *_slots(Entry *e) noexcept:
+    return _ext(e) if e.cap else e.inl
+
+
+cdef inline int _find_slot(const uint16_t *arr, int n, uint16_t slot) noexcept:
+    """Index of ``slot`` in sorted ``arr``, or -(insertion point) - 1."""
+    cdef int lo = 0, hi = n - 1, mid
+    while lo <= hi:
+        mid = (lo + hi) >> 1
+        if arr[mid] < slot:
+            lo = mid + 1
+        elif arr[mid] > slot:
+            hi = mid - 1
+        else:
+            return mid
+    return -lo - 1
+
+
+cdef class CHoldings:
+    cdef Entry *table
+    cdef uint64_t mask_bits     # capacity - 1
+    cdef uint64_t used
+    cdef uint64_t seed
+    cdef uint64_t *per_slot     # holdings per slot
+    cdef int slot_cap
+    cdef uint16_t *scratch      # running intersection for ``runs``
+    cdef int scratch_cap
+    cdef uint16_t *merge_buf    # a key's holders with its pending slots, for ``runs``
+    cdef int merge_cap
+
+    def __cinit__(self):
+        self.mask_bits = 63
+        self.table = <Entry *>PyMem_Calloc(64, sizeof(Entry))
+        self.used = 0
+        self.seed = int.from_bytes(os.urandom(8), "little")
+        self.slot_cap = 64
+        self.per_slot = <uint64_t *>PyMem_Calloc(self.slot_cap, sizeof(uint64_t))
+        self.scratch_cap = 64
+        self.scratch = <uint16_t *>PyMem_Malloc(self.scratch_cap * sizeof(uint16_t))
+        self.merge_cap = 64
+        self.merge_buf = <uint16_t *>PyMem_Malloc(self.merge_cap * sizeof(uint16_t))
+        if (self.table is NULL or self.per_slot is NULL or self.scratch is NULL
+                or self.merge_buf is NULL):
+            raise MemoryError()
+
+    def __dealloc__(self):
+        cdef uint64_t i
+        if self.table is not NULL:
+            for i in range(self.mask_bits + 1):
+                if self.table[i].n and self.table[i].cap:
+                    PyMem_Free(_ext(&self.table[i]))
+            PyMem_Free(self.table)
+        PyMem_Free(self.per_slot)
+        PyMem_Free(self.scratch)
+        PyMem_Free(self.merge_buf)
+
+    def __len__(self):
+        return self.used
+
+    # ---- the table --------------------------------------------------------------------
+
+    cdef inline uint64_t _home(self, uint64_t k0, uint64_t k1) noexcept:
+        return _mix(k0 ^ self.seed ^ (k1 << 1)) & self.mask_bits
+
+    cdef uint64_t _probe(self, const char *key, uint64_t *k0, uint64_t *k1) noexcept:
+        """Where ``key`` is, or the empty entry ending its probe run; ``k0``, ``k1``: its
+        halves."""
+        cdef uint64_t i
+        memcpy(k0, key, 8)
+        memcpy(k1, key + 8, 8)
+        i = self._home(k0[0], k1[0])
+        while self.table[i].n:
+            if self.table[i].k0 == k0[0] and self.table[i].k1 == k1[0]:
+                return i
+            i = (i + 1) & self.mask_bits
+        return i
+
+    cdef Entry *_lookup(self, const char *key) noexcept:
+        cdef uint64_t k0, k1
+        cdef uint64_t i = self._probe(key, &k0, &k1)
+        return &self.table[i] if self.table[i].n else NULL
+
+    cdef int _grow(self) except -1:
+        cdef uint64_t old_cap = self.mask_bits + 1, i, j
+        cdef Entry *old = self.table
+        cdef Entry *fresh = <Entry *>PyMem_Calloc(old_cap * 2, sizeof(Entry))
+        if fresh is NULL:
+            raise MemoryError()
+        self.table = fresh
+        self.mask_bits = old_cap * 2 - 1
+        for i in range(old_cap):
+            if old[i].n:
+                j = self._home(old[i].k0, old[i].k1)
+                while fresh[j].n:
+                    j = (j + 1) & self.mask_bits
+                fresh[j] = old[i]
+        PyMem_Free(old)
+        return 0
+
+    cdef Entry *_insert(self, const char *key) except NULL:
+        """The entry of ``key``, created empty-handed (n == 0 until a holder is added) if
+        absent. The caller adds a holder before any other table operation."""
+        cdef uint64_t k0, k1, i
+        if (self.used + 1) * 4 > (self.mask_bits + 1) * 3:
+            self._grow()
+        i = self._probe(key, &k0, &k1)
+        if self.table[i].n:
+            return &self.table[i]
+        self.table[i].k0 = k0
+        self.table[i].k1 = k1
+        self.table[i].cap = 0
+        self.used += 1
+        return &self.table[i]
+
+    cdef void _delete_at(self, uint64_t i) noexcept:
+        """Remove the (holder-less) entry at ``i``, shifting later entries of its probe run
+        back so no lookup stops early."""
+        cdef uint64_t j = i, home
+        self.used -= 1
+        while True:
+            j = (j + 1) & self.mask_bits
+            if not self.table[j].n:
+                break
+            home = self._home(self.table[j].k0, self.table[j].k1)
+            # Move j into the hole i unless its home lies cyclically in (i, j].
+            if (i <= j and (home <= i or home > j)) or (i > j and (home <= i and home > j)):
+                self.table[i] = self.table[j]
+                i = j
+        memset(&self.table[i], 0, sizeof(Entry))
+
+    # ---- one entry's holders ---------------------------------------------------------
+
+    cdef int _add_holder(self, Entry *e, uint16_t slot) except -1:
+        """1 if ``slot`` was added, 0 if it held the key already."""
+        cdef uint16_t *arr = _slots(e)
+        cdef int at = _find_slot(arr, e.n, slot)
+        cdef uint16_t *grown
+        cdef int new_cap
+        if at >= 0:
+            return 0
+        at = -at - 1
+        if e.cap == 0 and e.n == INLINE:
+            grown = <uint16_t *>PyMem_Malloc(2 * INLINE * sizeof(uint16_t))
+            if grown is NULL:
+                raise MemoryError()
+            memcpy(grown, e.inl, INLINE * sizeof(uint16_t))
+            _set_ext(e, grown)
+            e.cap = 2 * INLINE
+        elif e.cap and e.n == e.cap:
+            new_cap = min(2 * <int>e.cap, 65535)
+            grown = <uint16_t *>PyMem_Realloc(_ext(e), new_cap * sizeof(uint16_t))
+            if grown is NULL:
+                raise MemoryError()
+            _set_ext(e, grown)
+            e.cap = new_cap
+        arr = _slots(e)
+        memmove(arr + at + 1, arr + at, (e.n - at) * sizeof(uint16_t))
+        arr[at] = slot
+        e.n += 1
+        return 1
+
+    cdef int _remove_holder(self, Entry *e, uint16_t slot) noexcept:
+        """1 if ``slot`` was removed (the entry may be left with none), 0 if it was absent."""
+        cdef uint16_t *arr = _slots(e)
+        cdef int at = _find_slot(arr, e.n, slot)
+        cdef uint16_t *ext
+        if at < 0:
+            return 0
+        memmove(arr + at, arr + at + 1, (e.n - at - 1) * sizeof(uint16_t))
+        e.n -= 1
+        if e.cap and e.n <= INLINE:
+            ext = _ext(e)
+            memcpy(e.inl, ext, e.n * sizeof(uint16_t))
+            PyMem_Free(ext)
+            e.cap = 0
+        return 1
+
+    cdef int _count_slot(self, uint16_t slot, int delta) except -1:
+        cdef uint64_t *grown
+        cdef int cap
+        if slot >= self.slot_cap:
+            cap = self.slot_cap
+            while cap <= slot:
+                cap *= 2
+            grown = <uint64_t *>PyMem_Realloc(self.per_slot, cap * sizeof(uint64_t))
+            if grown is NULL:
+                raise MemoryError()
+            memset(grown + self.slot_cap, 0, (cap - self.slot_cap) * sizeof(uint64_t))
+            self.per_slot = grown
+            self.slot_cap = cap
+        self.per_slot[slot] += delta
+        return 0
+
+    # ---- the contract ----------------------------------------------------------------
+
+    def add(self, keys, int slot):
+        cdef Py_ssize_t added = 0
+        cdef Entry *e
+        cdef uint16_t s = _checked_slot(slot)
+        try:
+            for key in keys:
+                _check_stored_key(key)
+                e = self._insert(PyBytes_AS_STRING(key))
+                added += self._add_holder(e, s)
+        finally:  # a bad key part-way leaves the keys before it added, and counted
+            if added:
+                self._count_slot(s, <int>added)
+        return added
+
+    def discard(self, keys, int slot):
+        cdef Py_ssize_t removed = 0
+        cdef Entry *e
+        cdef uint16_t s = _checked_slot(slot)
+        try:
+            for key in keys:
+                _check_stored_key(key)
+                e = self._lookup(PyBytes_AS_STRING(key))
+                if e is not NULL and self._remove_holder(e, s):
+                    removed += 1
+                    if not e.n:
+                        self._delete_at(<uint64_t>(e - self.table))
+        finally:
+            if removed:  # then s < slot_cap: the slot was counted when it was added
+                self.per_slot[s] -= removed
+        return removed
+
+    def drop_slot(self, int slot):
+        cdef uint16_t s = _checked_slot(slot)
+        cdef uint64_t i = 0
+        cdef Py_ssize_t dropped = 0
+        if s >= self.slot_cap or not self.per_slot[s]:
+            return 0
+        while i <= self.mask_bits:
+            if self.table[i].n and self._remove_holder(&self.table[i], s):
+                dropped += 1
+                if not self.table[i].n:
+                    # The shift may move a later entry into i: look at i again. One that
+                    # wraps round from the front was seen already; seeing it twice is harmless.
+                    self._delete_at(i)
+                    continue
+            i += 1
+        self.per_slot[s] = 0
+        return dropped
+
+    def holds(self, key, int slot):
+        cdef Entry *e
+        if type(key) is not bytes or PyBytes_GET_SIZE(key) != KEY_BYTES:
+            return False
+        e = self._lookup(PyBytes_AS_STRING(key))
+        return e is not NULL and _find_slot(_slots(e), e.n, _checked_slot(slot)) >= 0
+
+    def not_held(self, keys, int slot):
+        cdef Entry *e
+        cdef uint16_t s = _checked_slot(slot)
+        out = []
+        for key in keys:
+            _check_stored_key(key)
+            e = self._lookup(PyBytes_AS_STRING(key))
+            if e is NULL or _find_slot(_slots(e), e.n, s) < 0:
+                out.append(key)
+        return out
+
+    def count(self, int slot):
+        if slot < 0 or slot >= self.slot_cap:
+            return 0
+        return self.per_slot[slot]
+
+    def keys_of(self, int slot):
+        cdef uint64_t i
+        cdef uint16_t s = _checked_slot(slot)
+        cdef char buf[KEY_BYTES]
+        out = []
+        if s >= self.slot_cap or not self.per_slot[s]:
+            return out
+        for i in range(self.mask_bits + 1):
+            if self.table[i].n and _find_slot(_slots(&self.table[i]), self.table[i].n, s) >= 0:
+                memcpy(buf, &self.table[i].k0, 8)
+                memcpy(buf + 8, &self.table[i].k1, 8)
+                out.append(PyBytes_FromStringAndSize(buf, KEY_BYTES))
+        return out
+
+    def mask(self, key):
+        cdef Entry *e
+        if type(key) is not bytes or PyBytes_GET_SIZE(key) != KEY_BYTES:
+            return 0
+        e = self._lookup(PyBytes_AS_STRING(key))
+        if e is NULL:
+            return 0
+        return _mask_of(_slots(e), e.n)
+
+    def runs(self, keys, pending):
+        """``holder_masks.prefix_runs`` over this table (``pending``: ``key -> mask`` or
+        None)."""
+        cdef list out = []
+        cdef Py_ssize_t end = 0
+        cdef int r = -1, n, i, j, kept
+        cdef Entry *e
+        cdef const uint16_t *arr
+        cdef uint16_t *run
+        cdef object extra
+        for key in keys:
+            if type(key) is not bytes:
+                raise ValueError("page keys must be bytes")
+            e = NULL
+            if PyBytes_GET_SIZE(key) == KEY_BYTES:
+                e = self._lookup(PyBytes_AS_STRING(key))
+            extra = pending.get(key) if pending else None
+            if extra is not None:
+                # A pending mask joins the holders: merge both, sorted, into merge_buf.
+                merged = set(_slots_of_mask(extra))
+                if e is not NULL:
+                    arr = _slots(e)
+                    merged.update([arr[i] for i in range(e.n)])
+                n = len(merged)
+                self.merge_buf = _reserved(self.merge_buf, &self.merge_cap, n)
+                for i, slot in enumerate(sorted(merged)):
+                    self.merge_buf[i] = slot
+                arr = self.merge_buf
+            elif e is NULL:
+                break
+            else:
+                arr, n = _slots(e), e.n
+            if r < 0:  # the first key: the run starts as its holders
+                self.scratch = _reserved(self.scratch, &self.scratch_cap, n)
+                memcpy(self.scratch, arr, n * sizeof(uint16_t))
+                r = n
+                end = 1
+                out.append([_mask_of(self.scratch, r), end])
+                continue
+            run = self.scratch
+            if n == r and memcmp(arr, run, r * sizeof(uint16_t)) == 0:
+                kept = r  # the same holders as the run: the common, long shared prefix
+            else:
+                kept = 0  # intersect in place: both sorted
+                j = 0
+                for i in range(r):
+                    while j < n and arr[j] < run[i]:
+                        j += 1
+                    if j < n and arr[j] == run[i]:
+                        run[kept] = run[i]
+                        kept += 1
+            if not kept:
+                break
+            end += 1
+            if kept == r:
+                out[len(out) - 1][1] = end
+            else:
+                r = kept
+                out.append([_mask_of(run, r), end])
+        return [(m, d) for m, d in out]
+
+    def check(self):
+        """AssertionError unless the table agrees with itself: counts, order, probe runs."""
+        cdef uint64_t i
+        cdef int j
+        cdef uint16_t *arr
+        counts = {}
+        live = 0
+        for i in range(self.mask_bits + 1):
+            if not self.table[i].n:
+                continue
+            live += 1
+            arr = _slots(&self.table[i])
+            for j in range(self.table[i].n):
+                if j and arr[j - 1] >= arr[j]:
+                    raise AssertionError("an entry's holders are not sorted and distinct")
+                counts[arr[j]] = counts.get(arr[j], 0) + 1
+            if self.table[i].cap and self.table[i].n <= INLINE:
+                raise AssertionError("a small holder set is out of line")
+            if self._lookup_at(i) != i:
+                raise AssertionError("an entry is unreachable from its home")
+        if live != self.used:
+            raise AssertionError("the key count is wrong")
+        for s in range(self.slot_cap):
+            if counts.get(s, 0) != self.per_slot[s]:
+                raise AssertionError(f"slot {s}'s holdings count is wrong")
+
+    cdef uint64_t _lookup_at(self, uint64_t at):
+        cdef char buf[KEY_BYTES]
+        cdef Entry *e
+        memcpy(buf, &self.table[at].k0, 8)
+        memcpy(buf + 8, &self.table[at].k1, 8)
+        e = self._lookup(buf)
+        return <uint64_t>(e - self.table) if e is not NULL else <uint64_t>-1
+
+
+cdef uint16_t *_reserved(uint16_t *buf, int *cap, int n) except NULL:
+    """``buf`` grown to at least ``n`` slots (``cap`` updated)."""
+    cdef uint16_t *grown
+    if n <= cap[0]:
+        return buf
+    grown = <uint16_t *>PyMem_Realloc(buf, n * sizeof(uint16_t))
+    if grown is NULL:
+        raise MemoryError()
+    cap[0] = n
+    return grown
+
+
+cdef inline int _checked_slot(int slot) except -1:
+    if slot < 0 or slot >= 65535:
+        raise ValueError(f"slot {slot} out of range")
+    return slot
+
+
+cdef inline int _check_stored_key(object key) except -1:
+    if type(key) is not bytes or PyBytes_GET_SIZE(key) != KEY_BYTES:
+        raise ValueError("page keys must be 16-byte bytes")
+    return 0
+
+
+cdef object _mask_of(const uint16_t *arr, int n):
+    """The Python int with bit ``arr[i]`` set for each i (``arr`` sorted ascending)."""
+    cdef int i, nbytes
+    cdef unsigned char *buf
+    cdef unsigned long long small = 0
+    if n == 0:
+        return 0
+    if arr[n - 1] < 64:
+        for i in range(n):
+            small |= (<unsigned long long>1) << arr[i]
+        return small
+    nbytes = arr[n - 1] // 8 + 1
+    buf = <unsigned char *>PyMem_Calloc(nbytes, 1)
+    if buf is NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            buf[arr[i] >> 3] |= <unsigned char>(1 << (arr[i] & 7))
+        return int.from_bytes(PyBytes_FromStringAndSize(<char *>buf, nbytes), "little")
+    finally:
+        PyMem_Free(buf)
+
+
+cdef list _slots_of_mask(object mask):
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
