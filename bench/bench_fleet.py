@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from bench.fleet_shared_routes import shared_routes_case
-from coordinator.core.holdings import compiled_available
+from coordinator.core.holdings import NO_ACCEL_VARIABLE, compiled_available
 from kvcoord.fleet_procs import free_port, start_coordinator_process, stop_processes, wait_healthy
 from tests.redis_server import RedisServer
 
@@ -63,7 +63,7 @@ def _replicas(count: int, appendfsync: str | None, ingest_max_share: float | Non
             if ingest_max_share is not None:
                 env["KVCOORD_INGEST_MAX_SHARE"] = str(ingest_max_share)
             if not accelerated:
-                env["KVCOORD_NO_ACCEL"] = "1"
+                env[NO_ACCEL_VARIABLE] = "1"
             process = start_coordinator_process(port, *extra, env=env)
             processes.append(process)
             wait_healthy(f"127.0.0.1:{port}", process, timeout=60)

@@ -283,7 +283,7 @@ class CoordinatorService:
         now = self.clock()
         views = []
         for session in sorted(self.fleet, key=lambda s: s.worker_id):
-            cached = len(self.index.worker_keys(session.worker_id))
+            cached = self.index.held_count(session.worker_id)
             views.append(WorkerView(session, session.status(now), cached))
         return views
 
@@ -296,7 +296,7 @@ class CoordinatorService:
         self.fleet.changed()
         self.replication.cordoned(session)
         log.info("worker.cordoned" if cordoned else "worker.uncordoned", worker=worker_id)
-        cached = len(self.index.worker_keys(worker_id))
+        cached = self.index.held_count(worker_id)
         return WorkerView(session, session.status(self.clock()), cached)
 
     def stats(self) -> StatsSnapshot:

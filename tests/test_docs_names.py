@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from coordinator.config import CoordinatorConfig
+from coordinator.core.holdings import NO_ACCEL_VARIABLE
 from coordinator.server.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService
 from coordinator.store.memory import MemoryStore
@@ -29,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Read outside the two config dataclasses (see ARCHITECTURE.md §6).
 OTHER_VARIABLES = {"KVCOORD_COORDINATOR", "KVCOORD_HASH_KEY", "KVCOORD_HASH_ALGORITHM",
-                   "KVCOORD_PAGE_SIZE", TOKEN_VARIABLE, *CLIENT_FILE_VARIABLES.values()}
+                   "KVCOORD_PAGE_SIZE", TOKEN_VARIABLE, NO_ACCEL_VARIABLE,
+                   *CLIENT_FILE_VARIABLES.values()}
 
 
 def exposed_metric_names() -> set[str]:

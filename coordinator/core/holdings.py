@@ -16,7 +16,9 @@ not set to ``1``; ``accel_status()`` says which is in use and why.
 
 Contract (both): keys passed to ``add`` and ``discard`` are validated 16-byte ``bytes`` (the
 index checks them first); ``add`` and ``discard`` return how many pairs they created or
-removed (a key repeated in one call counts once); ``runs`` walks a prompt's keys as
+removed (a key repeated in one call counts once); ``keys_of`` and ``keys_by_slot`` (any number
+of slots at once) are O(table) on the compiled holdings: for snapshots, resyncs and audits,
+never per request (``count`` is O(1)). ``runs`` walks a prompt's keys as
 ``holder_masks.prefix_runs`` does (masks are Python ints, bit ``s`` = slot ``s``): a key that is
 not ``bytes`` is a ValueError, one of another length matches nothing. Slots are ints in
 ``[0, MAX_SLOTS)``. Not thread-safe.
@@ -26,10 +28,13 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from coordinator.core.holder_masks import clear_bits, prefix_runs, set_bits
+
+NO_ACCEL_VARIABLE = "KVCOORD_NO_ACCEL"
+"""Set to ``1``: the pure-Python holdings even where the compiled ones are built."""
 
 MAX_SLOTS = 65_535
 """Worker slots a holdings table can name (the compiled one stores them as 16-bit ints)."""
@@ -45,6 +50,7 @@ class Holdings(Protocol):
     def not_held(self, keys: Sequence[bytes], slot: int) -> list[bytes]: ...
     def count(self, slot: int) -> int: ...
     def keys_of(self, slot: int) -> list[bytes]: ...
+    def keys_by_slot(self, slots: Collection[int]) -> dict[int, list[bytes]]: ...
     def mask(self, key: bytes) -> int: ...
     def runs(self, keys: Sequence[bytes],
              pending: dict[bytes, int] | None) -> list[tuple[int, int]]: ...
@@ -96,6 +102,9 @@ class PyHoldings:
     def keys_of(self, slot: int) -> list[bytes]:
         return list(self._keys.get(slot, ()))
 
+    def keys_by_slot(self, slots: Collection[int]) -> dict[int, list[bytes]]:
+        return {slot: list(self._keys.get(slot, ())) for slot in slots}
+
     def mask(self, key: bytes) -> int:
         return self._masks.get(key, 0)
 
@@ -123,7 +132,7 @@ def _load_compiled() -> tuple[type[Holdings] | None, str]:
 
 
 _COMPILED, _NOT_BUILT = _load_compiled()
-_DISABLED = os.environ.get("KVCOORD_NO_ACCEL", "") == "1"
+_DISABLED = os.environ.get(NO_ACCEL_VARIABLE, "") == "1"
 
 
 def accel_status() -> str:

@@ -218,13 +218,19 @@ class PrefixIndex:
 
     def worker_inventory(self, worker_id: str) -> dict[str, list[bytes]]:
         """The keys ``worker_id`` holds by tier value (the form ``replace_worker`` takes)."""
-        w = self._workers.get(worker_id)
-        if w is None:
-            return {}
-        inventory: dict[str, list[bytes]] = {}
-        for key in self._holdings.keys_of(w.slot):
-            inventory.setdefault(w.spilled.get(key, Tier.GPU).value, []).append(key)
-        return inventory
+        return self.worker_inventories([worker_id]).get(worker_id, {})
+
+    def worker_inventories(self, worker_ids: Iterable[str]) -> dict[str, dict[str, list[bytes]]]:
+        """``worker_inventory`` of each known worker of ``worker_ids``, in one pass over the
+        holdings (O(index size) however many workers: ask for all of them at once)."""
+        known = {w: self._workers[w] for w in worker_ids if w in self._workers}
+        by_slot = self._holdings.keys_by_slot([w.slot for w in known.values()])
+        inventories: dict[str, dict[str, list[bytes]]] = {}
+        for worker_id, w in known.items():
+            inventory = inventories[worker_id] = {}
+            for key in by_slot[w.slot]:
+                inventory.setdefault(w.spilled.get(key, Tier.GPU).value, []).append(key)
+        return inventories
 
     def tier_of(self, worker_id: str, key: bytes) -> Tier | None:
         """The tier in which ``worker_id`` holds ``key``, or None if it does not hold it."""

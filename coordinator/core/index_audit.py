@@ -38,13 +38,14 @@ def check_integrity(index: PrefixIndex) -> None:
     except AssertionError as exc:
         raise IndexIntegrityError(f"holdings: {exc}") from None
     counted = 0
+    by_slot = holdings.keys_by_slot([w.slot for w in index._workers.values()])
     for name, w in index._workers.items():
         _require(w.bit == 1 << w.slot, f"{name}: bit does not match slot")
         _require(all(holdings.holds(k, w.slot) for k in w.spilled),
                  f"{name}: a spilled key is not held")
         _require(not any(holdings.holds(k, w.slot) for k in w.pending),
                  f"{name}: a held key is pending")
-        held = holdings.keys_of(w.slot)
+        held = by_slot[w.slot]
         _require(len(held) == holdings.count(w.slot), f"{name}: holdings count is wrong")
         _require(all(holdings.mask(k) >> w.slot & 1 for k in held),
                  f"{name}: a held key's mask lacks the worker")
@@ -60,8 +61,8 @@ def check_integrity(index: PrefixIndex) -> None:
     occupied_bits = sum(w.bit for w in index._workers.values())
     _require(counted == sum(holdings.count(s) for s in range(len(index._slots))),
              "a free slot still holds keys")
-    _require(all(holdings.mask(k) & ~occupied_bits == 0 for w in index._workers.values()
-                 for k in holdings.keys_of(w.slot)), "a key is held by a free slot")
+    _require(all(holdings.mask(k) & ~occupied_bits == 0 for keys in by_slot.values()
+                 for k in keys), "a key is held by a free slot")
     for actual, wanted, label in zip(
         (index._lower, index._pending), expected, ("lower", "pending"), strict=True,
     ):
@@ -75,9 +76,10 @@ def check_integrity(index: PrefixIndex) -> None:
 def digest(index: PrefixIndex) -> bytes:
     """The sum mod 2**128 of each confirmed entry's BLAKE2b: see :meth:`PrefixIndex.digest`."""
     total = 0
+    by_slot = index._holdings.keys_by_slot([w.slot for w in index._workers.values()])
     for worker_id, w in index._workers.items():
         name = worker_id.encode() + b"\0"
-        for key in index._holdings.keys_of(w.slot):
+        for key in by_slot[w.slot]:
             tier = w.spilled.get(key, Tier.GPU).value.encode()
             entry = hashlib.blake2b(name + key + tier, digest_size=PAGE_KEY_BYTES).digest()
             total += int.from_bytes(entry, "big")

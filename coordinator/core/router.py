@@ -21,6 +21,14 @@ from coordinator.core.hash_config import Namespace
 from coordinator.core.hashing import PageHasher
 from coordinator.core.index import PrefixIndex
 from coordinator.core.index_types import MatchDetail
+from coordinator.core.route_types import (
+    BatchResult,
+    LookupResult,
+    PromptInput,
+    RouteReservation,
+    RouteResult,
+    Scope,
+)
 from coordinator.core.routing import (
     Candidate,
     KvAwareWeights,
@@ -34,82 +42,8 @@ from coordinator.core.routing import (
 from coordinator.wire import Reason
 
 _FLOOR = attrgetter("load_floor")
-
-
-@dataclass(frozen=True, slots=True)
-class PromptInput:
-    """A validated prompt: packed little-endian u32 tokens, or trusted page keys."""
-
-    token_count: int
-    token_bytes: bytes | None = None
-    page_keys: tuple[bytes, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Scope:
-    """The cache namespace of a request. ``tenant`` is set by the server from the caller's
-    identity, never from a request field."""
-
-    model: str | None = None
-    adapter: str = ""
-    policy_version: int | None = None
-    tenant: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    matches: dict[str, int]  # worker id -> matched pages (confirmed holdings only)
-    policy_version: int
-    prompt_pages: int
-    page_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class RouteResult:
-    worker_id: str
-    address: str
-    matched_pages: int
-    policy_version: int
-    prompt_pages: int
-    page_size: int
-    routing_policy: str
-    http_url: str = ""
-    route_id: str = ""
-    # The caller asked to report the end and the worker is external: the route is load on it
-    # until ``EndRoutes(route_id)`` (core.awaited_routes).
-    end_awaited: bool = False
-
-    @property
-    def matched_tokens(self) -> int:
-        return self.matched_pages * self.page_size
-
-
-@dataclass(frozen=True, slots=True)
-class RouteReservation:
-    """What one routing decision reserved on its worker, for the other coordinator replicas to
-    count as well (issue 17 §4: replicas route as one): pending entries for the prompt's keys
-    the worker does not hold yet, and ``copies`` in-flight routes of the uncached tokens. An
-    ``awaited`` route is held until ``EndRoutes(route_id)`` (or the TTL), any other until the
-    worker's heartbeats report it finished, as on the replica that chose it."""
-
-    worker_id: str
-    incarnation: int
-    route_id: str
-    pending_keys: tuple[bytes, ...]
-    uncached_tokens: int
-    copies: int
-    awaited: bool
-
-    def __post_init__(self) -> None:
-        if self.copies < 1 or self.uncached_tokens < 0:
-            raise ValueError(f"a reservation needs copies >= 1 and uncached_tokens >= 0, got "
-                             f"{self.copies}, {self.uncached_tokens}")
-
-
-@dataclass(frozen=True, slots=True)
-class BatchResult:
-    routes: list[RouteResult]
-    order: list[int]
+__all__ = ["BatchResult", "LookupResult", "PromptInput", "RouteReservation", "RouteResult",
+           "Router", "RouterCounters", "Scope"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -191,8 +191,16 @@ class Replicator:
 
     # ------------------------------------------------------------------ publishing
 
-    def _snapshot(self, session: RegisteredWorker) -> list[ReplicaEvent]:
-        """What another replica needs to hold exactly our view of ``session``."""
+    def _snapshots(self, sessions: list[RegisteredWorker]) -> list[ReplicaEvent]:
+        """What another replica needs to hold exactly our view of ``sessions`` (their
+        inventories read in one pass over the index)."""
+        inventories = self._index.worker_inventories(
+            s.worker_id for s in sessions if s.resync_id is None)
+        return [event for s in sessions
+                for event in self._snapshot(s, inventories.get(s.worker_id, {}))]
+
+    def _snapshot(self, session: RegisteredWorker,
+                  inventory: dict[str, list[bytes]]) -> list[ReplicaEvent]:
         worker_id, incarnation = session.worker_id, session.incarnation
         events: list[ReplicaEvent] = [registered_event(session)]
         if session.connected:
@@ -200,7 +208,6 @@ class Replicator:
         else:
             events.append(Detached(worker_id, incarnation))
         if session.resync_id is None:  # mid-resync our index is not the truth: its end is
-            inventory = self._index.worker_inventory(worker_id)
             events.append(Replaced(worker_id, incarnation, session.next_seq - 1,
                                    {tier: tuple(keys) for tier, keys in inventory.items()}))
         events.append(state_event(session, 0))
@@ -228,8 +235,7 @@ class Replicator:
                     continue
                 outbox.dirty = False
                 outbox.events.clear()
-                for session in self._own_sessions():
-                    outbox.events.extend(self._snapshot(session))
+                outbox.events.extend(self._snapshots(self._own_sessions()))
                 if outbox.want_all:
                     outbox.want_all = False
                     outbox.events.append(SnapshotWanted(""))
@@ -302,9 +308,8 @@ class Replicator:
             sessions = self._own_sessions() if not event.worker_id else [
                 s for s in self._own_sessions() if s.worker_id == event.worker_id
             ]
-            for session in sessions:
-                for snapshot_event in self._snapshot(session):
-                    self._outbox.put(snapshot_event)
+            for snapshot_event in self._snapshots(sessions):
+                self._outbox.put(snapshot_event)
             if not event.worker_id:
                 self._outbox.put(SnapshotDone(origin))
         elif isinstance(event, SnapshotDone):
