@@ -86,6 +86,9 @@ class CoordinatorConfig:
     this, whichever is shorter."""
     max_rollouts: int = 1_000_000
     """Rollout records kept in the stream (older ones are trimmed)."""
+    max_ack_delay_ms: int = 1_000
+    """While the ingest budget is cut (the loop fell behind), a stream's event-batch acks may
+    wait this long and go out as one cumulative ack (0: ack every batch at once)."""
     replication: bool = True
     """With ``redis``: share the index with the other replicas on it (off: a lone coordinator
     that only keeps its metadata in Redis, and publishes nothing)."""
@@ -139,9 +142,10 @@ class CoordinatorConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if min(self.drop_grace_ms, self.hash_cache_pages, self.max_staleness,
-               self.route_wait_ms) < 0:
+               self.route_wait_ms, self.max_ack_delay_ms) < 0:
             raise ConfigError(
-                "drop_grace_ms, hash_cache_pages, max_staleness and route_wait_ms must be >= 0"
+                "drop_grace_ms, hash_cache_pages, max_staleness, route_wait_ms and "
+                "max_ack_delay_ms must be >= 0"
             )
         if self.policy_stale_ms is not None and self.policy_stale_ms <= 0:
             raise ConfigError(f"policy_stale_ms must be > 0, got {self.policy_stale_ms}")

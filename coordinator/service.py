@@ -142,7 +142,8 @@ class CoordinatorService:
             on_routed=shared_routes.routed if shared_routes else None,
             on_routes_ended=shared_routes.routes_ended if shared_routes else None,
         )
-        self.ingest = IngestGovernor(config.ingest_max_share)
+        self.ingest = IngestGovernor(config.ingest_max_share,
+                                     max_ack_delay_s=config.max_ack_delay_ms / 1000)
         self.streams = WorkerStreams()
         replication: ReplicationSink = self.outbox or NoReplication()
         self.replication = replication

@@ -32,14 +32,21 @@ LOOP_LAG_S = 0.01
 BACKOFF = 0.7
 STEP = 0.02
 MIN_SHARE = 0.05
+# After the loop last lagged, acks stay delayed this long: merging them is what keeps it from
+# lagging again, so it must not stop the moment the loop catches up.
+BUSY_HOLD_S = 2.0
 
 
 class IngestGovernor:
     def __init__(self, max_share: float, *, window_s: float = WINDOW_S,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 max_ack_delay_s: float = 0.0) -> None:
         if not 0 < max_share <= 1:
             raise ValueError(f"max_share must be in (0, 1], got {max_share}")
+        if max_ack_delay_s < 0:
+            raise ValueError(f"max_ack_delay_s must be >= 0, got {max_ack_delay_s}")
         self.max_share = max_share
+        self.max_ack_delay_s = max_ack_delay_s
         self.share = max_share
         """The share in force now (adapted to the loop's lag, at most ``max_share``)."""
         self.loop_lag_s = 0.0
@@ -48,6 +55,7 @@ class IngestGovernor:
         self._window_s = window_s
         self._clock = clock
         self._window_start = clock()
+        self._lagged_until = 0.0  # acks stay delayed until then after the loop last lagged
         self._busy_s = 0.0
         # Readers waiting for the budget, first come first served: one is let in at a time
         # (its apply is charged before the next is), so waiting costs no polling.
@@ -59,6 +67,15 @@ class IngestGovernor:
         """Event batches that had to wait, since start."""
         self.on_wait: Callable[[float], None] | None = None
         """Called with each wait's length (seconds), for the metrics."""
+
+    def ack_delay_s(self) -> float:
+        """How long an event batch's ack may wait to be merged with the stream's next ones
+        (``control.delayed_acks``): ``max_ack_delay_s`` while the budget is cut, a stream
+        waits for it, or the loop lagged within ``BUSY_HOLD_S``; else 0 (an idle replica acks
+        every batch at once)."""
+        busy = (self.share < self.max_share or self.waiting > 0
+                or self._clock() < self._lagged_until)
+        return self.max_ack_delay_s if busy else 0.0
 
     @property
     def enabled(self) -> bool:
@@ -97,6 +114,7 @@ class IngestGovernor:
             await asyncio.sleep(TICK_S)
             self.loop_lag_s = max(0.0, self._clock() - began - TICK_S)
             if self.loop_lag_s > LOOP_LAG_S:
+                self._lagged_until = self._clock() + BUSY_HOLD_S
                 # Never below MIN_SHARE, nor above max_share (a configured share under
                 # MIN_SHARE stays as configured).
                 self.share = max(min(MIN_SHARE, self.max_share), self.share * BACKOFF)

@@ -57,6 +57,7 @@ with ``Reason.DEREGISTERED``: it must not register again)."""
 class SyncCounters:
     events_applied: int = 0
     resyncs: int = 0
+    acks_merged: int = 0  # acks not written: a later (cumulative) one covered them
 
 
 class WorkerSync:

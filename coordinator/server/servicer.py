@@ -12,6 +12,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
+from coordinator.control.delayed_acks import DelayedAcks
 from coordinator.control.sync_messages import Outbound
 from coordinator.core.errors import FailedPrecondition, InvalidArgument
 from coordinator.core.fleet import RegisteredWorker
@@ -163,7 +164,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         self, request_iterator: AsyncIterator[pb.SyncRequest], context: Context
     ) -> AsyncIterator[pb.SyncResponse]:
         """One worker's stream. A reader task applies what the worker sends; replies (and, later,
-        coordinator-initiated commands) go out through one queue so writes never interleave."""
+        coordinator-initiated commands) go out through one queue so writes never interleave.
+        While the replica is busy, acks are merged (``control.delayed_acks``)."""
         outgoing: asyncio.Queue[pb.SyncResponse | BaseException | None] = asyncio.Queue()
         reader = asyncio.create_task(self._read_sync(request_iterator, outgoing))
         try:
@@ -187,9 +189,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         session: RegisteredWorker | None = None
         stream_id = 0
 
-        def send(replies: list[Outbound]) -> None:
+        def write(replies: list[Outbound]) -> None:
             for reply in replies:
                 outgoing.put_nowait(convert.outbound_to_pb(reply))
+
+        acks = DelayedAcks(write, ingest.ack_delay_s, sessions.counters)
+        send = acks.reply
 
         try:
             first = await anext(aiter(requests), None)
@@ -206,7 +211,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             session, stream_id, replies = sessions.hello(
                 hello.worker_id, hello.incarnation, hello.last_acked_seq,
                 close=outgoing.put_nowait,
-                send=lambda message: outgoing.put_nowait(convert.outbound_to_pb(message)),
+                send=lambda message: send([message]),
             )
             send(replies)
             await self._service.updates.reconnected(session)
@@ -223,12 +228,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                     ingest.applied(time.perf_counter() - began)
                     continue
                 send(await self._dispatch(session, request))
+            acks.flush()
             outgoing.put_nowait(None)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
+            acks.flush()
             outgoing.put_nowait(exc)
         finally:
+            acks.discard()
             if session is not None:
                 sessions.disconnect(session, stream_id)
 
