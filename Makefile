@@ -26,10 +26,10 @@ $(STAMP): pyproject.toml
 # The index's optional compiled core (Cython + the C compiler; coordinator/core/holdings.py).
 # Where it cannot build, the pure-Python holdings serve; either way this says which.
 ACCEL := $(VENV)/.accel
-$(ACCEL): $(STAMP) setup.py coordinator/core/_holdings_accel.pyx
+$(ACCEL): $(STAMP) setup.py coordinator/core/_holdings_accel.pyx coordinator/core/_chain_accel.pyx
 	@$(PY) setup.py -q build_ext --inplace > $(VENV)/accel-build.log 2>&1 || \
 	  echo "install: the compiled index core did not build (see $(VENV)/accel-build.log)"
-	@$(PY) -c "from coordinator.core.holdings import accel_status as s; print('install: index core:', s())"
+	@$(PY) -c "from coordinator.core import accel; print('install: index core:', accel.status())"
 	@touch $(ACCEL)
 
 install: $(STAMP) $(ACCEL) ## create .venv and install everything (runtime, worker, dev), build the index core

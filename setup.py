@@ -1,4 +1,5 @@
-"""The optional compiled index core (coordinator/core/_holdings_accel.pyx).
+"""The optional compiled core: the index's holdings (coordinator/core/_holdings_accel.pyx) and
+the page-key chain (coordinator/core/_chain_accel.pyx).
 
 Everything else is declared in pyproject.toml. The extension is built when Cython and a C
 compiler are present and skipped otherwise (``optional=True``): the pure-Python holdings then
@@ -14,8 +15,9 @@ except ImportError:  # no Cython: the pure-Python path only
     ext_modules = []
 else:
     ext_modules = cythonize(
-        [Extension("coordinator.core._holdings_accel", ["coordinator/core/_holdings_accel.pyx"],
-                   extra_compile_args=["-O2"], optional=True)],
+        [Extension(f"coordinator.core.{name}", [f"coordinator/core/{name}.pyx"],
+                   extra_compile_args=["-O2"], optional=True)
+         for name in ("_holdings_accel", "_chain_accel")],
         language_level=3, quiet=True,
     )
 

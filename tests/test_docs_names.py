@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.core.holdings import NO_ACCEL_VARIABLE
+from coordinator.core.accel import NO_ACCEL_VARIABLE
 from coordinator.server.metrics import CoordinatorMetrics
 from coordinator.service import CoordinatorService
 from coordinator.store.memory import MemoryStore

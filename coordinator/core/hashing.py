@@ -33,6 +33,7 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 
+from coordinator.core import accel
 from coordinator.core.hash_config import (
     PAGE_KEY_BYTES,
     HashAlgorithm,
@@ -107,6 +108,12 @@ class PageHasher:
         self.hits = 0
         self.misses = 0
         self._digest = _make_digest(config)
+        # The compiled chain (coordinator.core.accel) hashes runs of pages in C; blake2b-128
+        # only (xxh3 is already one C call a page).
+        chain_module = accel.enabled("_chain_accel")
+        self._chain: Callable[..., list[bytes]] | None = (
+            chain_module.KeyedChain(config.key).chain
+            if chain_module is not None and config.algorithm is HashAlgorithm.BLAKE2B else None)
         self._generation_size = cache_pages // 2 if cache_pages > 1 else cache_pages
         self._young: dict[bytes, bytes] = {}
         self._old: dict[bytes, bytes] = {}
@@ -174,13 +181,16 @@ class PageHasher:
             pos = end
         self.hits += len(keys)
         # Cold phase: hash the rest and remember each link.
-        digest = self._digest
         cold = range(pos + page_bytes, full + 1, page_bytes)
-        for end in cold:
-            message = parent + data[end - page_bytes : end]
-            parent = digest(message)
-            append(parent)
-            young[message] = parent
+        if self._chain is not None and cold:
+            keys += self._chain(parent, data, pos, full, page_bytes, young)
+        else:
+            digest = self._digest
+            for end in cold:
+                message = parent + data[end - page_bytes : end]
+                parent = digest(message)
+                append(parent)
+                young[message] = parent
         self.misses += len(cold)
         if self._generation_size:
             self._remember_runs(root, data, keys, runs_found // page_bytes, page_bytes)
@@ -195,9 +205,12 @@ class PageHasher:
         each engine block once, as it is stored)."""
         data = tokens_to_bytes(tokens)
         page_bytes = 4 * page_size
+        full = len(data) - len(data) % page_bytes
+        if self._chain is not None:
+            return self._chain(parent, data, 0, full, page_bytes, None)
         keys: list[bytes] = []
         digest = self._digest
-        for end in range(page_bytes, len(data) - len(data) % page_bytes + 1, page_bytes):
+        for end in range(page_bytes, full + 1, page_bytes):
             parent = digest(parent + data[end - page_bytes : end])
             keys.append(parent)
         return keys

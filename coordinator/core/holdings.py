@@ -12,7 +12,7 @@ with one contract, checked against each other and a brute-force model by the sam
   and no interpreter work per key operation.
 
 ``make_holdings()`` returns the accelerated one when it was built and ``KVCOORD_NO_ACCEL`` is
-not set to ``1``; ``accel_status()`` says which is in use and why.
+not set to ``1`` (``coordinator.core.accel``); ``accel_status()`` says which is in use and why.
 
 Contract (both): keys passed to ``add`` and ``discard`` are validated 16-byte ``bytes`` (the
 index checks them first); ``add`` and ``discard`` return how many pairs they created or
@@ -26,15 +26,11 @@ not ``bytes`` is a ValueError, one of another length matches nothing. Slots are 
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
+from coordinator.core import accel
 from coordinator.core.holder_masks import clear_bits, prefix_runs, set_bits
-
-NO_ACCEL_VARIABLE = "KVCOORD_NO_ACCEL"
-"""Set to ``1``: the pure-Python holdings even where the compiled ones are built."""
 
 MAX_SLOTS = 65_535
 """Worker slots a holdings table can name (the compiled one stores them as 16-bit ints)."""
@@ -121,41 +117,24 @@ class PyHoldings:
             raise AssertionError("holder masks disagree with the slots' key sets")
 
 
-def _load_compiled() -> tuple[type[Holdings] | None, str]:
-    try:
-        # By name: the extension exists only where it was built (and has no type stub).
-        compiled = importlib.import_module("coordinator.core._holdings_accel")
-    except ImportError as exc:
-        return None, f"the compiled core is not built: {exc}"
-    holdings: type[Holdings] = compiled.CHoldings
-    return holdings, ""
-
-
-_COMPILED, _NOT_BUILT = _load_compiled()
-_DISABLED = os.environ.get(NO_ACCEL_VARIABLE, "") == "1"
-
-
 def accel_status() -> str:
-    """Which holdings ``make_holdings()`` returns, and why: for logs and ``make install``."""
-    if _COMPILED is None:
-        return f"pure Python ({_NOT_BUILT})"
-    if _DISABLED:
-        return "pure Python (KVCOORD_NO_ACCEL=1; the compiled core is built)"
-    return "compiled (Cython)"
+    """Which core serves, and why (``coordinator.core.accel.status``)."""
+    return accel.status()
 
 
 def compiled_available() -> bool:
     """The compiled holdings were built (whether or not ``KVCOORD_NO_ACCEL`` disables them)."""
-    return _COMPILED is not None
+    return accel.built("_holdings_accel") is not None
 
 
 def make_holdings(accelerated: bool | None = None) -> Holdings:
     """New empty holdings: compiled when built and not disabled (``accelerated=None``), or as
     asked (``True`` raises RuntimeError when the compiled core was not built)."""
-    if accelerated is None:
-        accelerated = _COMPILED is not None and not _DISABLED
-    if not accelerated:
+    module = accel.enabled("_holdings_accel") if accelerated is None else (
+        accel.built("_holdings_accel") if accelerated else None)
+    if module is None:
+        if accelerated:
+            raise RuntimeError(f"the compiled index core is unavailable: {accel.status()}")
         return PyHoldings()
-    if _COMPILED is None:
-        raise RuntimeError(f"the compiled index core is unavailable: {_NOT_BUILT}")
-    return _COMPILED()
+    holdings: Holdings = module.CHoldings()
+    return holdings
