@@ -84,6 +84,7 @@ class StatsSnapshot:
     replication_applied: int = 0
     replication_lag_p50_ms: float = 0.0
     replication_lag_p99_ms: float = 0.0
+    acks_merged: int = 0
 
     @property
     def hit_ratio(self) -> float:
@@ -328,6 +329,7 @@ class CoordinatorService:
             cached_tokens=counters.cached_tokens,
             events_applied=self.worker_sync.counters.events_applied,
             resyncs=self.worker_sync.counters.resyncs,
+            acks_merged=self.worker_sync.counters.acks_merged,
             policy=self.policy,
             store=type(self.store).__name__,
             **replication,  # type: ignore[arg-type]

@@ -82,7 +82,7 @@ class _StateCollector(Collector):
             ("kvcoord_sync_resyncs", "Resync requests sent to workers", s.resyncs),
             ("kvcoord_sync_acks_merged", "Event-batch acks not written because a later "
              "(cumulative) one covered them (a busy replica's delayed acks)",
-             self._service.worker_sync.counters.acks_merged),
+             s.acks_merged),
             ("kvcoord_ingest_waited_batches", "Event batches that waited for the ingest budget",
              self._service.ingest.waited),
             ("kvcoord_policy_version_restored",
