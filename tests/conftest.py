@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from coordinator.core.holdings import accel_status, compiled_available
+from coordinator.core import accel
+from coordinator.core.holdings import compiled_available
 from coordinator.server.main import RunningCoordinator
 from coordinator.store.memory import MemoryStore
 from coordinator.store.protocol import MetadataStore
@@ -116,6 +117,6 @@ async def auth_coordinator(identities: IdentityFile) -> AsyncIterator[RunningCoo
 INDEX_PATHS = [
     pytest.param(False, id="pure"),
     pytest.param(True, id="compiled",
-                 marks=pytest.mark.skipif(not compiled_available(), reason=accel_status())),
+                 marks=pytest.mark.skipif(not compiled_available(), reason=accel.status())),
 ]
 """Both holdings of the prefix index (coordinator.core.holdings), for tests to run on each."""

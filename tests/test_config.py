@@ -36,6 +36,7 @@ def test_routing_weights_come_from_config() -> None:
         ({"store_namespace": "a{b}"}, "store_namespace"),
         ({"replica_id": ""}, "replica_id must be 1..128 printable characters"),
         ({"replica_id": "c\n1"}, "replica_id must be 1..128 printable characters"),
+        ({"max_ack_delay_ms": -1}, "max_ack_delay_ms must be >= 0"),
     ],
 )
 def test_bad_settings_are_refused_at_start_naming_the_setting(

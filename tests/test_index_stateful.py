@@ -11,7 +11,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.core.holdings import accel_status, compiled_available
+from coordinator.core import accel
+from coordinator.core.holdings import compiled_available
 from coordinator.core.index import PrefixIndex
 from coordinator.core.index_types import MatchDetail, Tier
 
@@ -170,4 +171,4 @@ class CompiledIndexMachine(IndexMachine):
 
 CompiledIndexMachine.TestCase.settings = IndexMachine.TestCase.settings
 TestCompiledIndexStateful = pytest.mark.skipif(
-    not compiled_available(), reason=accel_status())(CompiledIndexMachine.TestCase)
+    not compiled_available(), reason=accel.status())(CompiledIndexMachine.TestCase)

@@ -4,10 +4,10 @@ the same in pure Python).
 
 One open-addressing table (linear probing, backward-shift deletion, power-of-two capacity,
 grown at 3/4 full) of 32-byte entries: the 16-byte key, its holder count, and its holder slots
-as sorted 16-bit ints, up to four inline and past that in a sorted heap array. The slot hash
+as sorted 16-bit ints, up to six inline and past that in a sorted heap array. The slot hash
 is the key's first 8 bytes mixed with a per-table random seed (keys are keyed BLAKE2b digests,
 but callers may send trusted keys: the seed keeps chosen keys from clustering). A count of
-holdings per slot answers ``count`` in O(1); ``keys_of`` and ``drop_slot`` scan the table.
+holdings per slot answers ``count`` in O(1); ``keys_by_slot`` and ``drop_slot`` scan the table.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -317,22 +317,8 @@ cdef class CHoldings:
             return 0
         return self.per_slot[slot]
 
-    def keys_of(self, int slot):
-        cdef uint64_t i
-        cdef uint16_t s = _checked_slot(slot)
-        cdef char buf[KEY_BYTES]
-        out = []
-        if s >= self.slot_cap or not self.per_slot[s]:
-            return out
-        for i in range(self.mask_bits + 1):
-            if self.table[i].n and _find_slot(_slots(&self.table[i]), self.table[i].n, s) >= 0:
-                memcpy(buf, &self.table[i].k0, 8)
-                memcpy(buf + 8, &self.table[i].k1, 8)
-                out.append(PyBytes_FromStringAndSize(buf, KEY_BYTES))
-        return out
-
     def keys_by_slot(self, slots):
-        """``{slot: keys_of(slot)}`` for every slot asked, in one scan of the table."""
+        """``{slot: the keys it holds}`` for every slot asked, in one scan of the table."""
         cdef uint64_t i
         cdef int j
         cdef uint16_t *arr

@@ -12,12 +12,12 @@ with one contract, checked against each other and a brute-force model by the sam
   and no interpreter work per key operation.
 
 ``make_holdings()`` returns the accelerated one when it was built and ``KVCOORD_NO_ACCEL`` is
-not set to ``1`` (``coordinator.core.accel``); ``accel_status()`` says which is in use and why.
+not set to ``1`` (``coordinator.core.accel``); ``accel.status()`` says which is in use and why.
 
 Contract (both): keys passed to ``add`` and ``discard`` are validated 16-byte ``bytes`` (the
 index checks them first); ``add`` and ``discard`` return how many pairs they created or
-removed (a key repeated in one call counts once); ``keys_of`` and ``keys_by_slot`` (any number
-of slots at once) are O(table) on the compiled holdings: for snapshots, resyncs and audits,
+removed (a key repeated in one call counts once); ``keys_by_slot`` (any number of slots at once)
+is O(table) on the compiled holdings: for snapshots, resyncs and audits,
 never per request (``count`` is O(1)). ``runs`` walks a prompt's keys as
 ``holder_masks.prefix_runs`` does (masks are Python ints, bit ``s`` = slot ``s``): a key that is
 not ``bytes`` is a ValueError, one of another length matches nothing. Slots are ints in
@@ -45,7 +45,6 @@ class Holdings(Protocol):
     def holds(self, key: bytes, slot: int) -> bool: ...
     def not_held(self, keys: Sequence[bytes], slot: int) -> list[bytes]: ...
     def count(self, slot: int) -> int: ...
-    def keys_of(self, slot: int) -> list[bytes]: ...
     def keys_by_slot(self, slots: Collection[int]) -> dict[int, list[bytes]]: ...
     def mask(self, key: bytes) -> int: ...
     def runs(self, keys: Sequence[bytes],
@@ -95,9 +94,6 @@ class PyHoldings:
     def count(self, slot: int) -> int:
         return len(self._keys.get(slot, ()))
 
-    def keys_of(self, slot: int) -> list[bytes]:
-        return list(self._keys.get(slot, ()))
-
     def keys_by_slot(self, slots: Collection[int]) -> dict[int, list[bytes]]:
         return {slot: list(self._keys.get(slot, ())) for slot in slots}
 
@@ -115,11 +111,6 @@ class PyHoldings:
                 expected[key] = expected.get(key, 0) | 1 << slot
         if expected != self._masks:
             raise AssertionError("holder masks disagree with the slots' key sets")
-
-
-def accel_status() -> str:
-    """Which core serves, and why (``coordinator.core.accel.status``)."""
-    return accel.status()
 
 
 def compiled_available() -> bool:

@@ -157,7 +157,7 @@ class PrefixIndex:
             check_keys(keys)
             wanted.update(keys)
         w = self._worker(worker_id)
-        stale = [k for k in self._holdings.keys_of(w.slot) if k not in wanted]
+        stale = [k for k in self._holdings.keys_by_slot([w.slot])[w.slot] if k not in wanted]
         self._unspill(w, w.spilled.keys() & set(stale))
         self._holdings.discard(stale, w.slot)
         for tier in (Tier.DISK, Tier.CPU, Tier.GPU):  # slowest first: the fastest wins
@@ -214,7 +214,7 @@ class PrefixIndex:
     def worker_keys(self, worker_id: str) -> frozenset[bytes]:
         """The keys ``worker_id`` holds (confirmed), any tier."""
         w = self._workers.get(worker_id)
-        return frozenset(self._holdings.keys_of(w.slot) if w else ())
+        return frozenset(self._holdings.keys_by_slot([w.slot])[w.slot] if w else ())
 
     def worker_inventory(self, worker_id: str) -> dict[str, list[bytes]]:
         """The keys ``worker_id`` holds by tier value (the form ``replace_worker`` takes)."""

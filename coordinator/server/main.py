@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2
 
 from coordinator.client.channels import channel_options
 from coordinator.config import CoordinatorConfig
-from coordinator.core.holdings import accel_status
+from coordinator.core import accel
 from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.health import add_health_and_reflection, warn_if_open
 from coordinator.rpc.identities import COORDINATOR_PERMISSIONS
@@ -93,7 +93,7 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     log.info(
         "coordinator.serving", listen=config.listen, port=port, metrics_port=metrics_port,
         store=type(service.store).__name__, page_size=config.page_size,
-        policy_version=service.policy.version, index_core=accel_status(),
+        policy_version=service.policy.version, index_core=accel.status(),
         **security.describe(),
     )
     warn_if_open(config.listen, security)
