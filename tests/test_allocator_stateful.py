@@ -42,16 +42,20 @@ class Model:
             return None
         k = min(n, len(self.free))
         pages = [self.free.pop() for _ in range(k)]
-        for page in self.lru[: n - k]:
-            key = self.key_of(page)
-            if key is not None:
-                del self.page_of[key]
-                self.removed.append([key])
+        self.evicted(self.lru[: n - k])
         pages += self.lru[: n - k]
         del self.lru[: n - k]
         for page in pages:
             self.refs[page] = 1
         return pages
+
+    def evicted(self, pages: list[int]) -> None:
+        # One removed report per reclaiming call, its keys in eviction order.
+        keys = [key for key in map(self.key_of, pages) if key is not None]
+        for key in keys:
+            del self.page_of[key]
+        if keys:
+            self.removed.append(keys)
 
     def free_pages(self, pages: list[int], keep_cached: bool) -> None:
         for page in reversed(pages):
@@ -179,11 +183,8 @@ class AllocatorAndCache(RuleBasedStateMachine):
     def evict(self, data: st.DataObject) -> None:
         pages = data.draw(st.lists(st.sampled_from(self.model.lru), min_size=1, unique=True))
         self.alloc.evict_cached(pages)
+        self.model.evicted(pages)
         for page in pages:
-            key = self.model.key_of(page)
-            if key is not None:
-                del self.model.page_of[key]
-                self.model.removed.append([key])
             self.model.lru.remove(page)
         self.model.free.extend(reversed(pages))
 

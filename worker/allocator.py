@@ -41,6 +41,9 @@ class PageAllocator:
     ``on_evict(page)`` is called for each cached page that ``alloc`` or ``evict_cached``
     reclaims, before the page is handed out again, so the prefix cache can forget its key. It
     must not call back into the allocator. The prefix cache sets it after construction.
+    ``on_evict_many(pages)``, when set, is called instead, once per call with every page that
+    call reclaims (in eviction order), so an owner can copy them elsewhere in one batch before
+    they are overwritten (the host tier: ``worker.host_tier``). Same rules.
 
     Refused input raises ValueError and changes nothing (every batch call validates first).
     """
@@ -50,6 +53,7 @@ class PageAllocator:
             raise ValueError(f"n_pages must be >= 1, got {n_pages}")
         self.n_pages = n_pages
         self.on_evict = on_evict
+        self.on_evict_many: Callable[[list[int]], None] | None = None
         self._refs = [0] * n_pages
         # Reversed so that a fresh allocator hands out 0, 1, 2, ... (pop takes from the end).
         self._free = list(range(n_pages - 1, -1, -1))
@@ -113,9 +117,7 @@ class PageAllocator:
         victims: list[int] = []
         if need:
             victims = list(islice(self._lru, need))
-            if self.on_evict is not None:
-                for page in victims:
-                    self.on_evict(page)
+            self._notify_evicted(victims)
             pop = self._lru.pop
             for page in victims:
                 pop(page)
@@ -199,9 +201,7 @@ class PageAllocator:
                 raise ValueError(f"page {page} is {state}, not cached")
         if len(set(pages)) != len(pages):
             raise ValueError("evict_cached got a page more than once")
-        if self.on_evict is not None:
-            for page in pages:
-                self.on_evict(page)
+        self._notify_evicted(list(pages))
         for page in reversed(pages):  # same convention as free: reused in list order
             del lru[page]
             self._free.append(page)
@@ -232,6 +232,15 @@ class PageAllocator:
                 f"free {len(free)} + cached {len(lru)} + referenced {referenced}"
                 f" != {self.n_pages} pages"
             )
+
+    def _notify_evicted(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        if self.on_evict_many is not None:
+            self.on_evict_many(pages)
+        elif self.on_evict is not None:
+            for page in pages:
+                self.on_evict(page)
 
     def _check_range(self, pages: Sequence[int]) -> None:
         # Python lists accept negative indices, so an unchecked -1 would silently hit the

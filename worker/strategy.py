@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from coordinator.core.hash_config import Namespace
-from worker.allocator import OutOfPages, PageAllocator
+from worker.allocator import PageAllocator
 from worker.prefix_cache import PrefixCache
 
 SLOT_DTYPE = torch.int32  # what SGLang uses: half the memory of int64; torch indexes with it
@@ -35,7 +35,8 @@ class TaskCacheState:
     """Per-request cache state, mutated only by the strategy that serves the request.
 
     ``length``: positions ``[0, length)`` have a slot in the table. ``cached``: the leading
-    tokens whose KV came from the prefix cache (a multiple of the page size). ``pages``: the
+    tokens whose KV came from the prefix cache (a multiple of the page size), of which
+    ``host_cached`` were copied back from its host tier. ``pages``: the
     request's pages in position order (prefix hits first); empty for the contiguous strategy.
     ``tenant``: whose prompt it is (set by the caller, never by the strategy): the prefix cache
     hashes under it, so the request reuses and records only its own tenant's pages.
@@ -44,6 +45,7 @@ class TaskCacheState:
     req_idx: int
     length: int = 0
     cached: int = 0
+    host_cached: int = 0
     pages: list[int] = field(default_factory=list)
     tenant: str = ""
 
@@ -92,8 +94,9 @@ class AllocationStrategy(ABC):
         """Give ``state`` slots for positions ``[0, capacity)``, ``capacity >= len(prompt)``.
 
         Reuses cached leading full pages of ``prompt`` where the strategy has a prefix cache
-        (``state.cached`` says how many tokens), ``state.tenant``'s only. All or nothing: on
-        OutOfPages nothing is held. Does not write the table; call :meth:`write_indices`.
+        (``state.cached`` says how many tokens, ``state.host_cached`` how many of them came
+        back from its host tier), ``state.tenant``'s only. All or nothing: on OutOfPages nothing
+        is held. Does not write the table; call :meth:`write_indices`.
         """
 
     @abstractmethod
@@ -187,17 +190,15 @@ class PagedStrategy(AllocationStrategy):
 
     def alloc(self, state: TaskCacheState, prompt: Sequence[int], capacity: int) -> None:
         _check_capacity(len(prompt), capacity, self._req_pool.max_context)
-        hits: list[int] = []
-        if self._prefix is not None:
-            hits = self._prefix.lookup(self._prefix.keys_for(prompt, state.tenant)).pages
-        need = -(-capacity // self.page_size) - len(hits)
-        try:
-            fresh = self._alloc.alloc(need) if need > 0 else []
-        except OutOfPages:
-            self._alloc.free(hits, keep_cached=True)  # lookup took references: give them back
-            raise
-        state.pages = hits + fresh
-        state.cached = len(hits) * self.page_size
+        n_pages = -(-capacity // self.page_size)
+        if self._prefix is None:
+            state.pages = self._alloc.alloc(n_pages)
+        else:
+            # Both tiers: host hits are copied back into pages of the request's own.
+            got = self._prefix.acquire(self._prefix.keys_for(prompt, state.tenant), n_pages)
+            state.pages = got.pages
+            state.cached = got.hit_pages * self.page_size
+            state.host_cached = got.host_hits * self.page_size
         state.length = capacity
 
     def write_indices(self, state: TaskCacheState, start: int = 0) -> None:
@@ -237,7 +238,7 @@ class PagedStrategy(AllocationStrategy):
             # Held pages stay cached (tails evicted before heads), the rest go to free.
             self._prefix.release(state.pages)
         state.pages = []
-        state.length = state.cached = 0
+        state.length = state.cached = state.host_cached = 0
 
     def invalidate_cache(self, namespace: Namespace | None = None) -> int:
         if self._prefix is None:
