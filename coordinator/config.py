@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from coordinator.core.routing import KvAwareWeights
+    from coordinator.core.tier_costs import TierCosts
 
 ENV_PREFIX = "KVCOORD_"
 
@@ -124,7 +125,11 @@ class CoordinatorConfig:
     """Index entries one worker may hold (an event batch past it is refused)."""
     # kv_aware routing weights (coordinator.core.routing.KvAwareWeights documents each).
     kv_prefill_token: float = 1.0
-    kv_lower_tier_token: float = 0.25
+    # What a host-tier hit costs to reuse (coordinator.core.tier_costs documents each figure);
+    # KvAwareWeights.lower_tier_token is derived from them (kv_weights).
+    kv_bytes_per_token: int = 131_072
+    host_to_device_bytes_per_s: float = 25e9
+    prefill_tokens_per_s: float = 15_000.0
     kv_queued_token: float = 1.0
     kv_running_request: float = 8.0
     kv_memory_pressure: float = 1.0
@@ -136,7 +141,8 @@ class CoordinatorConfig:
             "max_message_bytes", "reaper_interval_ms", "barrier_timeout_ms", "route_retry_ms",
             "update_timeout_ms", "policy_poll_ms", "max_rollouts", "bootstrap_timeout_ms",
             "max_replication_events", "rate_limit_burst", "max_streams_per_identity",
-            "max_pages_per_worker", "max_batch_tokens",
+            "max_pages_per_worker", "max_batch_tokens", "kv_bytes_per_token",
+            "host_to_device_bytes_per_s", "prefill_tokens_per_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -218,12 +224,21 @@ class CoordinatorConfig:
         ``policy_stale_ms`` when that is shorter (three reads may fail before routes stop)."""
         return min(self.policy_poll_ms / 1000, self.policy_stale_s / 4)
 
+    def tier_costs(self) -> TierCosts:
+        """The copy-back constants of this configuration (ValueError for a non-finite one)."""
+        from coordinator.core.tier_costs import TierCosts
+
+        return TierCosts(self.kv_bytes_per_token, self.host_to_device_bytes_per_s,
+                         self.prefill_tokens_per_s)
+
     def kv_weights(self) -> KvAwareWeights:
-        """The kv_aware routing weights of this configuration."""
+        """The kv_aware routing weights of this configuration; ``lower_tier_token`` is derived
+        from the tier constants (``TierCosts.lower_tier_token``), not set on its own."""
         from coordinator.core.routing import KvAwareWeights
 
         return KvAwareWeights(
-            prefill_token=self.kv_prefill_token, lower_tier_token=self.kv_lower_tier_token,
+            prefill_token=self.kv_prefill_token,
+            lower_tier_token=self.tier_costs().lower_tier_token,
             queued_token=self.kv_queued_token, running_request=self.kv_running_request,
             memory_pressure=self.kv_memory_pressure,
         )

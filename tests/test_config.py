@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from coordinator.config import ConfigError, CoordinatorConfig
+from coordinator.core.routing import KvAwareWeights
+from coordinator.core.tier_costs import TierCosts
 
 
 def test_flags_win_over_environment_which_wins_over_defaults() -> None:
@@ -17,6 +19,18 @@ def test_flags_win_over_environment_which_wins_over_defaults() -> None:
 def test_routing_weights_come_from_config() -> None:
     config = CoordinatorConfig.from_sources({}, {"KVCOORD_KV_QUEUED_TOKEN": "0.5"})
     assert config.kv_weights().queued_token == 0.5
+
+
+def test_lower_tier_weight_is_derived_from_the_tier_constants() -> None:
+    # Defaults: 131,072 B a token over 25e9 B/s is 5.24 us; at 15,000 prefill tokens/s that is
+    # 0.0786 of a prefill token; the core's own default is the same derived figure.
+    assert CoordinatorConfig().kv_weights().lower_tier_token == pytest.approx(0.0786432)
+    assert KvAwareWeights().lower_tier_token == TierCosts().lower_tier_token
+    # A slower link doubles it; a faster prefill (fewer us a token) makes a copy dearer too.
+    env = {"KVCOORD_HOST_TO_DEVICE_BYTES_PER_S": "12.5e9", "KVCOORD_KV_BYTES_PER_TOKEN": "131072",
+           "KVCOORD_PREFILL_TOKENS_PER_S": "30000"}
+    config = CoordinatorConfig.from_sources({}, env)
+    assert config.kv_weights().lower_tier_token == pytest.approx(0.0786432 * 4)
 
 
 @pytest.mark.parametrize(
@@ -37,6 +51,12 @@ def test_routing_weights_come_from_config() -> None:
         ({"replica_id": ""}, "replica_id must be 1..128 printable characters"),
         ({"replica_id": "c\n1"}, "replica_id must be 1..128 printable characters"),
         ({"max_ack_delay_ms": -1}, "max_ack_delay_ms must be >= 0"),
+        ({"kv_bytes_per_token": 0}, "kv_bytes_per_token must be > 0, got 0"),
+        ({"host_to_device_bytes_per_s": -1.0}, "host_to_device_bytes_per_s must be > 0"),
+        ({"prefill_tokens_per_s": 0.0}, "prefill_tokens_per_s must be > 0"),
+        ({"prefill_tokens_per_s": float("nan")}, "prefill_tokens_per_s must be finite and > 0"),
+        ({"host_to_device_bytes_per_s": float("inf")},
+         "host_to_device_bytes_per_s must be finite and > 0"),
     ],
 )
 def test_bad_settings_are_refused_at_start_naming_the_setting(

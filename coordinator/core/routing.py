@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
 from coordinator.core.errors import Unavailable
+from coordinator.core.tier_costs import TierCosts
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -103,15 +104,17 @@ class KvAwareWeights:
     ValueError).
 
     - ``prefill_token``: per prompt token the worker must compute (not cached).
-    - ``lower_tier_token``: per cached token that must first move up from CPU/disk.
+    - ``lower_tier_token``: per cached token that must first move up from CPU/disk: derived,
+      not tuned: the copy back's time in prefill tokens (``TierCosts.lower_tier_token``; the
+      coordinator derives it from its config, ``CoordinatorConfig.kv_weights``).
     - ``queued_token``: per token queued at the worker or routed there and in flight.
     - ``running_request``: per request decoding there or routed and in flight.
     - ``memory_pressure``: per token of pages the prompt needs beyond the worker's free pages.
     """
 
     prefill_token: float = 1.0
-    # A transfer over PCIe/NVMe is cheaper than recomputing the page, not free.
-    lower_tier_token: float = 0.25
+    # A transfer over PCIe is cheaper than recomputing the page, not free: 0.079 by default.
+    lower_tier_token: float = TierCosts().lower_tier_token
     # Work queued ahead of a prompt delays its first token about as long as the same amount of
     # its own prefill, so 1.0 makes the cost a TTFT estimate (Dynamo weighs overlap and load 1:1
     # by default too). Decode tokens overlap better than prefill; 1.0 is the cautious bound.
