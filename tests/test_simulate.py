@@ -19,8 +19,9 @@ from kvcoord.simulate.trace import TraceError, block_tokens, load_trace, prompt_
 TRACE = Path(__file__).parent / "data" / "mooncake_300.jsonl"
 CONTRACT_KEYS = ("hit_ratio", "prefill_tokens", "cached_tokens", "ttft_p50_ms", "ttft_p99_ms",
                  "load_imbalance")
-POLICY_KEYS = {*CONTRACT_KEYS, *(f"{k}_min" for k in CONTRACT_KEYS),
-               *(f"{k}_max" for k in CONTRACT_KEYS)}
+ADDED_KEYS = ("host_hit_ratio",)  # beside the contract's, never in place of one
+POLICY_KEYS = {*CONTRACT_KEYS, *ADDED_KEYS, *(f"{k}_min" for k in CONTRACT_KEYS + ADDED_KEYS),
+               *(f"{k}_max" for k in CONTRACT_KEYS + ADDED_KEYS)}
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +41,15 @@ def test_json_has_the_contract_shape_with_the_seed_keys_beside_it(
     out = json.loads(json.dumps(to_json(report)))
     assert set(out) == {"trace", "trace_sha256", "workers", "capacity_tokens", "bounds",
                         "policies", "requests", "page_size", "seeds", "arrival_jitter_ms",
-                        "differences"}
-    assert (out["workers"], out["capacity_tokens"]) == (4, 200_000)
+                        "differences", "host_capacity_tokens"}
+    assert (out["workers"], out["capacity_tokens"], out["host_capacity_tokens"]) == (
+        4, 200_000, 0)
     # The contract's string, a name and never a path; the content beside it.
     assert out["trace"] == "mooncake_300.jsonl"
     assert out["trace_sha256"] == hashlib.sha256(TRACE.read_bytes()).hexdigest()
     assert (out["seeds"], out["arrival_jitter_ms"], out["requests"]) == ([7, 8, 9], 250.0, 300)
-    assert set(out["bounds"]) == {"infinite", "pooled"}
+    assert set(out["bounds"]) == {"infinite", "pooled", "pooled_host"}
+    assert out["bounds"]["pooled_host"] == out["bounds"]["pooled"]  # no host tier
     assert list(out["policies"]) == list(ROUTERS)
     assert {"round_robin", "least_loaded", "kv_aware", "sglang_like", "dynamo_like"} <= set(
         out["policies"])
@@ -60,7 +63,8 @@ def test_json_has_the_contract_shape_with_the_seed_keys_beside_it(
                                                      rel=0, abs=0.5 / total)
         assert numbers["load_imbalance"] >= 1.0
         assert 0 <= numbers["ttft_p50_ms"] <= numbers["ttft_p99_ms"]
-        for key in CONTRACT_KEYS:  # the contract's keys are the means over the seeds
+        assert numbers["host_hit_ratio"] == 0.0  # no host tier, no host hit
+        for key in CONTRACT_KEYS + ADDED_KEYS:  # the keys are the means over the seeds
             assert numbers[f"{key}_min"] <= numbers[key] <= numbers[f"{key}_max"], key
 
 
@@ -169,6 +173,12 @@ def test_cli_prints_the_table_and_writes_the_json(tmp_path: Path) -> None:
         (["--trace", str(TRACE), "--workers", "2", "--seeds", "0"], "--seeds must be >= 1"),
         (["--trace", str(TRACE), "--workers", "2", "--jitter-ms", "-1"],
          "--jitter-ms must be >= 0"),
+        (["--trace", str(TRACE), "--workers", "2", "--host-capacity-tokens", "-512"],
+         "--host-capacity-tokens must be a whole number of tokens >= 0"),
+        (["--trace", str(TRACE), "--workers", "2", "--host-capacity-tokens", "1.5e6"],
+         "--host-capacity-tokens must be a whole number of tokens >= 0"),
+        (["--trace", str(TRACE), "--workers", "2", "--host-capacity-tokens", "100"],
+         "--host-capacity-tokens must be 0 or hold at least one page of 512"),
     ],
 )
 def test_cli_refuses_bad_input_with_a_clear_message(args: list[str], message: str) -> None:
@@ -176,6 +186,7 @@ def test_cli_refuses_bad_input_with_a_clear_message(args: list[str], message: st
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1  # one line, no usage block
 
 
 def test_cli_names_the_malformed_line(tmp_path: Path) -> None:

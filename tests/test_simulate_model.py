@@ -13,6 +13,7 @@ import pytest
 from coordinator.config import CoordinatorConfig
 from coordinator.core.hash_config import HashConfig, Namespace
 from coordinator.core.hashing import PageHasher
+from coordinator.core.tier_costs import TierCosts
 from kvcoord.simulate import engine, views
 from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS, jittered_arrivals
 from kvcoord.simulate.cost_model import CostModel
@@ -185,6 +186,10 @@ def test_the_cli_defaults_are_the_documented_ones() -> None:
     add_simulate_parser(parser.add_subparsers())
     args = parser.parse_args(["simulate", "--trace", "t", "--workers", "2"])
     assert (args.seeds, args.jitter_ms, args.seed) == (DEFAULT_SEEDS, ARRIVAL_JITTER_MS, 0)
-    defaults = {f.name: f.default for f in dataclasses.fields(CostModel)}
+    assert args.host_capacity_tokens == "0"  # no host tier unless asked (parsed by the command)
+    defaults = {f.name: f.default for f in dataclasses.fields(CostModel) if f.name != "tiers"}
     assert defaults == {"prefill_tokens_per_s": 15_000.0, "decode_s_per_token": 0.02,
                         "step_prefill_tokens": 8192, "kv_read_tokens": 1700}
+    # The copy back costs what the router's constants say, and its prefill rate is ours.
+    assert CostModel().tiers == TierCosts()
+    assert TierCosts().prefill_tokens_per_s == CostModel().prefill_tokens_per_s

@@ -4,6 +4,11 @@ granularity), computed over the trace's own order (no jitter, no routing):
 - ``infinite``: every page ever computed stays cached somewhere reachable.
 - ``pooled``: one LRU cache of ``workers x capacity`` pages serving every request in arrival
   order, i.e. what perfect routing over the fleet's pooled memory could reach.
+- ``pooled_host`` (computed by ``runner`` with :func:`pooled_bound` too): one LRU cache of
+  ``workers x (capacity + host capacity)`` pages. An exclusive two-level LRU (a page evicted
+  from the device moves to the host tier's LRU, a hit there moves it back) holds exactly the
+  most recently used pages of that combined size, so this is what perfect routing over the
+  fleet's device and host memory could reach; with no host tier it equals ``pooled``.
 """
 
 from __future__ import annotations

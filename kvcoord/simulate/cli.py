@@ -22,6 +22,10 @@ def add_simulate_parser(sub: Any) -> None:
     sim.add_argument("--capacity-tokens", type=int, default=500_000, metavar="N",
                      help="KV capacity per worker in tokens (default %(default)s: an 80 GB GPU "
                      "serving Llama-3-8B in bf16)")
+    sim.add_argument("--host-capacity-tokens", default="0", metavar="N",
+                     help="host-memory KV capacity per worker in tokens (default 0: no host "
+                     "tier); a page the device evicts moves there and a hit there is copied "
+                     "back")
     sim.add_argument("--policy", action="extend", nargs="+", metavar="NAME",
                      help="round_robin, least_loaded, kv_aware, sglang_like, dynamo_like "
                      "(default: all)")
@@ -50,6 +54,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from kvcoord.simulate.runner import simulate
 
     names = check_policies(args.policy or list(ROUTERS))
+    host_tokens = _whole_tokens(args.host_capacity_tokens)
     if args.plot:
         _require_matplotlib()  # fail before minutes of simulation, not after
     bar: list[Progress] = []
@@ -63,8 +68,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         report = simulate(
             args.trace, workers=args.workers, capacity_tokens=args.capacity_tokens,
-            policies=names, page_size=args.page_size, limit=args.limit, seed=args.seed,
-            seeds=args.seeds, arrival_jitter_ms=args.jitter_ms, progress=on_phase,
+            host_capacity_tokens=host_tokens, policies=names, page_size=args.page_size,
+            limit=args.limit, seed=args.seed, seeds=args.seeds,
+            arrival_jitter_ms=args.jitter_ms, progress=on_phase,
         )
     finally:
         if bar:
@@ -75,6 +81,19 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(report, args.plot)
     return 0
+
+
+def _whole_tokens(text: str) -> int:
+    """``--host-capacity-tokens``' value as an int >= 0; ValueError with one line otherwise
+    (parsed here, not by argparse, whose refusal is a usage block)."""
+    try:
+        tokens = int(text, 10)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ValueError(f"--host-capacity-tokens must be a whole number of tokens >= 0 "
+                         f"(0: no host tier), got {text!r}")
+    return tokens
 
 
 def _require_matplotlib() -> None:

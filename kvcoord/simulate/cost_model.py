@@ -17,6 +17,12 @@ A worker is modelled as one prefill server with a FIFO queue, plus decoding batc
   with ``C = step_prefill_tokens``. The rate changes whenever a decode starts or ends; the
   running prefill's remaining tokens are carried over at the new rate. A decoding sequence's
   context is taken as its prompt plus half its output (its mean while decoding).
+- **Host-tier hits** (``simulate --host-capacity-tokens``): a prompt's leading pages found in
+  the worker's host tier are copied back to the device before its prefill computes, taking
+  :meth:`CostModel.copy_back_s` (``TierCosts.copy_back_s``: KV bytes over the host-to-device
+  bandwidth, the very constants the router's ``lower_tier_token`` derives from). The copy is
+  added to the request's prefill time on the worker's one prefill server (the next request in
+  the queue waits for it too), and decodes do not slow it: it is a DMA, not compute.
 - **Decode** itself lasts ``output_length x decode_s_per_token`` (not slowed by prefills: only
   TTFT is measured, and decode time only decides how long pages stay pinned and how long the
   sequence slows prefills beside it).
@@ -36,11 +42,16 @@ Constants (documented, never tuned per policy; change them for another model or 
   an H100's ~3.35 TB/s of HBM x (1 / 15,000 s) = 223 MB, over Llama-3-8B's 128 KiB of KV per
   token. A 15k-token context (the Mooncake trace's mean prompt) thus costs ~10 prefill tokens
   per decode token.
+- ``tiers = TierCosts()`` (``coordinator.core.tier_costs``): 128 KiB of KV per token over a
+  25 GB/s host-to-device link, 5.2 us a token (a 15k-token prefix: 79 ms, against 1 s to
+  recompute it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from coordinator.core.tier_costs import TierCosts
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +62,7 @@ class CostModel:
     decode_s_per_token: float = 0.02
     step_prefill_tokens: int = 8192
     kv_read_tokens: int = 1700
+    tiers: TierCosts = field(default_factory=TierCosts)
 
     def __post_init__(self) -> None:
         if not (self.prefill_tokens_per_s > 0 and self.decode_s_per_token > 0
@@ -67,6 +79,10 @@ class CostModel:
     def prefill_s(self, uncached_tokens: int) -> float:
         """Seconds to prefill ``uncached_tokens`` tokens with nothing decoding beside them."""
         return uncached_tokens / self.prefill_tokens_per_s
+
+    def copy_back_s(self, host_tokens: int) -> float:
+        """Seconds to copy ``host_tokens`` tokens' KV from the host tier back to the device."""
+        return self.tiers.copy_back_s(host_tokens) if host_tokens else 0.0
 
     def decode_s(self, output_tokens: int) -> float:
         """Seconds to decode ``output_tokens`` tokens after the first."""

@@ -10,6 +10,9 @@ order. The index's clock is the simulated clock, so pending entries expire after
 production TTL of simulated time.
 
 What each router sees, and how late, is ``views``; what a worker costs is ``cost_model``.
+A worker's page events reach the index as the production Sync events would: Stored and Moved
+(``PrefixIndex.store(worker, keys, tier)``: a held key moves to that tier, so the index keeps
+the one tier each worker holds it in) and Removed.
 
 Determinism: no wall clock, no hash-order iteration; randomness only from the seeded rngs.
 """
@@ -61,8 +64,9 @@ def check_policies(names: Sequence[str]) -> list[str]:
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     """A fleet: ``workers`` >= 1 workers of ``capacity_tokens`` KV tokens each (whole pages
-    of ``namespace.page_size``; at least one page), the cost model, the router weights and the
-    arrival jitter. ValueError otherwise."""
+    of ``namespace.page_size``; at least one page) on the device and ``host_capacity_tokens``
+    in host memory (an int >= 0; 0 = no host tier, else at least one page), the cost model,
+    the router weights and the arrival jitter. ValueError otherwise."""
 
     workers: int
     capacity_tokens: int
@@ -71,6 +75,7 @@ class SimConfig:
     cost: CostModel = field(default_factory=CostModel)
     weights: KvAwareWeights = field(default_factory=KvAwareWeights)
     arrival_jitter_ms: float = ARRIVAL_JITTER_MS
+    host_capacity_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -82,17 +87,36 @@ class SimConfig:
             )
         if not (0 <= self.arrival_jitter_ms < math.inf):
             raise ValueError(f"--jitter-ms must be >= 0, got {self.arrival_jitter_ms}")
+        check_host_capacity(self.host_capacity_tokens, self.namespace.page_size)
 
     @property
     def pages_per_worker(self) -> int:
         return self.capacity_tokens // self.namespace.page_size
 
+    @property
+    def host_pages_per_worker(self) -> int:
+        return self.host_capacity_tokens // self.namespace.page_size
+
+
+def check_host_capacity(tokens: object, page_size: int) -> None:
+    """ValueError unless ``tokens`` is an int >= 0 that is 0 or holds at least one page."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(
+            f"--host-capacity-tokens must be a whole number of tokens >= 0 (0: no host tier), "
+            f"got {tokens!r}"
+        )
+    if 0 < tokens < page_size:
+        raise ValueError(
+            f"--host-capacity-tokens must be 0 or hold at least one page of {page_size} "
+            f"tokens, got {tokens}"
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class PolicyRun:
-    """One policy's raw outcome under one seed: per request (trace order) its cached and
-    prompt tokens and TTFT in seconds; per worker (position order) its computed prefill
-    tokens."""
+    """One policy's raw outcome under one seed: per request (trace order) its cached tokens
+    (either tier), prompt tokens, TTFT in seconds and the part of its cached tokens copied back
+    from the host tier; per worker (position order) its computed prefill tokens."""
 
     name: str
     seed: int
@@ -100,6 +124,7 @@ class PolicyRun:
     prompt_tokens: tuple[int, ...]
     ttft_s: tuple[float, ...]
     worker_prefill_tokens: tuple[int, ...]
+    host_tokens: tuple[int, ...]
 
 
 class _PrefillEnd(NamedTuple):
@@ -114,6 +139,15 @@ class _Beat(NamedTuple):
 
     load: WorkerLoad
     completed_routes: int
+
+
+def apply_page_event(index: PrefixIndex, event: PageEvent) -> None:
+    """What the coordinator does with a worker's page event: Stored or Moved keys are held in
+    ``event.tier`` now (``store`` moves a held key to that tier), Removed keys are dropped."""
+    if event.stored:
+        index.store(event.worker_id, event.keys, event.tier)
+    else:
+        index.remove(event.worker_id, event.keys)
 
 
 def run_policy(
@@ -141,7 +175,8 @@ class _Replay:
         width = len(str(config.workers - 1))
         self.workers = [
             SimWorker(f"w{i:0{width}d}", config.pages_per_worker, hasher=config.hasher,
-                      namespace=config.namespace, cost=config.cost, publish=self._publish)
+                      namespace=config.namespace, cost=config.cost, publish=self._publish,
+                      host_pages=config.host_pages_per_worker)
             for i in range(config.workers)
         ]
         self.position = {w.worker_id: i for i, w in enumerate(self.workers)}
@@ -155,6 +190,7 @@ class _Replay:
         self.order = itertools.count()
         self.ttft = [0.0] * len(requests)
         self.cached = [0] * len(requests)
+        self.host = [0] * len(requests)
         self.active = 0  # jobs routed and not finished
 
     def run(self, progress: Callable[[int], None] | None) -> PolicyRun:
@@ -174,7 +210,7 @@ class _Replay:
         return PolicyRun(
             self.name, self.seed, tuple(self.cached),
             tuple(r.input_length for r in self.requests), tuple(self.ttft),
-            tuple(w.computed_tokens for w in self.workers),
+            tuple(w.computed_tokens for w in self.workers), tuple(self.host),
         )
 
     # ---- the event loop ---------------------------------------------------------------------
@@ -224,6 +260,7 @@ class _Replay:
         self.router.on_prefill_done(w, job)
         self.ttft[job.request.index] = self.now - job.arrival_s
         self.cached[job.request.index] = job.cached_tokens
+        self.host[job.request.index] = job.host_tokens
         done = self.now + self.config.cost.decode_s(job.request.output_length)
         self._push(done, _DECODE_DONE, w, job)
         self._start(w)
@@ -242,10 +279,7 @@ class _Replay:
 
     def _deliver(self, w: int, message: object) -> None:
         if isinstance(message, PageEvent):
-            if message.stored:
-                self.index.store(message.worker_id, message.keys)
-            else:
-                self.index.remove(message.worker_id, message.keys)
+            apply_page_event(self.index, message)
         else:
             assert isinstance(message, _Beat)
             self.coordinator.heartbeat(w, message.load, message.completed_routes)

@@ -19,6 +19,9 @@ defaults; neither is tuned here. Units: a *block* is one of our pages (``page_si
   used leaves. Defaults: cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold
   1.5, eviction_interval 120 s, max_tree_size 67,108,864 (characters there; tokens here).
 - Ties the Rust code leaves to hash-map order are broken with the seeded rng here.
+- **Tiers**: none. The approximate tree is the router's own record of what it sent, so it has
+  no notion of where a worker keeps a page; with a host tier the worker simply serves more
+  of what the router sent it (``acquire`` finds host hits), and the router does not know.
 
 ``dynamo_like`` -- NVIDIA Dynamo KV router (ai-dynamo/dynamo, ``lib/llm/src/kv_router/
 scheduler.rs`` ``DefaultWorkerSelector::select_worker`` and ``sequence.rs``; docs "KV Router:
@@ -33,10 +36,25 @@ Cost Function", docs.nvidia.com/dynamo):
   prefill tokens until the first token (it sees the responses stream by). Defaults:
   overlap_score_weight 1.0, router_temperature 0.0 (deterministic argmin); ties go to the
   smallest tree (fewest blocks the indexer holds for the worker), then at random.
+- **Tiers** ("router offloading": KV events carry the medium; ai-dynamo/dynamo
+  ``lib/kv-router/src/scheduling/overlap.rs``, ``cache_hit_estimates_from_tiered_matches``
+  and ``build_overlap_scores_response``; defaults in the docs' "Configuration and Tuning",
+  ``--router-host-cache-hit-weight`` 0.75 and ``--router-disk-cache-hit-weight`` 0.25): the
+  prompt-side credit is ``overlap_score_weight x device blocks + 0.75 x host blocks + 0.25 x
+  disk blocks``, the lower-tier blocks being those matched past the device run; cached tokens
+  = round(credit x block size), and ``new_tokens = isl - cached tokens`` in place of the
+  device-only overlap above. Here the lower-tier blocks are the index's ``lower_tier_pages``
+  of the confirmed run (the index keeps one tier per worker and key; the simulator's only
+  lower tier is host memory, so the disk weight never applies).
+
+Not simulated: llm-d's precise-prefix-cache scorer, which weighs each block by the tier it is
+found in (``kvCacheBackendConfigs``: gpu 1.0, cpu 0.8; llm-d/llm-d-kv-cache-manager
+``docs/configuration.md``) -- a host hit credited 0.8 of a device hit, near Dynamo's 0.75.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -135,6 +153,8 @@ class DynamoConfig:
     """Dynamo KV router defaults (see the module docstring for the source)."""
 
     overlap_score_weight: float = 1.0
+    host_cache_hit_weight: float = 0.75
+    disk_cache_hit_weight: float = 0.25  # no disk tier is simulated: kept for the record
 
 
 class DynamoLikeRouter:
@@ -154,12 +174,16 @@ class DynamoLikeRouter:
     def route(self, job: Job, details: Mapping[str, MatchDetail], now: float) -> int:
         ctx, keys = self._ctx, job.keys
         block, isl = ctx.page_size, job.request.input_length
-        weight = self.config.overlap_score_weight
+        weight, host_weight = self.config.overlap_score_weight, self.config.host_cache_hit_weight
         best_logit, pool, new_tokens_of = float("inf"), [], [0] * len(ctx.worker_ids)
         for i, worker_id in enumerate(ctx.worker_ids):
             detail = details.get(worker_id)
-            overlap = detail.confirmed_pages if detail is not None else 0
-            new_tokens = max(0, isl - overlap * block)
+            new_tokens = isl
+            if detail is not None:
+                overlap = detail.confirmed_pages
+                lower = min(detail.lower_tier_pages, overlap)
+                credit = (overlap - lower) + host_weight * lower  # blocks, tier-weighted
+                new_tokens = max(0, isl - math.floor(credit * block + 0.5))  # Rust's round
             new_tokens_of[i] = new_tokens
             prefill_blocks = (self._prefill_tokens[i] + new_tokens) / block
             active = self._active[i]

@@ -4,15 +4,18 @@ JSON (ARCHITECTURE §0 "simulate --json", binding): ``{"trace", "workers", "capa
 "bounds": {"infinite", "pooled"}, "policies": {NAME: {"hit_ratio", "prefill_tokens",
 "cached_tokens", "ttft_p50_ms", "ttft_p99_ms", "load_imbalance"}}}``; each of those
 per-policy values is now the **mean over the seeds** (token counts rounded to integers), and
-beside each sits ``<field>_min`` and ``<field>_max`` over the seeds. Added beside the contract's
-top-level keys: ``requests``, ``page_size``, ``seeds`` (the list run), ``arrival_jitter_ms``,
-and ``differences``: for each policy other than ``kv_aware``, per compared field,
-``kv_aware``'s verdict against it ("better", "worse", "no difference": see ``summary``).
-``trace`` stays a string, as the contract has it: the trace's file name, never a path; its
-content is ``trace_sha256`` beside it. :func:`write_json` adds ``kvcoord.provenance``'s
-``commit`` and ``dirty`` (not its ``trace`` object, which would change the contract's key).
-matplotlib is optional (``pip install 'kvcoord[plot]'``) and imported only by
-:func:`write_plot`.
+beside each sits ``<field>_min`` and ``<field>_max`` over the seeds. Added per policy (with its
+``_min``/``_max``): ``host_hit_ratio``, the part of ``hit_ratio`` copied back from host memory.
+Added in ``bounds``: ``pooled_host``, one LRU over every worker's device and host capacity
+(equal to ``pooled`` without a host tier). Added beside the contract's top-level keys:
+``host_capacity_tokens`` (per worker; 0 = no host tier), ``requests``, ``page_size``,
+``seeds`` (the list run), ``arrival_jitter_ms``, and ``differences``: for each policy other
+than ``kv_aware``, per compared field, ``kv_aware``'s verdict against it ("better", "worse",
+"no difference": see ``summary``). ``trace`` stays a string, as the contract has it: the
+trace's file name, never a path; its content is ``trace_sha256`` beside it.
+:func:`write_json` adds ``kvcoord.provenance``'s ``commit`` and ``dirty`` (not its ``trace``
+object, which would change the contract's key). matplotlib is optional
+(``pip install 'kvcoord[plot]'``) and imported only by :func:`write_plot`.
 """
 
 from __future__ import annotations
@@ -42,12 +45,14 @@ class SimulationReport:
     trace_sha256: str
     workers: int
     capacity_tokens: int
+    host_capacity_tokens: int
     page_size: int
     requests: int
     seeds: tuple[int, ...]
     arrival_jitter_ms: float
     infinite: float
     pooled: float
+    pooled_host: float
     runs: Mapping[str, Sequence[PolicyRun]]
     elapsed_s: float = 0.0
 
@@ -85,11 +90,13 @@ def to_json(report: SimulationReport) -> dict[str, Any]:
         "trace_sha256": report.trace_sha256,
         "workers": report.workers,
         "capacity_tokens": report.capacity_tokens,
+        "host_capacity_tokens": report.host_capacity_tokens,
         "requests": report.requests,
         "page_size": report.page_size,
         "seeds": list(report.seeds),
         "arrival_jitter_ms": report.arrival_jitter_ms,
-        "bounds": {"infinite": report.infinite, "pooled": report.pooled},
+        "bounds": {"infinite": report.infinite, "pooled": report.pooled,
+                   "pooled_host": report.pooled_host},
         "policies": {name: _policy_json(spreads(runs)) for name, runs in report.runs.items()},
         "differences": differences(report),
     }
@@ -110,28 +117,35 @@ def render(report: SimulationReport) -> str:
     """The terminal report: a header, the bounds, one row per policy (mean and min-max over
     the seeds), then ``kv_aware`` against each other policy."""
     seeds = ", ".join(map(str, report.seeds))
+    host = report.host_capacity_tokens
     header = (
         f"trace {report.trace}: {report.requests} requests, {report.workers} workers x "
-        f"{report.capacity_tokens:,} KV tokens, page {report.page_size} tokens, seeds {seeds} "
+        f"{report.capacity_tokens:,} KV tokens"
+        + (f" + {host:,} in host memory" if host else "")
+        + f", page {report.page_size} tokens, seeds {seeds} "
         f"(arrivals jittered by up to {report.arrival_jitter_ms:g} ms; "
         f"{report.elapsed_s:.1f}s)\n"
         f"bounds: infinite cache {report.infinite:.1%}, pooled LRU "
-        f"({report.workers} x capacity) {report.pooled:.1%}\n"
-        f"each cell: mean over the seeds (min-max)"
+        f"({report.workers} x capacity) {report.pooled:.1%}"
+        + (f", pooled LRU with host ({report.workers} x (capacity + host)) "
+           f"{report.pooled_host:.1%}" if host else "")
+        + "\neach cell: mean over the seeds (min-max)"
     )
+    bound = report.pooled_host if host else report.pooled
     rows = []
     for name, runs in report.runs.items():
         s = spreads(runs)
-        hit = s["hit_ratio"]
-        of_pooled = f"{hit.mean / report.pooled:.2f}x" if report.pooled > 0 else "-"
+        hit, host_hit = s["hit_ratio"], s["host_hit_ratio"]
+        of_pooled = f"{hit.mean / bound:.2f}x" if bound > 0 else "-"
         rows.append([
             name, _cell(Spread(hit.mean * 100, hit.low * 100, hit.high * 100), ".1f"),
+            _cell(Spread(host_hit.mean * 100, host_hit.low * 100, host_hit.high * 100), ".1f"),
             of_pooled, f"{s['prefill_tokens'].mean:.0f}", _cell(s["ttft_p50_ms"], ".0f"),
             _cell(s["ttft_p99_ms"], ".0f"), _cell(s["load_imbalance"], ".2f"),
         ])
     table = render_table(
-        ["policy", "hit %", "of pooled", "prefill tokens", "TTFT p50 ms", "TTFT p99 ms",
-         "imbalance"], rows,
+        ["policy", "hit %", "host hit %", "of pooled_host" if host else "of pooled",
+         "prefill tokens", "TTFT p50 ms", "TTFT p99 ms", "imbalance"], rows,
     )
     out = f"{header}\n\n{table}"
     verdicts = differences(report)
@@ -178,8 +192,9 @@ def write_plot(report: SimulationReport, path: str | Path) -> None:
     bars.set_ylabel("computed prefill tokens (millions)")
     bars.set_title(f"per-worker load (seed {report.seeds[0]})")
     bars.legend(fontsize="small")
+    host = (f" + {report.host_capacity_tokens:,} host" if report.host_capacity_tokens else "")
     fig.suptitle(f"{Path(report.trace).name}: {report.workers} workers x "
-                 f"{report.capacity_tokens:,} tokens")
+                 f"{report.capacity_tokens:,} tokens{host}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -33,6 +33,7 @@ def simulate(
     *,
     workers: int,
     capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
+    host_capacity_tokens: int = 0,
     policies: Sequence[str] = tuple(ROUTERS),
     page_size: int = DEFAULT_PAGE_SIZE,
     limit: int | None = None,
@@ -43,7 +44,8 @@ def simulate(
 ) -> SimulationReport:
     """Run every policy in ``policies`` over the trace (its first ``limit`` requests) under
     each of the ``seeds`` seeds ``seed, seed + 1, ...`` (a seed jitters the arrivals by up to
-    ``arrival_jitter_ms`` and breaks ties).
+    ``arrival_jitter_ms`` and breaks ties). Each worker has ``capacity_tokens`` of device KV
+    memory and ``host_capacity_tokens`` of host memory (0: no host tier).
 
     All arguments are checked before the trace is read (ValueError); trace problems raise
     ``TraceError`` (a ValueError naming the line). ``progress(label, requests)`` is called
@@ -59,11 +61,16 @@ def simulate(
     hasher = PageHasher(HashConfig(_SIM_HASH_KEY, page_size=page_size))
     namespace = Namespace(model="simulate", page_size=page_size)
     config = SimConfig(workers, capacity_tokens, hasher, namespace,
-                       arrival_jitter_ms=arrival_jitter_ms)
+                       arrival_jitter_ms=arrival_jitter_ms,
+                       host_capacity_tokens=host_capacity_tokens)
     requests = load_trace(trace, limit)
     keys = trace_page_keys(requests, hasher, namespace)
     infinite = infinite_bound(requests, keys, page_size)
     pooled = pooled_bound(requests, keys, config.pages_per_worker * workers, hasher, namespace)
+    pooled_host = pooled if not config.host_pages_per_worker else pooled_bound(
+        requests, keys, (config.pages_per_worker + config.host_pages_per_worker) * workers,
+        hasher, namespace,
+    )
     run_seeds = tuple(range(seed, seed + seeds))
     runs = {
         name: tuple(
@@ -76,8 +83,9 @@ def simulate(
     }
     return SimulationReport(
         trace=str(trace), trace_sha256=trace_identity(trace)["sha256"], workers=workers,
-        capacity_tokens=capacity_tokens, page_size=page_size, requests=len(requests),
-        seeds=run_seeds, arrival_jitter_ms=arrival_jitter_ms, infinite=infinite,
-        pooled=pooled, runs=runs, elapsed_s=time.monotonic() - started,
+        capacity_tokens=capacity_tokens, host_capacity_tokens=host_capacity_tokens,
+        page_size=page_size, requests=len(requests), seeds=run_seeds,
+        arrival_jitter_ms=arrival_jitter_ms, infinite=infinite, pooled=pooled,
+        pooled_host=pooled_host, runs=runs, elapsed_s=time.monotonic() - started,
     )
 

@@ -2,18 +2,29 @@
 
 Memory is the production :class:`worker.allocator.PageAllocator` (LRU of unreferenced cached
 pages, tail pages evicted first) under the production :class:`worker.prefix_cache.PrefixCache`,
-whose Stored/Removed callbacks become :class:`PageEvent` objects handed to ``publish``, as a
-real worker's Sync events would be (evictions are batched into one event per allocation); the
-engine delivers them to the index after the event delay (``views``).
+whose Stored/Removed/Moved callbacks become :class:`PageEvent` objects handed to ``publish``, as
+a real worker's Sync events would be (consecutive events of one kind and tier are merged, in
+their order, so one allocation's evictions make one event); the engine delivers them to the
+index after the event delay (``views``).
+
+**Host tier** (``host_pages`` > 0): a second ``PageAllocator`` given to the ``PrefixCache`` as
+its host pool, bookkeeping only (no mover). A cached page the device pool evicts moves there
+(a Moved-to-``Tier.CPU`` event; the index then holds it in CPU for this worker); when the host
+pool is full its own LRU page is dropped (Removed). A request takes its pages with
+``PrefixCache.acquire``, which reuses the longest prefix cached in either tier and copies host
+hits back (Moved to ``Tier.GPU``). The copy back costs time (``CostModel.copy_back_s``, from the
+router's own ``TierCosts``): it runs first, then the uncached tokens are computed; the worker's
+prefill server is busy for both, so the copy is never overlapped with another prefill.
 
 Lifecycle of a :class:`Job` (times come from the cost model, see ``cost_model``):
 
 1. ``enqueue``: joins the FIFO queue.
-2. ``start_next``: at the head, when no prefill runs, the job looks up its leading cached pages
-   (taking references) and allocates pages for the rest of its prompt plus its output. If they
-   do not fit because running decodes pin too many pages, it waits (head-of-line) until a
-   decode ends. A job needing more pages than the whole worker has streams through uncached:
-   it reads its hits, computes the rest and stores nothing.
+2. ``start_next``: at the head, when no prefill runs, the job acquires its pages: its leading
+   cached pages (device or host tier) and new pages for the rest of its prompt plus its output.
+   If they do not fit because running decodes pin too many pages, it waits (head-of-line) until
+   a decode ends. A job needing more pages than the whole device pool has streams through
+   uncached: it reads its device hits (host hits would need device pages to land in), computes
+   the rest and stores nothing. Its host hits are copied back before it computes.
    Its prefill advances at the cost model's rate for the decodes beside it; when a decode
    ends mid-prefill, ``finish_decode`` re-times the running prefill (a new ``prefill_end_s``
    and ``prefill_gen``: an end scheduled before is stale).
@@ -31,19 +42,23 @@ from typing import NamedTuple
 
 from coordinator.core.hash_config import Namespace
 from coordinator.core.hashing import PageHasher
+from coordinator.core.index_types import Tier
 from coordinator.core.routing import WorkerLoad
 from kvcoord.simulate.cost_model import CostModel
 from kvcoord.simulate.trace import TraceRequest
-from worker.allocator import PageAllocator
+from worker.allocator import OutOfPages, PageAllocator
 from worker.prefix_cache import PrefixCache
 
 
 class PageEvent(NamedTuple):
-    """A worker's Stored (``stored``) or Removed page keys, as its Sync stream would carry."""
+    """A worker's page keys as its Sync stream would carry them: held now in ``tier``
+    (``stored``: newly computed, or moved to that tier) or Removed (``stored`` False; the tier
+    is then meaningless)."""
 
     worker_id: str
     stored: bool
     keys: list[bytes]
+    tier: Tier = Tier.GPU
 
 
 @dataclass(slots=True)
@@ -55,20 +70,23 @@ class Job:
     request: TraceRequest
     keys: list[bytes]
     arrival_s: float
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # in either tier
+    host_tokens: int = 0  # of cached_tokens, those copied back from the host tier
     uncached_tokens: int = 0
     prefill_start_s: float = 0.0
     prefill_end_s: float = 0.0
     pages: list[int] = field(default_factory=list)  # pinned: hit pages first, then new ones
     hit_pages: int = 0
     prefill_gen: int = 0
+    copy_end_s: float = 0.0  # when its host hits are back on the device; compute starts then
     remaining_tokens: float = 0.0  # prefill tokens left at ``progress_s``
-    progress_s: float = 0.0
+    progress_s: float = 0.0  # never before ``copy_end_s``
     rate: float = 0.0  # prefill tokens per second since ``progress_s``
 
 
 class SimWorker:
-    """One worker of ``n_pages`` pages of ``page_size`` tokens. Not thread-safe."""
+    """One worker of ``n_pages`` device pages and ``host_pages`` host pages (0: no host tier)
+    of ``page_size`` tokens. Not thread-safe."""
 
     def __init__(
         self,
@@ -79,17 +97,24 @@ class SimWorker:
         namespace: Namespace,
         cost: CostModel,
         publish: Callable[[PageEvent], None] | None = None,
+        host_pages: int = 0,
     ) -> None:
+        if host_pages < 0:
+            raise ValueError(f"host_pages must be >= 0, got {host_pages}")
         self.worker_id = worker_id
         self.page_size = namespace.page_size
         self.cost = cost
         self.allocator = PageAllocator(n_pages)
+        self.host_allocator = PageAllocator(host_pages) if host_pages else None
         self._publish = publish
-        self._evicted: list[bytes] = []
+        self._outbox: list[PageEvent] = []  # events of the current operation, in order
+        tell = publish is not None
         self.cache = PrefixCache(
             self.allocator, hasher, namespace,
-            on_stored=self._stored if publish is not None else None,
-            on_removed=self._evicted.extend,
+            on_stored=self._stored if tell else None,
+            on_removed=self._removed if tell else None,
+            host=self.host_allocator,
+            on_moved=self._moved if tell else None,
         )
         self.queue: deque[Job] = deque()
         self.prefilling: Job | None = None
@@ -112,24 +137,27 @@ class SimWorker:
             return None
         job = self.queue[0]
         request, page = job.request, self.page_size
-        hit = self.cache.lookup(job.keys)
         total = math.ceil((request.input_length + request.output_length) / page)
-        need = total - len(hit.pages)
         if total > self.allocator.n_pages:
+            hit = self.cache.lookup(job.keys)
             self.cache.release(hit.pages)  # streams through: nothing of it is kept
             pages: list[int] = []
-        elif not self.allocator.can_alloc(need):
-            self.cache.release(hit.pages)
-            return None  # pinned by running decodes: wait for one to end
+            device_hits, host_hits = len(hit.pages), 0
         else:
-            pages = hit.pages + self.allocator.alloc(need)
-            self._flush_evictions()
+            try:
+                got = self.cache.acquire(job.keys, total)
+            except OutOfPages:
+                return None  # pinned by running decodes: wait for one to end
+            pages, device_hits, host_hits = got.pages, got.device_hits, got.host_hits
+            self._flush()
         self.queue.popleft()
         self._queued_tokens -= request.input_length + request.output_length
-        job.pages, job.hit_pages = pages, len(hit.pages)
-        job.cached_tokens = min(len(hit.pages) * page, request.input_length)
+        job.pages, job.hit_pages = pages, device_hits + host_hits
+        job.cached_tokens = min(job.hit_pages * page, request.input_length)
+        job.host_tokens = job.cached_tokens - min(device_hits * page, request.input_length)
         job.uncached_tokens = request.input_length - job.cached_tokens
         job.prefill_start_s = now
+        job.copy_end_s = now + self.cost.copy_back_s(job.host_tokens)
         job.remaining_tokens = float(job.uncached_tokens)
         self._time_prefill(job, now)
         self.computed_tokens += job.uncached_tokens
@@ -147,6 +175,7 @@ class SimWorker:
         if job.pages:
             new_keys = job.keys[job.hit_pages :]
             self.cache.record(new_keys, job.pages[job.hit_pages : job.hit_pages + len(new_keys)])
+            self._flush()
 
     def finish_decode(self, job: Job, now: float) -> Job | None:
         """``job`` produced its last token: its pages become evictable (or free). Returns the
@@ -161,15 +190,17 @@ class SimWorker:
         running = self.prefilling
         if running is None:
             return None
-        done = running.rate * (now - running.progress_s)
+        done = running.rate * max(0.0, now - running.progress_s)  # nothing while copying
         running.remaining_tokens = max(0.0, running.remaining_tokens - done)
         self._time_prefill(running, now)
         return running
 
     def _time_prefill(self, job: Job, now: float) -> None:
+        """From ``now`` (or the end of its copy back, if later) ``job`` computes at the rate
+        the decodes beside it leave: its end is re-timed (a new generation)."""
         job.rate = self.cost.prefill_rate(self.decoding, self.decoding_context_tokens)
-        job.progress_s = now
-        job.prefill_end_s = now + job.remaining_tokens / job.rate
+        job.progress_s = max(now, job.copy_end_s)
+        job.prefill_end_s = job.progress_s + job.remaining_tokens / job.rate
         job.prefill_gen += 1
 
     def _context(self, job: Job) -> int:
@@ -194,11 +225,25 @@ class SimWorker:
     # ---- page events ----------------------------------------------------------------------
 
     def _stored(self, keys: list[bytes]) -> None:
-        if self._publish is not None:
-            self._publish(PageEvent(self.worker_id, True, list(keys)))
+        self._emit(True, keys, Tier.GPU)
 
-    def _flush_evictions(self) -> None:
-        if self._evicted:
-            if self._publish is not None:
-                self._publish(PageEvent(self.worker_id, False, list(self._evicted)))
-            self._evicted.clear()
+    def _removed(self, keys: list[bytes]) -> None:
+        self._emit(False, keys, Tier.GPU)
+
+    def _moved(self, keys: list[bytes], tier: Tier) -> None:
+        self._emit(True, keys, tier)
+
+    def _emit(self, stored: bool, keys: list[bytes], tier: Tier) -> None:
+        """Queue an event, merged into the previous one when of the same kind and tier (the
+        order between kinds is kept: a key moved down and then dropped ends up dropped)."""
+        box = self._outbox
+        if box and box[-1].stored == stored and box[-1].tier == tier:
+            box[-1].keys.extend(keys)
+        else:
+            box.append(PageEvent(self.worker_id, stored, list(keys), tier))
+
+    def _flush(self) -> None:
+        if self._outbox and self._publish is not None:
+            for event in self._outbox:
+                self._publish(event)
+        self._outbox.clear()

@@ -1,10 +1,12 @@
 """One policy's numbers: per seed, then over seeds (mean and min-max), and when two policies
 differ.
 
-Per seed (a :class:`PolicySummary`, the contract's per-policy fields): hit_ratio = cached
-prompt tokens / all prompt tokens, prefill_tokens = prompt tokens computed (not served from
-cache), ttft_p50_ms / ttft_p99_ms nearest-rank percentiles, load_imbalance = the busiest
-worker's computed prefill tokens / the mean over workers.
+Per seed (a :class:`PolicySummary`, the contract's per-policy fields, then the added ones):
+hit_ratio = cached prompt tokens (device or host tier) / all prompt tokens, prefill_tokens =
+prompt tokens computed (not served from either tier), ttft_p50_ms / ttft_p99_ms nearest-rank
+percentiles, load_imbalance = the busiest worker's computed prefill tokens / the mean over
+workers; added: host_hit_ratio = the prompt tokens copied back from a host tier / all prompt
+tokens (a part of hit_ratio; 0 without a host tier).
 
 Over seeds (a :class:`Spread` per field): the mean, the lowest and the highest. **A difference
 counts only where the ranges do not overlap**: policy A is better than B on a field when A's
@@ -27,7 +29,8 @@ HIGHER_IS_BETTER = frozenset({"hit_ratio", "cached_tokens"})
 
 @dataclass(frozen=True, slots=True)
 class PolicySummary:
-    """One policy's numbers under one seed, exactly the contract's per-policy fields."""
+    """One policy's numbers under one seed: the contract's per-policy fields, in its order,
+    then the fields added since (never renamed)."""
 
     hit_ratio: float
     prefill_tokens: int
@@ -35,6 +38,7 @@ class PolicySummary:
     ttft_p50_ms: float
     ttft_p99_ms: float
     load_imbalance: float
+    host_hit_ratio: float
 
 
 FIELDS = tuple(f.name for f in fields(PolicySummary))
@@ -71,6 +75,7 @@ def summarize(run: PolicyRun) -> PolicySummary:
         ttft_p50_ms=percentile(run.ttft_s, 0.50) * 1000.0,
         ttft_p99_ms=percentile(run.ttft_s, 0.99) * 1000.0,
         load_imbalance=max(loads) / mean if mean > 0 else 1.0,
+        host_hit_ratio=sum(run.host_tokens) / prompt if prompt else 0.0,
     )
 
 
