@@ -31,7 +31,7 @@ class ScriptedWorker:
         self, target: str, worker_id: str, *, hash_config: HashConfig,
         address: str | None = None, total_pages: int = 4096, model: str = "",
         policy_version: int = 0, auto_resync: bool = True, token: str | None = None,
-        external: bool = False, http_url: str = "",
+        external: bool = False, http_url: str = "", host_pages: int = 0,
     ) -> None:
         self.target = target
         self.worker_id = worker_id
@@ -39,6 +39,7 @@ class ScriptedWorker:
         self.hash_config = hash_config
         self.hasher = PageHasher(hash_config)
         self.total_pages = total_pages
+        self.host_pages = host_pages
         self.model = model
         self.policy_version = policy_version
         self.external = external
@@ -71,7 +72,7 @@ class ScriptedWorker:
         identity = WorkerIdentity(worker_id=self.worker_id, address=self.address,
                                   model=self.model, total_pages=self.total_pages,
                                   hash_config=self.hash_config, external=self.external,
-                                  http_url=self.http_url)
+                                  http_url=self.http_url, host_pages=self.host_pages)
         response: pb.RegisterResponse = await stub.Register(
             register_request(identity, self.policy_version), metadata=self.metadata)
         self.incarnation = response.incarnation

@@ -31,6 +31,7 @@ from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
 from coordinator.core.hash_config import DEV_HASH_KEY, HashAlgorithm, HashConfig
 from coordinator.core.hashing import PageHasher
 from coordinator.core.index import PrefixIndex
+from coordinator.core.index_types import Tier
 from coordinator.core.policy_state import PolicyRecord
 from coordinator.core.router import Router
 from coordinator.core.routing import load_floor
@@ -60,7 +61,11 @@ class WorkerView:
 
     session: RegisteredWorker
     status: WorkerStatus
-    cached_pages: int
+    cached_by_tier: dict[Tier, int]  # the index's holdings of the worker, every tier named
+
+    @property
+    def cached_pages(self) -> int:
+        return sum(self.cached_by_tier.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +290,7 @@ class CoordinatorService:
         now = self.clock()
         views = []
         for session in sorted(self.fleet, key=lambda s: s.worker_id):
-            cached = self.index.held_count(session.worker_id)
+            cached = self.index.held_by_tier(session.worker_id)
             views.append(WorkerView(session, session.status(now), cached))
         return views
 
@@ -298,7 +303,7 @@ class CoordinatorService:
         self.fleet.changed()
         self.replication.cordoned(session)
         log.info("worker.cordoned" if cordoned else "worker.uncordoned", worker=worker_id)
-        cached = self.index.held_count(worker_id)
+        cached = self.index.held_by_tier(worker_id)
         return WorkerView(session, session.status(self.clock()), cached)
 
     def stats(self) -> StatsSnapshot:

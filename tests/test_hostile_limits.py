@@ -57,7 +57,7 @@ async def test_a_worker_cannot_index_more_than_4x_its_pages() -> None:
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         refusal = outcome_of(refused.value)
         assert (refusal.reason, refusal.metadata) == (Reason.PAGE_CAP, {"limit": "8"})
-        assert "4x its total_pages of 2" in (refused.value.details() or "")
+        assert "4x its 2 device and 0 host pages" in (refused.value.details() or "")
         assert coord.service.index.held_count("w") == 8
         await worker.close()
 

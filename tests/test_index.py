@@ -260,3 +260,38 @@ def test_digest_is_order_independent_and_covers_worker_key_and_tier(
     one.remove("w2", b)
     one.drop_worker("w1")
     assert one.digest() == PrefixIndex(clock=clock, accelerated=accelerated).digest() == bytes(16)
+
+
+def test_match_tiers_counts_each_holders_run_per_tier(idx: PrefixIndex) -> None:
+    idx.store("w", A)
+    idx.store("v", A[:5])
+    idx.store("u", A[:3])
+    # Nothing below GPU anywhere: depths as match gives them, no tier named.
+    assert idx.match_tiers(A) == ({"w": 8, "v": 5, "u": 3}, {})
+    # w's pages 4..7 spill: 4 and 5 to CPU, 6 and 7 to disk; v's page 4 to CPU (a Stored
+    # event for a key already held moves it: one tier per (worker, key)).
+    idx.store("w", A[4:6], Tier.CPU)
+    idx.store("w", A[6:], Tier.DISK)
+    idx.store("v", A[4:5], Tier.CPU)
+    # u spills a page beyond the prompt's run: it is named only where its run holds some.
+    idx.store("u", chain("z", 1), Tier.CPU)
+    depths, lower = idx.match_tiers(A)
+    assert depths == idx.match(A) == {"w": 8, "v": 5, "u": 3}
+    assert lower == {"w": {Tier.CPU: 2, Tier.DISK: 2}, "v": {Tier.CPU: 1}}
+    # A shorter prompt counts only the pages it matched.
+    assert idx.match_tiers(A[:5]).lower_tiers == {"w": {Tier.CPU: 1}, "v": {Tier.CPU: 1}}
+    # Copied back up: the tier follows the last event.
+    idx.store("w", A[4:], Tier.GPU)
+    assert idx.match_tiers(A).lower_tiers == {"v": {Tier.CPU: 1}}
+    idx.check_integrity()
+
+
+def test_held_by_tier_splits_a_workers_holdings(idx: PrefixIndex) -> None:
+    assert idx.held_by_tier("nobody") == {Tier.GPU: 0, Tier.CPU: 0, Tier.DISK: 0}
+    idx.store("w", A)
+    idx.store("w", A[2:5], Tier.CPU)
+    idx.store("w", A[7:], Tier.DISK)
+    assert idx.held_by_tier("w") == {Tier.GPU: 4, Tier.CPU: 3, Tier.DISK: 1}
+    idx.remove("w", A[2:3])
+    assert idx.held_by_tier("w") == {Tier.GPU: 4, Tier.CPU: 2, Tier.DISK: 1}
+    assert sum(idx.held_by_tier("w").values()) == idx.held_count("w")

@@ -38,6 +38,7 @@ KEYS = [bytes([i]) * 16 for i in range(6)]
 EVENTS: list[ReplicaEvent] = [
     Registered("w1", 3, "10.0.0.1:7000", "llama", 2, False, 4096),
     Registered("w2", 1, "10.0.0.2:7000", "llama", 2, True, 64, "http://10.0.0.2:8000"),
+    Registered("w3", 1, "10.0.0.3:7000", "llama", 2, False, 64, "", 256),
     Attached("w1", 3, 17),
     Detached("w1", 3),
     Pages("w1", 3, 17, (PageEvent("stored", tuple(KEYS[:3])),

@@ -75,11 +75,12 @@ def test_kv_aware_counts_routes_in_flight_like_reported_load() -> None:
 
 def test_lower_tier_pages_cost_less_than_recompute_but_more_than_gpu_pages() -> None:
     gpu, cpu, none = cand("gpu", cached=4), cand("cpu", cached=4, lower=4), cand("none")
-    w = KvAwareWeights()
+    w = KvAwareWeights(lower_tier_token=0.25)
     # cpu: 6 uncached + 0.25 * 64 moved up = 22.
     assert [kv_aware_cost(REQUEST, c, w) for c in (gpu, cpu, none)] == [6.0, 22.0, 70.0]
     assert choose("kv_aware", [none, cpu, gpu]).worker_id == "gpu"
-    assert choose("kv_aware", [none, cpu]) == Decision("cpu", 22.0, 4)
+    # The default weight is the copy back's time (tier_costs): 0.0786432 prefill tokens each.
+    assert choose("kv_aware", [none, cpu]) == Decision("cpu", 6 + 0.0786432 * 64, 4)
 
 
 def test_memory_pressure_charges_pages_needed_beyond_free_pages() -> None:
@@ -90,7 +91,7 @@ def test_memory_pressure_charges_pages_needed_beyond_free_pages() -> None:
     assert choose("kv_aware", [tight, roomy]) == Decision("roomy", 70.0, 0)
     # Lower-tier pages must come back into GPU pages: needs 4 + 1, 1 free -> 64; 6 + 16 + 64.
     cold_tight = cand("x", cached=4, lower=4, free_pages=1, total_pages=10)
-    assert kv_aware_cost(REQUEST, cold_tight, KvAwareWeights()) == 86.0
+    assert kv_aware_cost(REQUEST, cold_tight, KvAwareWeights(lower_tier_token=0.25)) == 86.0
     # Unknown capacity (no heartbeat yet) is not charged as full.
     assert kv_aware_cost(REQUEST, cand("new"), KvAwareWeights()) == 70.0
 

@@ -68,3 +68,30 @@ async def test_batch_over_the_page_cap_is_asked_for_again_after_reconnect() -> N
             assert (await client.lookup(prompt(5000, 10))).matches == {"w": 6 * PAGE}
             assert (await client.stats()).index_entries == 15
         await w.close()
+
+
+@pytest.mark.parametrize(("host_pages", "refused"), [(40, False), (0, True)])
+async def test_the_worker_page_bound_counts_device_and_host_pages(
+    host_pages: int, refused: bool
+) -> None:
+    # 4 device pages: 16 entries at most alone; with 40 host pages, 4 x 44 = 176.
+    async with running_coordinator() as coord:
+        w = ScriptedWorker(target(coord), "w", hash_config=DEV_HASH, total_pages=4,
+                           host_pages=host_pages)
+        await w.start()
+        keys = w.keys(prompt(1000, 50))
+        await w.send_events([pb.PageEvent(kind=pb.PageEvent.KIND_STORED, tier=pb.TIER_CPU,
+                                          page_keys=b"".join(keys))])
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            if refused:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await w.next_message()
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert outcome_of(err.value).metadata == {"limit": "16"}
+                assert "4x its 4 device and 0 host pages" in (err.value.details() or "")
+                assert (await client.stats()).index_entries == 0
+            else:
+                assert (await w.next_message()).ack.seq == 1
+                [info] = await client.workers()
+                assert (info.host_pages, info.cached_cpu_pages) == (40, 50)
+        await w.close()

@@ -16,9 +16,13 @@ import grpc
 from coordinator.client.channels import ClientTls
 from coordinator.client.outcomes import outcome_of
 from coordinator.core.hash_config import HashConfig
+from coordinator.core.index_types import Tier
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.wire import PROTOCOL_VERSION, Reason
 from worker.event_log import Holdings
+
+TIER_PB = {Tier.GPU: pb.TIER_GPU, Tier.CPU: pb.TIER_CPU, Tier.DISK: pb.TIER_DISK}
+"""A tier as the Sync protocol names it."""
 
 
 class StreamEnd(enum.Enum):
@@ -69,6 +73,9 @@ class WorkerIdentity:
     external: bool = False
     http_url: str = ""
     """Base URL of the worker's OpenAI-compatible endpoint ("" = none), for gateways."""
+    host_pages: int = 0
+    """Pages of the worker's host-memory tier (0 = none): the coordinator's per-worker page
+    cap counts them with ``total_pages``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +114,7 @@ def register_request(identity: WorkerIdentity, policy_version: int) -> pb.Regist
         protocol_version=PROTOCOL_VERSION, worker_id=identity.worker_id,
         address=identity.address, total_pages=identity.total_pages,
         policy_version=policy_version, external=identity.external, model=identity.model,
-        http_url=identity.http_url,
+        http_url=identity.http_url, host_pages=identity.host_pages,
         hash_config=pb.HashConfig(algorithm=hashing.algorithm.value,
                                   page_size=hashing.page_size, fingerprint=hashing.fingerprint()),
     )

@@ -100,7 +100,9 @@ _STATES = {
 
 def lookup_from(response: pb.LookupResponse) -> LookupResult:
     matches = {m.worker_id: m.matched_tokens for m in response.matches}
-    return LookupResult(matches, response.policy_version, response.prompt_pages)
+    tiers = {m.worker_id: {"gpu": m.gpu_tokens, "cpu": m.cpu_tokens, "disk": m.disk_tokens}
+             for m in response.matches}
+    return LookupResult(matches, response.policy_version, response.prompt_pages, tiers)
 
 
 def route_from(response: pb.RouteResponse) -> Route:
@@ -139,7 +141,9 @@ def worker_from(info: pb.WorkerInfo) -> WorkerInfo:
         queued_tokens=info.queued_tokens, inflight_routes=info.inflight_routes,
         routed_requests=info.routed_requests, routed_tokens=info.routed_tokens,
         routed_cached_tokens=info.routed_cached_tokens, owner_replica=info.owner_replica,
-        http_url=info.http_url,
+        http_url=info.http_url, host_pages=info.host_pages,
+        cached_gpu_pages=info.cached_gpu_pages, cached_cpu_pages=info.cached_cpu_pages,
+        cached_disk_pages=info.cached_disk_pages,
     )
 
 

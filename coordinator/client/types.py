@@ -3,7 +3,7 @@ and ``PageKeys``, a prompt already hashed into page keys."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.core.hash_config import PAGE_KEY_BYTES
 
@@ -28,6 +28,10 @@ class LookupResult:
     matches: dict[str, int]  # worker id -> matched tokens
     policy_version: int
     prompt_pages: int = 0
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Worker id -> its matched tokens by tier (``{"gpu": n, "cpu": n, "disk": n}``, summing to
+    ``matches[worker_id]``): a GPU hit is reused in place, a CPU or disk hit is copied back
+    first. A coordinator older than these fields sends zeros for every tier."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +118,12 @@ class WorkerInfo:
     routed_cached_tokens: int = 0
     owner_replica: str = ""
     http_url: str = ""
+    host_pages: int = 0
+    """Pages of the worker's host-memory tier as registered (``total_pages``: the device's)."""
+    cached_gpu_pages: int = 0
+    """Of ``cached_pages`` (the index's holdings of the worker), those in GPU, CPU and disk."""
+    cached_cpu_pages: int = 0
+    cached_disk_pages: int = 0
 
     @property
     def hit_ratio(self) -> float:

@@ -9,15 +9,22 @@ from coordinator.core.errors import FailedPrecondition, InvalidArgument
 from coordinator.core.hash_config import HashConfig
 from coordinator.wire import Reason
 
+MAX_HOST_PAGES = 1 << 28
+"""Host-tier pages one worker may register: 2**28 pages of 16 tokens at 128 KiB a token is
+512 TiB of RAM, far above any host; a larger count is a bug, and it would lift the worker's
+page cap (4x device + host pages) to where it bounds nothing."""
+
 
 def check_registration(req: RegistrationRequest, ours: HashConfig) -> None:
-    """InvalidArgument for a missing id, no pages or an address that is not HOST:PORT;
-    FailedPrecondition, reason HASH_CONFIG, for another hash configuration (final for the
-    worker: retrying cannot help)."""
+    """InvalidArgument for a missing id, no pages, more than ``MAX_HOST_PAGES`` host pages or
+    an address that is not HOST:PORT; FailedPrecondition, reason HASH_CONFIG, for another hash
+    configuration (final for the worker: retrying cannot help)."""
     if not req.worker_id:
         raise InvalidArgument("worker_id is required")
     if req.total_pages <= 0:
         raise InvalidArgument(f"total_pages must be > 0, got {req.total_pages}")
+    if not 0 <= req.host_pages <= MAX_HOST_PAGES:
+        raise InvalidArgument(f"host_pages must be 0..{MAX_HOST_PAGES}, got {req.host_pages}")
     if ":" not in req.address:
         raise InvalidArgument(f"address must be HOST:PORT, got {req.address!r}")
     if req.algorithm != ours.algorithm.value:

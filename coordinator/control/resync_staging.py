@@ -15,7 +15,7 @@ import structlog
 
 from coordinator.control.sync_messages import InventoryIn, Resync
 from coordinator.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from coordinator.core.fleet import RegisteredWorker
+from coordinator.core.fleet import PAGE_BOUND_FACTOR, RegisteredWorker
 from coordinator.wire import Reason
 
 log = structlog.get_logger(__name__)
@@ -51,8 +51,8 @@ class InventoryStaging:
     def add(self, session: RegisteredWorker, chunk: InventoryIn) -> dict[str, list[bytes]] | None:
         """Stage one chunk; with the last one, the whole inventory by tier (and the resync is
         closed), else None. FailedPrecondition for a chunk of another resync; InvalidArgument
-        past 4x the worker's ``total_pages``; ResourceExhausted (PAGE_CAP) past
-        ``max_pages_per_worker``."""
+        past the worker's ``page_bound`` (4x its device and host pages); ResourceExhausted
+        (PAGE_CAP) past ``max_pages_per_worker``."""
         if chunk.resync_id != session.resync_id:
             raise FailedPrecondition(
                 f"inventory for resync {chunk.resync_id}, but the open resync is "
@@ -62,10 +62,11 @@ class InventoryStaging:
         if staged is None or staged.resync_id != chunk.resync_id:
             staged = self._staged[session.worker_id] = _Staged(chunk.resync_id)
         staged.count += len(chunk.keys)
-        limit = max(session.total_pages, 1) * 4
-        if staged.count > limit:
+        if staged.count > session.page_bound:
             raise InvalidArgument(
-                f"inventory of {staged.count} pages exceeds 4x the worker's {session.total_pages}"
+                f"inventory of {staged.count} pages exceeds {session.page_bound}, "
+                f"{PAGE_BOUND_FACTOR}x the worker's {session.total_pages} device and "
+                f"{session.host_pages} host pages"
             )
         if staged.count > self._max_pages:
             raise ResourceExhausted(

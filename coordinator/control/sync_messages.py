@@ -31,6 +31,7 @@ class RegistrationRequest:
     external: bool
     model: str
     http_url: str = ""
+    host_pages: int = 0  # pages of the worker's host-memory tier (0 = none)
 
 
 @dataclass(frozen=True, slots=True)

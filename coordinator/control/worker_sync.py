@@ -38,7 +38,7 @@ from coordinator.core.errors import (
     InvalidArgument,
     ResourceExhausted,
 )
-from coordinator.core.fleet import BatchVerdict, Fleet, RegisteredWorker
+from coordinator.core.fleet import PAGE_BOUND_FACTOR, BatchVerdict, Fleet, RegisteredWorker
 from coordinator.core.hash_config import HashConfig
 from coordinator.core.index import PrefixIndex
 from coordinator.core.page_events import PageEvent, apply_page_events
@@ -120,7 +120,8 @@ class WorkerSync:
             policy_version=req.policy_version,
             external=req.external,
             lease_ms=cfg.lease_ms,
-            info={"model": req.model or cfg.default_model, "total_pages": str(req.total_pages)},
+            info={"model": req.model or cfg.default_model, "total_pages": str(req.total_pages),
+                  "host_pages": str(req.host_pages)},
             min_incarnation=known + 1,
         )
         session = RegisteredWorker(
@@ -131,6 +132,7 @@ class WorkerSync:
             policy_version=req.policy_version,
             external=req.external,
             total_pages=req.total_pages,
+            host_pages=req.host_pages,
             lease_deadline=self._clock() + cfg.lease_ms / 1000,
             owner=self.replica_id,
             http_url=req.http_url,
@@ -289,15 +291,15 @@ class WorkerSync:
 
     def _check_page_limit(self, session: RegisteredWorker, stored: int) -> None:
         """ResourceExhausted when ``stored`` more keys could take the worker past
-        ``max_pages_per_worker`` or 4x its ``total_pages`` (the inventory bound: lower tiers
-        may hold more than the GPU pool, not without end). Counted before de-duplication: a
-        bound, never a guess."""
+        ``max_pages_per_worker`` or its ``page_bound`` (4x its device and host pages). Counted
+        before de-duplication: a bound, never a guess."""
         cap = self._config.max_pages_per_worker
-        limit = min(cap, max(session.total_pages, 1) * 4)
+        limit = min(cap, session.page_bound)
         held = self._index.held_count(session.worker_id)
         if held + stored > limit:
             which = "max_pages_per_worker" if limit == cap else (
-                f"4x its total_pages of {session.total_pages}")
+                f"{PAGE_BOUND_FACTOR}x its {session.total_pages} device and "
+                f"{session.host_pages} host pages")
             raise ResourceExhausted(
                 f"worker {session.worker_id!r} holds {held} pages; {stored} more would pass "
                 f"the limit of {limit} ({which})",

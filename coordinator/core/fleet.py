@@ -28,6 +28,7 @@ class WorkerStatus(enum.StrEnum):
 
 
 _FLOOR = attrgetter("load_floor")
+PAGE_BOUND_FACTOR = 4
 
 
 class BatchVerdict(enum.Enum):
@@ -62,6 +63,8 @@ class RegisteredWorker:
     owner: str = ""
     # Base URL of the worker's OpenAI-compatible endpoint (gateways forward there); "" = none.
     http_url: str = ""
+    # Pages of the worker's host-memory tier (total_pages is the device pool's); 0 = none.
+    host_pages: int = 0
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # Uncached prefill tokens of each route issued and not yet reported finished, oldest first.
     inflight: deque[int] = field(default_factory=deque)
@@ -93,6 +96,13 @@ class RegisteredWorker:
         if self.cordoned:
             return WorkerStatus.CORDONED
         return WorkerStatus.READY
+
+    @property
+    def page_bound(self) -> int:
+        """Index entries the worker may hold at most: ``PAGE_BOUND_FACTOR`` times its pages in
+        both tiers (a tier it did not register, such as an engine's own CPU offload behind a
+        bridge, may hold more than its pools, not without end)."""
+        return max(self.total_pages + self.host_pages, 1) * PAGE_BOUND_FACTOR
 
     def serves(self, version: int, floor: int, model: str) -> bool:
         """Whether this worker serves requests of ``model`` at ``version`` (>= ``floor``)."""

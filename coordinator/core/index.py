@@ -37,6 +37,7 @@ from coordinator.core.index_types import (
     IndexStats,
     MatchDetail,
     Tier,
+    TierMatch,
     check_keys,
     check_read_keys,
     check_worker,
@@ -173,6 +174,24 @@ class PrefixIndex:
         check_read_keys(keys)
         return by_depth(self._holdings.runs(keys, None), self._workers_in, int)
 
+    def match_tiers(self, keys: Sequence[bytes]) -> TierMatch:
+        """:meth:`match`, with each holder's matched pages in CPU and DISK counted.
+
+        With nothing in a lower tier anywhere this is ``match`` plus one check; otherwise one
+        more walk of the keys over the lower-tier masks finds the workers with such pages in
+        their run, and only those have their run's keys looked up one by one. Does not mutate.
+        """
+        check_read_keys(keys)
+        runs = self._holdings.runs(keys, None)
+        depths = by_depth(runs, self._workers_in, int)
+        lower: dict[str, dict[Tier, int]] = {}
+        if self._lower:
+            for worker in tier_counts(self._lower, keys, runs, self._workers_in):
+                spilled = self._workers[worker].spilled
+                counts = Counter(map(spilled.get, keys[: depths[worker]]))
+                lower[worker] = {tier: n for tier, n in counts.items() if tier is not None}
+        return TierMatch(depths, lower)
+
     def match_detail(
         self, keys: Sequence[bytes], *, include_pending: bool = False
     ) -> dict[str, MatchDetail]:
@@ -210,6 +229,15 @@ class PrefixIndex:
         """How many keys ``worker_id`` holds (confirmed; pending entries not counted)."""
         w = self._workers.get(worker_id)
         return self._holdings.count(w.slot) if w else 0
+
+    def held_by_tier(self, worker_id: str) -> dict[Tier, int]:
+        """:meth:`held_count` split by tier, every tier named. O(the worker's lower-tier keys)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return dict.fromkeys(Tier, 0)
+        lower = Counter(w.spilled.values())
+        gpu = self._holdings.count(w.slot) - len(w.spilled)
+        return {Tier.GPU: gpu, Tier.CPU: lower[Tier.CPU], Tier.DISK: lower[Tier.DISK]}
 
     def worker_keys(self, worker_id: str) -> frozenset[bytes]:
         """The keys ``worker_id`` holds (confirmed), any tier."""

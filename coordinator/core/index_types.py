@@ -1,7 +1,8 @@
 """What the prefix index takes and returns, and how it refuses bad input.
 
-- :class:`Tier` (where a page is held), :class:`MatchDetail` (one worker's match) and
-  :class:`IndexStats` (sizes): immutable values.
+- :class:`Tier` (where a page is held), :class:`MatchDetail` (one worker's match),
+  :class:`TierMatch` (a lookup's depths with their tiers) and :class:`IndexStats` (sizes):
+  immutable values.
 - :class:`IndexIntegrityError`: raised by ``PrefixIndex.check_integrity`` only, never for input.
 - ``check_worker`` / ``check_keys`` / ``check_read_keys``: ValueError for a worker id that is
   not a non-empty string, or keys that are not a sequence of 16-byte ``bytes``. Mutators run
@@ -40,6 +41,15 @@ class MatchDetail:
     lower_tier_pages: int
     pending_pages: int
     confirmed_pages: int
+
+
+class TierMatch(NamedTuple):
+    """:meth:`PrefixIndex.match` with tiers: ``pages`` is ``match``'s answer; ``lower_tiers[w]``
+    counts, of worker ``w``'s matched pages, those it holds in CPU and in DISK. Only workers with
+    such pages are named (the rest of every worker's depth is in GPU)."""
+
+    pages: dict[str, int]
+    lower_tiers: dict[str, dict[Tier, int]]
 
 
 class IndexStats(NamedTuple):

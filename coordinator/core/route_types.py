@@ -4,7 +4,9 @@ reservations replicas share out. Immutable values; pure core.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from coordinator.core.index_types import Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,8 @@ class LookupResult:
     policy_version: int
     prompt_pages: int
     page_size: int
+    # Of a worker's matched pages, those in CPU and DISK; workers not named hold all in GPU.
+    lower_tiers: dict[str, dict[Tier, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

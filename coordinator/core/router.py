@@ -152,18 +152,21 @@ class Router:
         """Every routable worker serving the version that holds the prompt's first page, with
         its confirmed depth. Workers Route would never pick (disconnected, cordoned, fenced,
         draining, another version or model) are left out, so a scheduler acting on a lookup
-        never sends work to them."""
+        never sends work to them. Each match's pages in CPU and DISK are counted
+        (``PrefixIndex.match_tiers``)."""
         ns = self.namespace(scope)
         keys = self.keys(prompt, ns)
         self.counters.lookups += 1
-        matches = self._index.match(keys) if keys else {}
+        matches, lower = self._index.match_tiers(keys) if keys else ({}, {})
         if not matches:
             return LookupResult({}, ns.policy_version, len(keys), self._page_size)
         routable = self._fleet.routable(
             self._clock(), version=ns.policy_version, min_version=None, model=ns.model
         )
         serving = {s.worker_id: matches[s.worker_id] for s in routable if s.worker_id in matches}
-        return LookupResult(serving, ns.policy_version, len(keys), self._page_size)
+        if lower:
+            lower = {w: tiers for w, tiers in lower.items() if w in serving}
+        return LookupResult(serving, ns.policy_version, len(keys), self._page_size, lower)
 
     def _versions(self, scope: Scope) -> Sequence[int]:
         if scope.policy_version is not None:

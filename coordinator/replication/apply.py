@@ -156,7 +156,7 @@ class ReplicaApplier:
         session = RegisteredWorker(
             worker_id=event.worker_id, incarnation=event.incarnation, address=event.address,
             model=event.model, policy_version=event.policy_version, external=event.external,
-            total_pages=event.total_pages, http_url=event.http_url,
+            total_pages=event.total_pages, http_url=event.http_url, host_pages=event.host_pages,
             lease_deadline=self._clock() + self._config.lease_ms / 1000, owner=origin,
         )
         self._sessions.install(session, f"worker re-registered through replica {origin}")

@@ -43,6 +43,7 @@ class Registered:
     external: bool
     total_pages: int
     http_url: str = ""  # absent in a release before it: read as none
+    host_pages: int = 0  # absent in a release before it: read as none
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,7 +119,7 @@ class ReplicationOutbox:
 def registered_event(session: RegisteredWorker) -> Registered:
     return Registered(session.worker_id, session.incarnation, session.address, session.model,
                       session.policy_version, session.external, session.total_pages,
-                      session.http_url)
+                      session.http_url, session.host_pages)
 
 
 def state_event(session: RegisteredWorker, completed_routes: int) -> State:

@@ -121,13 +121,26 @@ def scope_from(scope: pb.Scope, tenant: str = "") -> Scope:
 
 
 def lookup_to_pb(result: LookupResult) -> pb.LookupResponse:
+    """Matches deepest first (then by id), each with its tokens per tier."""
+    page, lower = result.page_size, result.lower_tiers
     matches = [
-        pb.WorkerMatch(worker_id=w, matched_pages=d, matched_tokens=d * result.page_size)
+        pb.WorkerMatch(worker_id=w, matched_pages=d, matched_tokens=d * page, gpu_tokens=d * page)
+        if w not in lower else _tiered_match(w, d, page, lower[w])
         for w, d in sorted(result.matches.items(), key=lambda item: (-item[1], item[0]))
     ]
     return pb.LookupResponse(
         protocol_version=PROTOCOL_VERSION, matches=matches,
         policy_version=result.policy_version, prompt_pages=result.prompt_pages,
+    )
+
+
+def _tiered_match(worker: str, pages: int, page_size: int,
+                  lower: dict[Tier, int]) -> pb.WorkerMatch:
+    cpu, disk = lower.get(Tier.CPU, 0), lower.get(Tier.DISK, 0)
+    return pb.WorkerMatch(
+        worker_id=worker, matched_pages=pages, matched_tokens=pages * page_size,
+        gpu_tokens=(pages - cpu - disk) * page_size, cpu_tokens=cpu * page_size,
+        disk_tokens=disk * page_size,
     )
 
 
@@ -148,6 +161,7 @@ def registration_from(req: pb.RegisterRequest) -> RegistrationRequest:
         page_size=req.hash_config.page_size, fingerprint=req.hash_config.fingerprint,
         total_pages=req.total_pages, policy_version=req.policy_version,
         external=req.external, model=req.model, http_url=http_url_from(req.http_url),
+        host_pages=req.host_pages,
     )
 
 
@@ -278,7 +292,10 @@ def worker_to_pb(view: WorkerView) -> pb.WorkerInfo:
         queued_tokens=load.queued_tokens, inflight_routes=load.inflight_routes,
         routed_requests=s.routed_requests, routed_tokens=s.routed_tokens,
         routed_cached_tokens=s.routed_cached_tokens, owner_replica=s.owner,
-        http_url=s.http_url,
+        http_url=s.http_url, host_pages=s.host_pages,
+        cached_gpu_pages=view.cached_by_tier[Tier.GPU],
+        cached_cpu_pages=view.cached_by_tier[Tier.CPU],
+        cached_disk_pages=view.cached_by_tier[Tier.DISK],
     )
 
 

@@ -84,14 +84,20 @@ class LookupRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ...) -> None: ...
 
 class WorkerMatch(_message.Message):
-    __slots__ = ("worker_id", "matched_pages", "matched_tokens")
+    __slots__ = ("worker_id", "matched_pages", "matched_tokens", "gpu_tokens", "cpu_tokens", "disk_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MATCHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GPU_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CPU_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     matched_pages: int
     matched_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., matched_pages: _Optional[int] = ..., matched_tokens: _Optional[int] = ...) -> None: ...
+    gpu_tokens: int
+    cpu_tokens: int
+    disk_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., matched_pages: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., gpu_tokens: _Optional[int] = ..., cpu_tokens: _Optional[int] = ..., disk_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("protocol_version", "matches", "policy_version", "prompt_pages")
@@ -204,7 +210,7 @@ class HashConfig(_message.Message):
     def __init__(self, algorithm: _Optional[str] = ..., page_size: _Optional[int] = ..., fingerprint: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol_version", "worker_id", "address", "hash_config", "total_pages", "policy_version", "external", "model", "http_url")
+    __slots__ = ("protocol_version", "worker_id", "address", "hash_config", "total_pages", "policy_version", "external", "model", "http_url", "host_pages")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +220,7 @@ class RegisterRequest(_message.Message):
     EXTERNAL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HTTP_URL_FIELD_NUMBER: _ClassVar[int]
+    HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     worker_id: str
     address: str
@@ -223,7 +230,8 @@ class RegisterRequest(_message.Message):
     external: bool
     model: str
     http_url: str
-    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., total_pages: _Optional[int] = ..., policy_version: _Optional[int] = ..., external: _Optional[bool] = ..., model: _Optional[str] = ..., http_url: _Optional[str] = ...) -> None: ...
+    host_pages: int
+    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., total_pages: _Optional[int] = ..., policy_version: _Optional[int] = ..., external: _Optional[bool] = ..., model: _Optional[str] = ..., http_url: _Optional[str] = ..., host_pages: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("protocol_version", "incarnation", "policy_version", "policy_phase", "lease_ms", "heartbeat_ms", "max_events_per_batch", "max_message_bytes", "weights_uri")
@@ -536,7 +544,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "incarnation", "policy_version", "state", "external", "cached_pages", "total_pages", "free_pages", "running_requests", "queued_tokens", "inflight_routes", "routed_requests", "routed_tokens", "routed_cached_tokens", "owner_replica", "http_url")
+    __slots__ = ("worker_id", "address", "incarnation", "policy_version", "state", "external", "cached_pages", "total_pages", "free_pages", "running_requests", "queued_tokens", "inflight_routes", "routed_requests", "routed_tokens", "routed_cached_tokens", "owner_replica", "http_url", "host_pages", "cached_gpu_pages", "cached_cpu_pages", "cached_disk_pages")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -554,6 +562,10 @@ class WorkerInfo(_message.Message):
     ROUTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OWNER_REPLICA_FIELD_NUMBER: _ClassVar[int]
     HTTP_URL_FIELD_NUMBER: _ClassVar[int]
+    HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_GPU_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_CPU_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_DISK_PAGES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     incarnation: int
@@ -571,7 +583,11 @@ class WorkerInfo(_message.Message):
     routed_cached_tokens: int
     owner_replica: str
     http_url: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., external: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., inflight_routes: _Optional[int] = ..., routed_requests: _Optional[int] = ..., routed_tokens: _Optional[int] = ..., routed_cached_tokens: _Optional[int] = ..., owner_replica: _Optional[str] = ..., http_url: _Optional[str] = ...) -> None: ...
+    host_pages: int
+    cached_gpu_pages: int
+    cached_cpu_pages: int
+    cached_disk_pages: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., external: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., inflight_routes: _Optional[int] = ..., routed_requests: _Optional[int] = ..., routed_tokens: _Optional[int] = ..., routed_cached_tokens: _Optional[int] = ..., owner_replica: _Optional[str] = ..., http_url: _Optional[str] = ..., host_pages: _Optional[int] = ..., cached_gpu_pages: _Optional[int] = ..., cached_cpu_pages: _Optional[int] = ..., cached_disk_pages: _Optional[int] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("protocol_version", "workers")
