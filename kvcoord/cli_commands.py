@@ -161,16 +161,18 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"replication lag p50/p99: {stats.replication_lag_p50_ms:.1f}/"
             f"{stats.replication_lag_p99_ms:.1f} ms"
         )
+    # Pages per tier: the index's holdings / the pool registered (disk: holdings only).
     rows = [
         [w.worker_id, w.address, w.state, f"v{w.policy_version}", str(w.incarnation),
-         f"{w.cached_pages}/{w.total_pages}", str(w.free_pages), str(w.running_requests),
+         f"{w.cached_gpu_pages}/{w.total_pages}", f"{w.cached_cpu_pages}/{w.host_pages}",
+         str(w.cached_disk_pages), str(w.free_pages), str(w.running_requests),
          str(w.queued_tokens), str(w.inflight_routes), str(w.routed_requests),
          f"{w.hit_ratio:.1%}", w.owner_replica or "-"]
         for w in workers
     ]
     print(render_table(
-        ["worker", "address", "state", "policy", "inc", "pages", "free", "running", "queued",
-         "inflight", "routed", "hit", "replica"], rows,
+        ["worker", "address", "state", "policy", "inc", "gpu pages", "host pages", "disk",
+         "free", "running", "queued", "inflight", "routed", "hit", "replica"], rows,
     ))
     return 0
 
