@@ -9,7 +9,9 @@ import pytest
 
 from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig, Namespace
 from coordinator.core.hashing import PageHasher
+from coordinator.core.index import PrefixIndex
 from coordinator.core.index_types import Tier
+from coordinator.core.page_events import apply_page_events
 from worker.bridge.block_map import BlockMap
 from worker.bridge.engine_events import (
     AllBlocksCleared,
@@ -146,3 +148,94 @@ def test_an_unset_or_empty_hash_key_is_the_development_key_as_everywhere_else(
     with pytest.raises(ValueError, match=r"16\.\.64 bytes"):
         BridgeConfig(events="tcp://127.0.0.1:1", coordinator="127.0.0.1:1", worker_id="e0",
                      worker_address="127.0.0.1:8000", hash_key="abcd").hash_config()
+
+
+# The medium strings engines publish, as they publish them (issue 18). Sources read for this
+# test: vLLM main (vllm/distributed/kv_events.py MEDIUM_GPU = "GPU", published by the block
+# pool since v0.10; vllm/v1/kv_offload/mediums.py CPULoadStoreSpec.medium() == "CPU", the
+# OffloadingConnector of v0.11.0 on, and DiskLoadStoreSpec.medium() == "Disk" in the kv_offload
+# tree that has a disk tier; MooncakeStoreConnector publishes "cpu"); LMCache dev
+# (lmcache/v1/cache_engine.py LMCacheEngine.store: CacheStoreEvent(medium="cpu"), which vLLM's
+# LMCacheConnectorV1.take_events re-publishes as BlockStored; the MP connector's events carry
+# "CPU", LMCache PR #5076).
+PUBLISHED_MEDIA = [
+    ("GPU", Tier.GPU),  # vLLM's own KV cache
+    ("CPU", Tier.CPU),  # vLLM OffloadingConnector (CPU backend); LMCache MP connector
+    ("cpu", Tier.CPU),  # LMCache LMCacheEngine via LMCacheConnectorV1; vLLM Mooncake store
+    ("Disk", Tier.DISK),  # vLLM kv_offload DiskLoadStoreSpec
+]
+
+
+def _index_fed(*payloads: bytes) -> tuple[PrefixIndex, list[bytes], list[tuple[str, str]]]:
+    """Feed published payloads through the bridge's decoding and block map into an index, as
+    the bridge does (its page events applied in order); the keys of TOKENS[:8] and the events
+    skipped."""
+    blocks, index = _map(), PrefixIndex(clock=lambda: 0.0)
+    skipped: list[tuple[str, str]] = []
+    for raw in payloads:
+        batch = decode_payload(raw)
+        skipped.extend(batch.skipped)
+        for event in batch.events:
+            try:
+                if isinstance(event, BlockStored):
+                    page_events, _ = blocks.stored(event)
+                elif isinstance(event, BlockRemoved):
+                    page_events, _ = blocks.removed(event)
+                else:
+                    continue
+            except MalformedInput as exc:
+                skipped.append((exc.kind, str(exc)))
+                continue
+            apply_page_events(index, "engine", page_events)
+    keys = PageHasher(HASH).page_keys(TOKENS[:8], Namespace(model="m", policy_version=3,
+                                                            page_size=PAGE))
+    return index, keys, skipped
+
+
+def _stored_map(medium: str, hashes: list[int], tokens: list[int]) -> dict[str, object]:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+            "token_ids": tokens, "block_size": PAGE, "lora_id": None, "medium": medium,
+            "lora_name": None}
+
+
+@pytest.mark.parametrize(("medium", "tier"), PUBLISHED_MEDIA)
+def test_each_published_medium_lands_in_its_tier(medium: str, tier: Tier) -> None:
+    # The map encoding (vLLM 0.26 and later) and the tagged array (older vLLM, LMCache).
+    as_map = payload(_stored_map(medium, [1, 2], TOKENS[:8]))
+    as_array = payload(["BlockStored", [1, 2], None, TOKENS[:8], PAGE, None, medium, None])
+    for raw in (as_map, as_array):
+        index, keys, skipped = _index_fed(raw)
+        assert skipped == []
+        assert [index.tier_of("engine", k) for k in keys] == [tier, tier]
+
+
+def test_an_offloaded_copy_takes_over_when_the_gpu_copy_goes() -> None:
+    # vLLM frees the GPU block after the CPU offload (LMCache's "cpu" carries tokens): the
+    # index holds the key in CPU, one tier per (worker, key).
+    index, keys, skipped = _index_fed(
+        payload(_stored_map("GPU", [1, 2], TOKENS[:8])),
+        payload(_stored_map("cpu", [1, 2], TOKENS[:8])),
+        payload({"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}),
+    )
+    assert skipped == []
+    assert [index.tier_of("engine", k) for k in keys] == [Tier.GPU, Tier.CPU]
+
+
+def test_a_stored_event_without_token_ids_is_skipped_never_credited() -> None:
+    # vLLM's OffloadingConnector announces CPU copies by hash alone (parent None, token_ids [],
+    # block_size the offloaded block's or 0), its hashes the raw block-hash bytes where the GPU
+    # events carry ints (maybe_convert_block_hash under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES):
+    # the bridge cannot chain them, so they are refused by kind and the GPU holding stands.
+    offloaded = _stored_map("CPU", [b"\x07" * 32], [])
+    index, keys, skipped = _index_fed(payload(_stored_map("GPU", [1], TOKENS[:4])),
+                                      payload(offloaded))
+    assert [kind for kind, _ in skipped] == ["event"]
+    assert index.tier_of("engine", keys[0]) is Tier.GPU
+
+
+@pytest.mark.parametrize("medium", ["LocalDiskBackend", "CXL", "NVMe-oF"])
+def test_an_unknown_medium_is_refused_by_kind_and_named(medium: str) -> None:
+    index, _, skipped = _index_fed(payload(_stored_map(medium, [1], TOKENS[:4])))
+    assert [kind for kind, _ in skipped] == ["event"]
+    assert f"unknown medium {medium!r}" in skipped[0][1]
+    assert index.held_count("engine") == 0

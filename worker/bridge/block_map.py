@@ -20,6 +20,12 @@ from coordinator.core.index_types import Tier
 from coordinator.core.page_events import PageEvent
 from worker.bridge.engine_events import BlockRemoved, BlockStored, EngineHash, MalformedInput
 
+# The ``medium`` strings engines publish, compared case-blind (tests/test_bridge_core.py feeds
+# each, naming its source): vLLM's own KV cache "GPU" (kv_events.MEDIUM_GPU); vLLM's
+# OffloadingConnector "CPU" (kv_offload CPULoadStoreSpec.medium()) and "Disk" where a
+# kv_offload release has DiskLoadStoreSpec; LMCache "cpu" (LMCacheEngine.store's
+# CacheStoreEvent, re-published by vLLM's LMCacheConnectorV1) and "CPU" (its MP connector).
+# Anything else is refused as an unknown medium: a miss, never a wrong tier.
 _MEDIA = {"gpu": Tier.GPU, "cpu": Tier.CPU, "disk": Tier.DISK}
 _FASTEST_FIRST = (Tier.GPU, Tier.CPU, Tier.DISK)
 
