@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--advertise", metavar="HOST:PORT",
                       help="address schedulers dial (required when listening on 0.0.0.0)")
     work.add_argument("--pages", type=int, help="KV pages in the pool (default 1024)")
+    work.add_argument("--host-pages", type=int, metavar="N",
+                      help="KV pages of a host-memory tier: evicted pages are kept there and "
+                      "copied back on a hit (default 0: none; refused beyond the RAM available)")
     work.add_argument("--device", help="cpu, cuda or auto (default: cuda when present)")
     work.add_argument("--worker-id", help="default <hostname>-<port>")
     work.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")

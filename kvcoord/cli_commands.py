@@ -66,7 +66,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     flags = {
         "coordinator": args.coordinator, "listen": args.listen, "advertise": args.advertise,
-        "pages": args.pages, "device": args.device, "worker_id": args.worker_id,
+        "pages": args.pages, "host_pages": args.host_pages, "device": args.device,
+        "worker_id": args.worker_id,
         "metrics_port": args.metrics_port, "page_size": args.page_size,
         "http_listen": args.http_listen, "tokenizer": args.tokenizer,
         "model_name": args.model, "weights": args.weights, "log_level": args.log_level,

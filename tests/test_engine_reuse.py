@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from coordinator.core.hash_config import HashConfig
+from coordinator.core.index_types import Tier
 from worker.engine import ModelConfig, ReferenceEngine
 from worker.runtime import InvalidRequest, WorkerRuntime
 
@@ -32,12 +33,16 @@ class Sink:
     def __init__(self) -> None:
         self.stored_keys: list[bytes] = []
         self.removed_keys: list[bytes] = []
+        self.moved_keys: list[tuple[Tier, list[bytes]]] = []
 
     def stored(self, keys: list[bytes]) -> None:
         self.stored_keys += keys
 
     def removed(self, keys: list[bytes]) -> None:
         self.removed_keys += keys
+
+    def moved(self, keys: list[bytes], tier: Tier) -> None:
+        self.moved_keys.append((tier, keys))
 
 
 def runtime(
@@ -93,7 +98,7 @@ def test_second_generate_reuses_every_full_page_and_answers_the_same() -> None:
     assert (second.cached_tokens, second.computed_tokens) == (32, 8)
     assert second.tokens == first.tokens and len(first.tokens) == 8
     # 40 prompt + 7 fed-back tokens have KV: two full pages were stored, once.
-    assert sink.stored_keys == rt.inventory() and len(sink.stored_keys) == 2
+    assert rt.inventory() == {Tier.GPU: sink.stored_keys} and len(sink.stored_keys) == 2
     assert sink.removed_keys == []
     rt.check_integrity()
 
@@ -123,18 +128,18 @@ def test_policy_versions_never_reuse_each_others_pages() -> None:
     rt = runtime(16, events=sink)
     prompt = tokens(random.Random(3), 64)
     v0 = rt.generate(prompt, 6)
-    keys_v0 = rt.inventory()
+    keys_v0 = rt.inventory()[Tier.GPU]
     assert rt.load_weights(1) == len(keys_v0) == 4
     assert sink.removed_keys == keys_v0
     v1 = rt.generate(prompt, 6)
     assert (v1.policy_version, v1.cached_tokens) == (1, 0)
     assert v1.tokens != v0.tokens
-    assert set(rt.inventory()).isdisjoint(keys_v0)
+    assert set(rt.inventory()[Tier.GPU]).isdisjoint(keys_v0)
     # Back to version 0 (an aborted update): same weights, but nothing of v1 is reused.
     rt.load_weights(0)
     again = rt.generate(prompt, 6)
     assert (again.policy_version, again.cached_tokens, again.tokens) == (0, 0, v0.tokens)
-    assert rt.inventory() == keys_v0  # keys depend on the version only, not on history
+    assert rt.inventory() == {Tier.GPU: keys_v0}  # keys depend on the version only, not on history
     rt.check_integrity()
 
 

@@ -8,6 +8,7 @@ import random
 
 from coordinator.core.hash_config import HashConfig, Namespace
 from coordinator.core.hashing import PageHasher
+from coordinator.core.index_types import Tier
 from worker.engine import ModelConfig
 from worker.runtime import WorkerRuntime
 
@@ -28,6 +29,9 @@ class Sink:
 
     def removed(self, keys: list[bytes]) -> None:
         self.removed_keys += keys
+
+    def moved(self, keys: list[bytes], tier: Tier) -> None:
+        raise AssertionError(f"no host tier here, yet {len(keys)} keys moved to {tier}")
 
 
 def runtime(sink: Sink, policy_version: int = 0) -> WorkerRuntime:
@@ -56,7 +60,7 @@ def test_the_same_prompt_from_another_tenant_reuses_nothing_and_stores_other_key
     # 40 prompt + 3 fed-back tokens have KV: two full pages per tenant.
     assert sink.stored_batches == [coordinator_keys(PROMPT, "a"), coordinator_keys(PROMPT, "b")]
     assert set(sink.stored_batches[0]).isdisjoint(sink.stored_batches[1])
-    assert rt.inventory() == [*sink.stored_batches[0], *sink.stored_batches[1]]
+    assert rt.inventory() == {Tier.GPU: [*sink.stored_batches[0], *sink.stored_batches[1]]}
     rt.check_integrity()
 
 
@@ -95,9 +99,9 @@ def test_a_weight_update_drops_every_tenants_pages_and_rehashes_under_the_new_ve
     rt = runtime(sink)
     rt.generate(PROMPT, 4, tenant="a")
     rt.generate(PROMPT, 4, tenant="b")
-    held = rt.inventory()
+    held = rt.inventory()[Tier.GPU]
     assert rt.load_weights(1) == 4
-    assert sink.removed_keys == held and rt.inventory() == []
+    assert sink.removed_keys == held and rt.inventory() == {}
     after = rt.generate(PROMPT, 4, tenant="a")
     assert (after.policy_version, after.cached_tokens) == (1, 0)
     assert sink.stored_batches[-1] == coordinator_keys(PROMPT, "a", policy_version=1)

@@ -2,8 +2,9 @@
 the runtime as the owner, the policy command handler, and the rollout reporter.
 
 The runtime's page events reach it through ``worker.relay.EventRelay``; its holdings are the
-runtime's device pages; a heartbeat carries the runtime's load and the routes finished since the
-last one, and a finished generation asks for the next heartbeat early. A new registration loads
+runtime's cached pages by tier (device, and host when it has a host tier); a heartbeat carries
+the runtime's load and the routes finished since the last one, and a finished generation asks
+for the next heartbeat early. A new registration loads
 the version the coordinator names and reopens the generation gate. ``stop`` flushes the rollout
 reporter, then deregisters. Every call carries the worker's bearer token when ``token_file`` is
 set, and the channels are TLS when ``tls_ca`` is (see ``WorkerConfig``).
@@ -25,7 +26,13 @@ from worker.policy_commands import PolicyCommandHandler
 from worker.rollout_reporter import RolloutReporter
 from worker.runtime import WorkerRuntime
 from worker.sync_client import SyncClient
-from worker.sync_protocol import RegistrationRefused, SyncCounters, SyncSettings, WorkerIdentity
+from worker.sync_protocol import (
+    TIER_PB,
+    RegistrationRefused,
+    SyncCounters,
+    SyncSettings,
+    WorkerIdentity,
+)
 
 __all__ = ["CoordinatorAgent", "RegistrationRefused"]
 
@@ -52,12 +59,13 @@ class CoordinatorAgent:
         identity = WorkerIdentity(
             worker_id=worker_id, address=address, model=config.model_name,
             total_pages=config.pages, hash_config=config.hash_config(), http_url=http_url,
+            host_pages=config.host_pages,
         )
         settings = SyncSettings(
             targets=config.coordinator, heartbeat_ms=config.heartbeat_ms,
             event_flush_ms=config.event_flush_ms, max_unacked_batches=config.max_unacked_batches,
             max_message_bytes=config.max_message_bytes,
-            max_pending_keys=max(4 * config.pages, 65_536),
+            max_pending_keys=max(4 * (config.pages + config.host_pages), 65_536),
             rpc_timeout_s=config.rpc_timeout_ms / 1000,
             backoff_initial_ms=config.backoff_initial_ms, backoff_max_ms=config.backoff_max_ms,
             token=config.coordinator_token(), tls=config.client_tls(),
@@ -114,9 +122,11 @@ class CoordinatorAgent:
         await self._commands.stop()
         await self.sync.stop(deregister=deregister)
 
-    def page_event(self, kind: pb.PageEvent.Kind, keys: list[bytes]) -> None:
+    def page_event(
+        self, kind: pb.PageEvent.Kind, keys: list[bytes], tier: pb.Tier = pb.TIER_GPU
+    ) -> None:
         """One runtime event (on the loop, from ``EventRelay``)."""
-        self.sync.page_event(kind, keys)
+        self.sync.page_event(kind, keys, tier)
 
     def _rollout_stub(self) -> pb_grpc.CoordinatorStub | None:
         """The stub rollouts go through: the synced coordinator's, None while not synced. After
@@ -137,7 +147,8 @@ class CoordinatorAgent:
         return self._runtime.policy_version
 
     async def holdings(self) -> Holdings:
-        return {pb.TIER_GPU: await asyncio.to_thread(self._runtime.inventory)}
+        inventory = await asyncio.to_thread(self._runtime.inventory)
+        return {TIER_PB[tier]: keys for tier, keys in inventory.items()}
 
     def heartbeat(self) -> pb.Heartbeat:
         stats = self._runtime.stats()

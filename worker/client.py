@@ -42,12 +42,14 @@ U32_MAX = 2**32 - 1
 @dataclass(frozen=True, slots=True)
 class Generation:
     """A finished generation: ``tokens`` is the completion only; ``cached_tokens`` prompt
-    tokens served from cached pages, ``computed_tokens`` prompt tokens run through the model."""
+    tokens served from cached pages (either tier), ``computed_tokens`` prompt tokens run through
+    the model; ``host_cached_tokens`` of the cached ones, those copied back from host memory."""
 
     tokens: list[int]
     policy_version: int
     cached_tokens: int
     computed_tokens: int
+    host_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,10 @@ class WorkerStats:
     device: str
     incarnation: int
     synced: bool
+    host_total_pages: int = 0
+    host_free_pages: int = 0
+    host_cached_pages: int = 0
+    host_cached_prompt_tokens: int = 0
 
 
 def generate_request(tokens: Sequence[int], max_new_tokens: int) -> wpb.GenerateRequest:
@@ -108,7 +114,8 @@ def _checked(response: Any) -> Any:
 
 def generation_from(response: wpb.GenerateResponse) -> Generation:
     r = _checked(response)
-    return Generation(list(r.tokens), r.policy_version, r.cached_tokens, r.computed_tokens)
+    return Generation(list(r.tokens), r.policy_version, r.cached_tokens, r.computed_tokens,
+                      r.host_cached_tokens)
 
 
 def loaded_from(response: wpb.LoadWeightsResponse) -> LoadedWeights:
@@ -126,6 +133,9 @@ def stats_from(response: wpb.WorkerStats) -> WorkerStats:
         cached_prompt_tokens=r.cached_prompt_tokens,
         computed_prompt_tokens=r.computed_prompt_tokens, page_size=r.page_size, model=r.model,
         device=r.device, incarnation=r.incarnation, synced=r.synced,
+        host_total_pages=r.host_total_pages, host_free_pages=r.host_free_pages,
+        host_cached_pages=r.host_cached_pages,
+        host_cached_prompt_tokens=r.host_cached_prompt_tokens,
     )
 
 

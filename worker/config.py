@@ -52,6 +52,9 @@ class WorkerConfig:
     """A Hugging Face tokenizer directory for the HTTP endpoint; unset = the shipped reference
     tokenizer (``worker/text/reference_tokenizer``)."""
     pages: int = 1024
+    host_pages: int = 0
+    """Pages of the host-memory tier (0 = none): device evictions move there and are copied
+    back on a hit instead of recomputed. Refused at start beyond the host memory available."""
     page_size: int = 16
     device: str = "auto"
     """``cuda`` when available for ``auto``; ``cuda`` is refused where torch has no GPU."""
@@ -119,6 +122,10 @@ class WorkerConfig:
             raise ConfigError(f"page_size must be <= 4096, got {self.page_size}")
         if self.policy_version < 0:
             raise ConfigError(f"policy_version must be >= 0, got {self.policy_version}")
+        if not 0 <= self.host_pages < 2**32:
+            raise ConfigError(f"host_pages must be 0..{2**32 - 1}, got {self.host_pages}")
+        if self.host_pages and not self.prefix_caching:
+            raise ConfigError("host_pages needs prefix_caching: the host tier keeps cached pages")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port out of range: {self.metrics_port}")
         try:

@@ -157,12 +157,20 @@ class ReferenceEngine:
         """The weights by name (the engine's own tensors: do not mutate)."""
         return dict(self._w)
 
-    def new_buffers(self, pages: int, page_size: int) -> KVBuffers:
-        """KV buffers shaped for this model on its device and dtype."""
+    def new_buffers(self, pages: int, page_size: int, *, host: bool = False) -> KVBuffers:
+        """KV buffers shaped for this model in its dtype, on its device (``host``: in host
+        memory, pinned when the device is CUDA: the host tier's pool)."""
         c = self.config
+        device = torch.device("cpu") if host else self.device
         return KVBuffers(layers=c.layers, pages=pages, page_size=page_size,
-                         kv_heads=c.kv_heads, head_dim=c.head_dim,
-                         device=self.device, dtype=self.dtype)
+                         kv_heads=c.kv_heads, head_dim=c.head_dim, device=device,
+                         dtype=self.dtype, pin_memory=host and self.device.type == "cuda")
+
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes of KV one page of ``page_size`` tokens takes (every layer, K and V)."""
+        c = self.config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return c.layers * 2 * page_size * c.kv_heads * c.head_dim * element
 
     @torch.no_grad()
     def forward(

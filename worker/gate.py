@@ -18,7 +18,8 @@ class GenerationTotals:
 
     requests: int = 0
     tokens: int = 0
-    cached_prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # either tier
+    host_cached_prompt_tokens: int = 0  # of those, copied back from the host tier
     computed_prompt_tokens: int = 0
 
 

@@ -75,7 +75,11 @@ class GenerationRunner:
         totals.requests += 1
         totals.tokens += len(generation.tokens)
         totals.cached_prompt_tokens += generation.cached_tokens
+        totals.host_cached_prompt_tokens += generation.host_cached_tokens
         totals.computed_prompt_tokens += generation.computed_tokens
         self._metrics.generated_tokens.inc(len(generation.tokens))
         self._metrics.prompt_tokens.labels("cached").inc(generation.cached_tokens)
         self._metrics.prompt_tokens.labels("computed").inc(generation.computed_tokens)
+        host = generation.host_cached_tokens
+        self._metrics.cache_hit_tokens.labels("gpu").inc(generation.cached_tokens - host)
+        self._metrics.cache_hit_tokens.labels("cpu").inc(host)

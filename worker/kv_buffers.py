@@ -29,7 +29,10 @@ class KVBuffers:
         head_dim: int,
         device: torch.device,
         dtype: torch.dtype,
+        pin_memory: bool = False,
     ) -> None:
+        """``pin_memory``: page-locked host memory (a CPU pool beside a CUDA device, so copies
+        between them are DMA)."""
         for name, value in (
             ("layers", layers),
             ("pages", pages),
@@ -43,7 +46,8 @@ class KVBuffers:
         self.pages = pages
         self.page_size = page_size
         self.tensor = torch.zeros(
-            (layers, 2, pages, page_size, kv_heads, head_dim), device=device, dtype=dtype
+            (layers, 2, pages, page_size, kv_heads, head_dim), device=device, dtype=dtype,
+            pin_memory=pin_memory,
         )
 
     @property
@@ -54,6 +58,11 @@ class KVBuffers:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page takes across every layer, K and V."""
+        return self.nbytes // self.pages
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V as ``[pages * page_size, kv_heads, head_dim]`` views.

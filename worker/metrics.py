@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from worker.runtime import RuntimeStats
@@ -34,6 +34,11 @@ class WorkerMetrics:
         self.prompt_tokens = Counter(
             "kvcoord_worker_prompt_tokens_total", "Prompt tokens of answered Generate calls, "
             "by whether they came from cached pages or were computed", ["source"], registry=r,
+        )
+        self.cache_hit_tokens = Counter(
+            "kvcoord_worker_cache_hit_tokens_total", "Prompt tokens served from cached KV, by "
+            "the tier it was found in (cpu: copied back from the host tier)", ["tier"],
+            registry=r,
         )
         self.generated_tokens = Counter(
             "kvcoord_worker_generated_tokens_total", "Completion tokens generated", registry=r,
@@ -69,6 +74,29 @@ class _RuntimeCollector(Collector):
             ("kvcoord_worker_policy_version", "Policy version of the loaded weights",
              s.policy_version),
         ]
+        if s.copies is not None:
+            gauges += [
+                ("kvcoord_worker_host_pages_total", "KV pages in the host-memory tier",
+                 s.host_total_pages),
+                ("kvcoord_worker_host_pages_free", "Host-tier pages holding nothing",
+                 s.host_free_pages),
+                ("kvcoord_worker_host_pages_cached", "Reusable KV pages in the host tier",
+                 s.host_cached_pages),
+            ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+        if s.copies is not None:
+            c = s.copies
+            for name, doc, to_host, to_device in (
+                ("kvcoord_worker_tier_copy_bytes_total",
+                 "KV bytes copied between the device and the host tier",
+                 c.bytes_to_host, c.bytes_to_device),
+                ("kvcoord_worker_tier_copy_seconds_total",
+                 "Time spent copying KV between the device and the host tier",
+                 c.seconds_to_host, c.seconds_to_device),
+            ):
+                counter = CounterMetricFamily(name, doc, labels=["direction"])
+                counter.add_metric(["to_host"], to_host)
+                counter.add_metric(["to_device"], to_device)
+                yield counter
 

@@ -8,11 +8,15 @@ import contextlib
 from collections.abc import Sequence
 from typing import Protocol
 
+from coordinator.core.index_types import Tier
 from coordinator.v1 import coordinator_pb2 as pb
+from worker.sync_protocol import TIER_PB
 
 
 class PageEventTarget(Protocol):
-    def page_event(self, kind: pb.PageEvent.Kind, keys: list[bytes]) -> None: ...
+    def page_event(
+        self, kind: pb.PageEvent.Kind, keys: list[bytes], tier: pb.Tier = pb.TIER_GPU
+    ) -> None: ...
 
 
 class EventRelay:
@@ -33,9 +37,16 @@ class EventRelay:
     def removed(self, keys: list[bytes]) -> None:
         self._post(pb.PageEvent.KIND_REMOVED, keys)
 
-    def _post(self, kind: pb.PageEvent.Kind, keys: Sequence[bytes]) -> None:
+    def moved(self, keys: list[bytes], tier: Tier) -> None:
+        # A Stored event for keys already held moves them to its tier (PROTOCOL.md: one tier
+        # per worker and key), so a move down or back up needs no event kind of its own.
+        self._post(pb.PageEvent.KIND_STORED, keys, TIER_PB[tier])
+
+    def _post(
+        self, kind: pb.PageEvent.Kind, keys: Sequence[bytes], tier: pb.Tier = pb.TIER_GPU
+    ) -> None:
         loop, agent = self._loop, self._agent
         if loop is None or agent is None or not keys:
             return
         with contextlib.suppress(RuntimeError):  # loop closed: the process is stopping
-            loop.call_soon_threadsafe(agent.page_event, kind, list(keys))
+            loop.call_soon_threadsafe(agent.page_event, kind, list(keys), tier)

@@ -1,10 +1,11 @@
 """One worker's generation runtime: engine + KV buffers + paged strategy + prefix cache.
 
-A request: validate -> look up the cached prefix (its tenant's only) -> allocate the rest (all
-or nothing) -> prefill only the uncached tokens -> greedy decode -> record the full pages whose
-KV was computed -> release every page (recorded ones stay cached for reuse). Requests run one at a
-time under a lock; callers beyond the first wait their turn, so more concurrent requests than
-the pool can hold at once queue instead of corrupting anything.
+A request: validate -> look up the cached prefix (its tenant's only, in either tier) -> allocate
+the rest (all or nothing; host-tier hits copied back) -> prefill only the uncached tokens ->
+greedy decode -> record the full pages whose KV was computed -> release every page (recorded
+ones stay cached for reuse; evicted ones move to the host tier when there is one). Requests run
+one at a time under a lock; callers beyond the first wait their turn, so more concurrent
+requests than the pool can hold at once queue instead of corrupting anything.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import torch
 
 from coordinator.core.hash_config import HashConfig, Namespace
 from coordinator.core.hashing import PageHasher
+from coordinator.core.index_types import Tier
 from worker.allocator import AllocatorIntegrityError, OutOfPages, PageAllocator
 from worker.engine import ModelConfig, ReferenceEngine
+from worker.kv_tier_copy import TierCopier, TierCopyStats, available_host_bytes, check_host_pool
 from worker.prefix_cache import PrefixCache
 from worker.strategy import PagedStrategy, ReqToTokenPool, TaskCacheState
 
@@ -49,7 +52,8 @@ class GenerationCancelled(Exception):
 @dataclass(frozen=True, slots=True)
 class Generation:
     """A finished request. ``tokens`` is the completion only. ``cached_tokens``: prompt tokens
-    whose KV came from the prefix cache; ``computed_tokens``: prompt tokens run through the
+    whose KV came from the prefix cache, either tier; ``host_cached_tokens``: of those, the ones
+    copied back from the host tier; ``computed_tokens``: prompt tokens run through the
     model in prefill. When the whole prompt was cached, its last token is re-run (only for its
     logits, its KV is not rewritten), so cached + computed may be len(prompt) + 1."""
 
@@ -57,13 +61,17 @@ class Generation:
     policy_version: int
     cached_tokens: int
     computed_tokens: int
+    host_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class RuntimeStats:
     """A snapshot (unsynchronised with a running request, each number is consistent alone).
+    ``total_pages``, ``free_pages``, ``cached_pages``: the device pool; ``host_*``: the host
+    tier's pool (all 0 without one), ``host_cached_pages`` the reusable pages it holds.
     ``running_requests``: requests executing now (0 or 1); ``queued_tokens``: prompt +
-    max_new_tokens of the requests waiting for their turn."""
+    max_new_tokens of the requests waiting for their turn. ``copies``: the host tier's copies
+    so far (None without one)."""
 
     total_pages: int
     free_pages: int
@@ -71,6 +79,10 @@ class RuntimeStats:
     running_requests: int
     queued_tokens: int
     policy_version: int
+    host_total_pages: int = 0
+    host_free_pages: int = 0
+    host_cached_pages: int = 0
+    copies: TierCopyStats | None = None
 
 
 class EventSink(Protocol):
@@ -81,14 +93,23 @@ class EventSink(Protocol):
 
     def removed(self, keys: list[bytes]) -> None: ...
 
+    def moved(self, keys: list[bytes], tier: Tier) -> None:
+        """``keys`` are now held in ``tier`` (moved down to the host tier, or back up)."""
+
 
 class WorkerRuntime:
     """One worker's generation runtime: engine + KV buffers + paged strategy + prefix cache.
     Thread-safe: generate() calls are serialized by an internal lock (more concurrent requests
     than pages queue, never corrupt).
 
+    ``host_pages`` > 0 adds a host tier: a pool of that many pages in host memory (pinned
+    beside CUDA) where pages the device pool evicts are kept and from which a prompt's prefix
+    is copied back instead of recomputed (``worker.host_tier``).
+
     ValueError at construction for an unusable configuration (a device that is not present, a
-    page size other than ``hash_config.page_size`` with prefix caching on, bad weights).
+    page size other than ``hash_config.page_size`` with prefix caching on, bad weights, a host
+    tier without prefix caching or larger than the host memory available:
+    ``kv_tier_copy.HostMemoryShort``).
     """
 
     def __init__(
@@ -106,9 +127,12 @@ class WorkerRuntime:
         prefix_caching: bool = True,
         events: EventSink | None = None,
         max_new_tokens_limit: int = 1024,
+        host_pages: int = 0,
     ) -> None:
         if max_new_tokens_limit < 1:
             raise ValueError(f"max_new_tokens_limit must be >= 1, got {max_new_tokens_limit}")
+        if host_pages < 0 or (host_pages and not prefix_caching):
+            raise ValueError(f"host_pages must be >= 0 and needs prefix caching, got {host_pages}")
         if prefix_caching and page_size != hash_config.page_size:
             # Keys cut at another page size would never match the coordinator's.
             raise ValueError(f"page_size {page_size} != hash config page_size "
@@ -125,6 +149,13 @@ class WorkerRuntime:
             raise ValueError(str(exc)) from None
         self._buffers = self._engine.new_buffers(pages, page_size)
         self._allocator = PageAllocator(pages)
+        self._copier: TierCopier | None = None
+        host: PageAllocator | None = None
+        if host_pages:
+            check_host_pool(host_pages, self._engine.page_bytes(page_size), available_host_bytes())
+            host_buffers = self._engine.new_buffers(host_pages, page_size, host=True)
+            self._copier = TierCopier(self._buffers, host_buffers)
+            host = PageAllocator(host_pages)
         # One row: requests run one at a time, so only one row is ever in use.
         self._req_pool = ReqToTokenPool(1, model.max_context, self._device)
         self._prefix: PrefixCache | None = None
@@ -135,6 +166,8 @@ class WorkerRuntime:
                 self._allocator, PageHasher(hash_config), namespace,
                 on_stored=events.stored if events else None,
                 on_removed=events.removed if events else None,
+                host=host, mover=self._copier,
+                on_moved=events.moved if events else None,
             )
         self._strategy = PagedStrategy(self._allocator, self._prefix, page_size, self._req_pool)
         # Full recompute for logits_for(use_cache=False): same pool, never looks up or records.
@@ -189,7 +222,8 @@ class WorkerRuntime:
                     on_token(int(token))
             completion: list[int] = torch.stack(out).tolist()
             self._strategy.record(req.task, prompt + completion[:-1])
-            return Generation(completion, self.policy_version, req.task.cached, req.computed)
+            return Generation(completion, self.policy_version, req.task.cached, req.computed,
+                              req.task.host_cached)
 
     def _check_running(self, cancel: threading.Event | None) -> None:
         if self._aborting.is_set():
@@ -243,18 +277,24 @@ class WorkerRuntime:
             self.policy_version = version
             return freed
 
-    def inventory(self) -> list[bytes]:
-        """Every cached page key (for a resync). Waits for the running request."""
+    def inventory(self) -> dict[Tier, list[bytes]]:
+        """Every cached page key by the tier holding it (for a resync); tiers holding none are
+        left out. Waits for the running request."""
         with self._lock:
-            return [] if self._prefix is None else self._prefix.inventory()
+            return {} if self._prefix is None else self._prefix.inventory_by_tier()
 
     def stats(self) -> RuntimeStats:
         """Load snapshot; does not wait for the running request."""
         with self._stats_lock:
             running, queued = self._running, self._queued_tokens
         a = self._allocator
+        host = self._prefix.host_allocator if self._prefix is not None else None
+        if host is None or self._copier is None:
+            return RuntimeStats(a.n_pages, a.free_count, a.cached_count, running, queued,
+                                self.policy_version)
         return RuntimeStats(a.n_pages, a.free_count, a.cached_count, running, queued,
-                            self.policy_version)
+                            self.policy_version, host.n_pages, host.free_count,
+                            host.cached_count, replace(self._copier.stats))
 
     def check_integrity(self) -> None:
         """Allocator and prefix cache invariants, and no page referenced while idle (a leak).
@@ -263,10 +303,11 @@ class WorkerRuntime:
             self._allocator.check_integrity()
             if self._prefix is not None:
                 self._prefix.check_integrity()
-            if self._allocator.referenced_count:
-                raise AllocatorIntegrityError(
-                    f"{self._allocator.referenced_count} pages referenced with no request running"
-                )
+            host = self._prefix.host_allocator if self._prefix is not None else None
+            for pool, allocator in (("device", self._allocator), ("host", host)):
+                if allocator is not None and allocator.referenced_count:
+                    raise AllocatorIntegrityError(f"{allocator.referenced_count} {pool} pages "
+                                                  "referenced with no request running")
 
     # ---- internals ----
 

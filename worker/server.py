@@ -29,6 +29,7 @@ from worker.gate import Draining, GenerationGate
 from worker.generations import GenerationRunner, SyncState
 from worker.http_api.server import OpenAIServer
 from worker.http_api.serving import bind_http
+from worker.kv_tier_copy import HostMemoryShort
 from worker.metrics import WorkerMetrics
 from worker.relay import EventRelay
 from worker.runtime import GenerationAborted, InvalidRequest, PoolExhausted, WorkerRuntime
@@ -97,14 +98,17 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     one), serve, and start registering with the coordinator in the background."""
     relay = EventRelay()
     device = config.resolved_device()
-    runtime = await asyncio.to_thread(
-        WorkerRuntime, model=ModelConfig(), pages=config.pages, page_size=config.page_size,
-        hash_config=config.hash_config(), model_name=config.model_name,
-        policy_version=config.policy_version, device=device,
-        dtype=getattr(torch, config.dtype), weights_path=config.weights,
-        prefix_caching=config.prefix_caching, events=relay,
-        max_new_tokens_limit=config.max_new_tokens,
-    )
+    try:
+        runtime = await asyncio.to_thread(
+            WorkerRuntime, model=ModelConfig(), pages=config.pages, page_size=config.page_size,
+            hash_config=config.hash_config(), model_name=config.model_name,
+            policy_version=config.policy_version, device=device,
+            dtype=getattr(torch, config.dtype), weights_path=config.weights,
+            prefix_caching=config.prefix_caching, events=relay,
+            max_new_tokens_limit=config.max_new_tokens, host_pages=config.host_pages,
+        )
+    except HostMemoryShort as exc:  # a setting the machine cannot honour: say so, exit 2
+        raise ConfigError(str(exc)) from None
     sync_counters = SyncCounters()
     metrics = WorkerMetrics(runtime.stats, sync=sync_counters)
     gate = GenerationGate()

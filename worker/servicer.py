@@ -85,6 +85,7 @@ class WorkerServicer:
             protocol_version=PROTOCOL_VERSION, tokens=generation.tokens,
             policy_version=generation.policy_version, cached_tokens=generation.cached_tokens,
             computed_tokens=generation.computed_tokens, rollout_id=rollout_id,
+            host_cached_tokens=generation.host_cached_tokens,
         )
 
     async def LoadWeights(
@@ -114,4 +115,7 @@ class WorkerServicer:
             computed_prompt_tokens=totals.computed_prompt_tokens,
             page_size=self._runtime.page_size, model=self._model, device=self._device,
             incarnation=sync.incarnation, synced=sync.synced,
+            host_total_pages=s.host_total_pages, host_free_pages=s.host_free_pages,
+            host_cached_pages=s.host_cached_pages,
+            host_cached_prompt_tokens=totals.host_cached_prompt_tokens,
         )

@@ -45,10 +45,11 @@ def _add_usage(total: dict[str, Any], usage: dict[str, Any] | None) -> None:
         return
     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
         total[key] = total.get(key, 0) + int(usage.get(key) or 0)
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    if cached is not None:
-        details = total.setdefault("prompt_tokens_details", {"cached_tokens": 0})
-        details["cached_tokens"] += int(cached)
+    # cached_tokens, and what an engine reports beside it (host_cached_tokens: ours).
+    for key, value in (usage.get("prompt_tokens_details") or {}).items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            details = total.setdefault("prompt_tokens_details", {})
+            details[key] = details.get(key, 0) + value
 
 
 def merged(answers: Sequence[tuple[Share, dict[str, Any]]], n: int) -> dict[str, Any]:

@@ -27,7 +27,6 @@ import zmq.asyncio
 from coordinator.client.channels import ClientTls
 from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig
 from coordinator.core.hashing import PageHasher
-from coordinator.core.index_types import Tier
 from coordinator.core.page_events import PageEvent
 from coordinator.logs import warn_development_key
 from coordinator.v1 import coordinator_pb2 as pb
@@ -41,7 +40,7 @@ from worker.bridge.engine_events import (
 )
 from worker.event_log import Holdings
 from worker.sync_client import SyncClient
-from worker.sync_protocol import SyncSettings, WorkerIdentity
+from worker.sync_protocol import TIER_PB, SyncSettings, WorkerIdentity
 
 log = structlog.get_logger(__name__)
 
@@ -49,7 +48,6 @@ _SEQ = struct.Struct(">q")
 END_SEQ = -1
 _KIND_PB = {"stored": pb.PageEvent.KIND_STORED, "removed": pb.PageEvent.KIND_REMOVED,
             "cleared": pb.PageEvent.KIND_CLEARED}
-_TIER_PB = {Tier.GPU: pb.TIER_GPU, Tier.CPU: pb.TIER_CPU, Tier.DISK: pb.TIER_DISK}
 # Routes issued to the engine are never reported finished (it cannot tell us): each heartbeat
 # settles them all, so the coordinator's in-flight count covers one heartbeat period.
 _SETTLE_ALL = 1 << 30
@@ -187,7 +185,7 @@ class Bridge:
 
     async def holdings(self) -> Holdings:
         """What the engine holds now, by tier (taken on the loop, where the map changes)."""
-        return {_TIER_PB[tier]: keys for tier, keys in self.blocks.inventory().items()}
+        return {TIER_PB[tier]: keys for tier, keys in self.blocks.inventory().items()}
 
     def heartbeat(self) -> pb.Heartbeat:
         return pb.Heartbeat(completed_routes=_SETTLE_ALL)
@@ -201,7 +199,7 @@ class Bridge:
 
     def _send(self, events: Sequence[PageEvent]) -> None:
         for event in events:
-            self.sync.page_event(_KIND_PB[event.kind], list(event.keys), _TIER_PB[event.tier])
+            self.sync.page_event(_KIND_PB[event.kind], list(event.keys), TIER_PB[event.tier])
 
     # ------------------------------------------------------------------ the engine side
 

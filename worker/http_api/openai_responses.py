@@ -20,17 +20,21 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 @dataclass(slots=True)
 class Usage:
-    """Token counts of one request; ``cached_tokens``: prompt tokens served from the cache."""
+    """Token counts of one request; ``cached_tokens``: prompt tokens served from the cache
+    (either tier), ``host_cached_tokens``: of those, the ones copied back from the host tier
+    (reported beside as ``prompt_tokens_details.host_cached_tokens``)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0
 
     def body(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens,
+                                          "host_cached_tokens": self.host_cached_tokens}}
 
 
 class IncrementalText:

@@ -186,6 +186,7 @@ class OpenAIServer:
         if choice % n == 0:  # a prompt counts once, however many copies of it run
             usage.prompt_tokens += len(prompt)
             usage.cached_tokens += generation.cached_tokens
+            usage.host_cached_tokens += generation.host_cached_tokens
         usage.completion_tokens += len(generation.tokens)
 
     async def _generate(self, prompt: list[int], max_tokens: int,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16worker/v1/worker.proto\x12\tworker.v1\"\x7f\n\x0fGenerateRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x12\n\nrollout_id\x18\x05 \x01(\t\"\x98\x01\n\x10GenerateResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x12\n\nrollout_id\x18\x06 \x01(\t\"M\n\x12LoadWeightsRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04path\x18\x03 \x01(\t\"\\\n\x13LoadWeightsResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x13\n\x0b\x66reed_pages\x18\x03 \x01(\r\"+\n\x0fGetStatsRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"\x8d\x03\n\x0bWorkerStats\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12\x12\n\nfree_pages\x18\x05 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x15\n\rqueued_tokens\x18\x08 \x01(\x04\x12\x1a\n\x12generated_requests\x18\t \x01(\x04\x12\x18\n\x10generated_tokens\x18\n \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\x04\x12\x1e\n\x16\x63omputed_prompt_tokens\x18\x0c \x01(\x04\x12\x11\n\tpage_size\x18\r \x01(\r\x12\r\n\x05model\x18\x0e \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x13\n\x0bincarnation\x18\x10 \x01(\x04\x12\x0e\n\x06synced\x18\x11 \x01(\x08\x32\xdb\x01\n\x06Worker\x12\x43\n\x08Generate\x12\x1a.worker.v1.GenerateRequest\x1a\x1b.worker.v1.GenerateResponse\x12L\n\x0bLoadWeights\x12\x1d.worker.v1.LoadWeightsRequest\x1a\x1e.worker.v1.LoadWeightsResponse\x12>\n\x08GetStats\x12\x1a.worker.v1.GetStatsRequest\x1a\x16.worker.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16worker/v1/worker.proto\x12\tworker.v1\"\x7f\n\x0fGenerateRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x12\n\nrollout_id\x18\x05 \x01(\t\"\xb4\x01\n\x10GenerateResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x12\n\nrollout_id\x18\x06 \x01(\t\x12\x1a\n\x12host_cached_tokens\x18\x07 \x01(\r\"M\n\x12LoadWeightsRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04path\x18\x03 \x01(\t\"\\\n\x13LoadWeightsResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x13\n\x0b\x66reed_pages\x18\x03 \x01(\r\"+\n\x0fGetStatsRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"\xfe\x03\n\x0bWorkerStats\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12\x12\n\nfree_pages\x18\x05 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x15\n\rqueued_tokens\x18\x08 \x01(\x04\x12\x1a\n\x12generated_requests\x18\t \x01(\x04\x12\x18\n\x10generated_tokens\x18\n \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\x04\x12\x1e\n\x16\x63omputed_prompt_tokens\x18\x0c \x01(\x04\x12\x11\n\tpage_size\x18\r \x01(\r\x12\r\n\x05model\x18\x0e \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x13\n\x0bincarnation\x18\x10 \x01(\x04\x12\x0e\n\x06synced\x18\x11 \x01(\x08\x12\x18\n\x10host_total_pages\x18\x12 \x01(\r\x12\x17\n\x0fhost_free_pages\x18\x13 \x01(\r\x12\x19\n\x11host_cached_pages\x18\x14 \x01(\r\x12!\n\x19host_cached_prompt_tokens\x18\x15 \x01(\x04\x32\xdb\x01\n\x06Worker\x12\x43\n\x08Generate\x12\x1a.worker.v1.GenerateRequest\x1a\x1b.worker.v1.GenerateResponse\x12L\n\x0bLoadWeights\x12\x1d.worker.v1.LoadWeightsRequest\x1a\x1e.worker.v1.LoadWeightsResponse\x12>\n\x08GetStats\x12\x1a.worker.v1.GetStatsRequest\x1a\x16.worker.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=37
   _globals['_GENERATEREQUEST']._serialized_end=164
   _globals['_GENERATERESPONSE']._serialized_start=167
-  _globals['_GENERATERESPONSE']._serialized_end=319
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=321
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=398
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=400
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=492
-  _globals['_GETSTATSREQUEST']._serialized_start=494
-  _globals['_GETSTATSREQUEST']._serialized_end=537
-  _globals['_WORKERSTATS']._serialized_start=540
-  _globals['_WORKERSTATS']._serialized_end=937
-  _globals['_WORKER']._serialized_start=940
-  _globals['_WORKER']._serialized_end=1159
+  _globals['_GENERATERESPONSE']._serialized_end=347
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=349
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=426
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=428
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=520
+  _globals['_GETSTATSREQUEST']._serialized_start=522
+  _globals['_GETSTATSREQUEST']._serialized_end=565
+  _globals['_WORKERSTATS']._serialized_start=568
+  _globals['_WORKERSTATS']._serialized_end=1078
+  _globals['_WORKER']._serialized_start=1081
+  _globals['_WORKER']._serialized_end=1300
 # @@protoc_insertion_point(module_scope)

@@ -21,20 +21,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_bytes: _Optional[bytes] = ..., max_new_tokens: _Optional[int] = ..., rollout_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("protocol_version", "tokens", "policy_version", "cached_tokens", "computed_tokens", "rollout_id")
+    __slots__ = ("protocol_version", "tokens", "policy_version", "cached_tokens", "computed_tokens", "rollout_id", "host_cached_tokens")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     policy_version: int
     cached_tokens: int
     computed_tokens: int
     rollout_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., policy_version: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., rollout_id: _Optional[str] = ...) -> None: ...
+    host_cached_tokens: int
+    def __init__(self, protocol_version: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., policy_version: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., rollout_id: _Optional[str] = ..., host_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("protocol_version", "version", "path")
@@ -63,7 +65,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("protocol_version", "worker_id", "policy_version", "total_pages", "free_pages", "cached_pages", "running_requests", "queued_tokens", "generated_requests", "generated_tokens", "cached_prompt_tokens", "computed_prompt_tokens", "page_size", "model", "device", "incarnation", "synced")
+    __slots__ = ("protocol_version", "worker_id", "policy_version", "total_pages", "free_pages", "cached_pages", "running_requests", "queued_tokens", "generated_requests", "generated_tokens", "cached_prompt_tokens", "computed_prompt_tokens", "page_size", "model", "device", "incarnation", "synced", "host_total_pages", "host_free_pages", "host_cached_pages", "host_cached_prompt_tokens")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,10 @@ class WorkerStats(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SYNCED_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     worker_id: str
     policy_version: int
@@ -98,4 +104,8 @@ class WorkerStats(_message.Message):
     device: str
     incarnation: int
     synced: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., generated_requests: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., incarnation: _Optional[int] = ..., synced: _Optional[bool] = ...) -> None: ...
+    host_total_pages: int
+    host_free_pages: int
+    host_cached_pages: int
+    host_cached_prompt_tokens: int
+    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., generated_requests: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., incarnation: _Optional[int] = ..., synced: _Optional[bool] = ..., host_total_pages: _Optional[int] = ..., host_free_pages: _Optional[int] = ..., host_cached_pages: _Optional[int] = ..., host_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
