@@ -22,6 +22,8 @@ import heapq
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
+from operator import or_
 
 from coordinator.core import index_audit
 from coordinator.core.holder_masks import (
@@ -177,19 +179,23 @@ class PrefixIndex:
     def match_tiers(self, keys: Sequence[bytes]) -> TierMatch:
         """:meth:`match`, with each holder's matched pages in CPU and DISK counted.
 
-        With nothing in a lower tier anywhere this is ``match`` plus one check; otherwise one
-        more walk of the keys over the lower-tier masks finds the workers with such pages in
-        their run, and only those have their run's keys looked up one by one. Does not mutate.
+        A prompt with no key in a lower tier (of any worker) costs ``match`` plus one set check
+        in C; otherwise the workers holding some of its keys below GPU are read off their
+        masks, and only those that matched have their run's tiers counted. Does not mutate.
         """
         check_read_keys(keys)
-        runs = self._holdings.runs(keys, None)
-        depths = by_depth(runs, self._workers_in, int)
+        depths = by_depth(self._holdings.runs(keys, None), self._workers_in, int)
         lower: dict[str, dict[Tier, int]] = {}
-        if self._lower:
-            for worker in tier_counts(self._lower, keys, runs, self._workers_in):
-                spilled = self._workers[worker].spilled
-                counts = Counter(map(spilled.get, keys[: depths[worker]]))
-                lower[worker] = {tier: n for tier, n in counts.items() if tier is not None}
+        masks = self._lower
+        if masks and not masks.keys().isdisjoint(keys):
+            spilling = reduce(or_, map(masks.__getitem__, filter(masks.__contains__, keys)))
+            for worker in slot_names(spilling, self._slots):
+                depth = depths.get(worker)
+                if depth:
+                    counts = Counter(map(self._workers[worker].spilled.get, keys[:depth]))
+                    tiers = {tier: n for tier, n in counts.items() if tier is not None}
+                    if tiers:  # None counted the GPU keys
+                        lower[worker] = tiers
         return TierMatch(depths, lower)
 
     def match_detail(
