@@ -23,6 +23,7 @@ from worker.bridge.bridge import Bridge, BridgeConfig
 from worker.bridge.serve import bridge_registry
 from worker.config import WorkerConfig
 from worker.metrics import WorkerMetrics
+from worker.kv_tier_copy import TierCopyStats
 from worker.runtime import RuntimeStats
 from worker.sync_protocol import SyncCounters
 
@@ -38,7 +39,8 @@ def exposed_metric_names() -> set[str]:
     """Every sample name a coordinator (with replication) and a worker expose."""
     service = CoordinatorService(CoordinatorConfig(replica_id="r"), MemoryStore(),
                                  replicate=True)
-    stats = RuntimeStats(**{f.name: 0 for f in dataclasses.fields(RuntimeStats)})
+    counts = {f.name: 0 for f in dataclasses.fields(RuntimeStats) if f.name != "copies"}
+    stats = RuntimeStats(**counts, copies=TierCopyStats())  # a host tier: its metrics too
     coordinator = CoordinatorMetrics(service)
     coordinator.requests.labels("Route", "OK").inc()
     coordinator.latency.labels("Route").observe(0.001)
