@@ -61,6 +61,7 @@ def coordinator_steps(quick: bool) -> list[Step]:
 
 def worker_steps(quick: bool) -> list[Step]:
     from bench.bench_engine import bench_engine
+    from bench.bench_host_tier import bench_host_tier
     from bench.bench_worker_core import bench_allocator, bench_index_write
 
     return [
@@ -68,6 +69,7 @@ def worker_steps(quick: bool) -> list[Step]:
          if quick else bench_allocator(2**20)),
         ("index_write", bench_index_write),
         ("engine", lambda: bench_engine(repeats=2 if quick else 5)),
+        ("host_tier", lambda: bench_host_tier(quick=quick)),
     ]
 
 

@@ -79,6 +79,13 @@ def worker_targets(results: dict[str, Any]) -> list[list[str]]:
                 verdict = "-" if limit is None else ("met" if value >= limit else "MISSED")
                 target = "-" if limit is None else f">= {limit:.0f}x"
                 rows.append([f"{section}: {what} vs seed", target, f"{value:,.1f}x", verdict])
+    host = results["host_tier"]
+    faster = host["speedup.host_prefix_vs_cold"]
+    rows.append([f"prefill {host['prompt_tokens']} tokens, {host['prefix_tokens']}-token prefix "
+                 "in the host tier vs cold", "> 1x", f"{faster:.2f}x",
+                 "met" if faster > 1 else "MISSED"])
+    rows.append(["  the same prefix in the host tier vs on the device", "(reported)",
+                 f"{host['host_prefix_over_device_prefix']:.3f}x", "-"])
     return rows
 
 

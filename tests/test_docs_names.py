@@ -22,8 +22,8 @@ from kvcoord.gateway.metrics import GatewayMetrics
 from worker.bridge.bridge import Bridge, BridgeConfig
 from worker.bridge.serve import bridge_registry
 from worker.config import WorkerConfig
-from worker.metrics import WorkerMetrics
 from worker.kv_tier_copy import TierCopyStats
+from worker.metrics import WorkerMetrics
 from worker.runtime import RuntimeStats
 from worker.sync_protocol import SyncCounters
 
