@@ -1566,6 +1566,7 @@ def exported_metrics() -> dict[str, set[str]]:
     from coordinator.server.metrics import CoordinatorMetrics
     from coordinator.service import StatsSnapshot
     from kvcoord.gateway.metrics import GatewayMetrics
+    from worker.kv_tier_copy import TierCopyStats
     from worker.metrics import WorkerMetrics
     from worker.runtime import RuntimeStats
     from worker.sync_protocol import SyncCounters
@@ -1578,7 +1579,9 @@ def exported_metrics() -> dict[str, set[str]]:
     coordinator = CoordinatorMetrics(types.SimpleNamespace(
         stats=lambda: stats, policy_view=types.SimpleNamespace(restores=0),
         ingest=IngestGovernor(0.7)))
-    worker = WorkerMetrics(lambda: RuntimeStats(0, 0, 0, 0, 0, 0), sync=SyncCounters())
+    # A worker with a host tier: its copy counters and host pool gauges exported too.
+    worker = WorkerMetrics(lambda: RuntimeStats(0, 0, 0, 0, 0, 0, copies=TierCopyStats()),
+                           sync=SyncCounters())
     gateway = GatewayMetrics()
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
     labelled = {m._name: set(m._labelnames)  # the collectors created with label names

@@ -49,6 +49,7 @@ def exposed_metric_names() -> set[str]:
     worker.requests.labels("Generate", "OK").inc()
     worker.latency.labels("Generate").observe(0.1)
     worker.prompt_tokens.labels("cached").inc()
+    worker.cache_hit_tokens.labels("cpu").inc()
     worker.sync_policy_commands.labels("drain").inc()
     text += generate_latest(worker.registry).decode()
     bridge = Bridge(BridgeConfig(events="tcp://127.0.0.1:1", coordinator="127.0.0.1:1",
