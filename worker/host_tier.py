@@ -15,12 +15,28 @@ Pure core: no torch, no I/O, no clock. Not thread-safe (the runtime serialises c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from worker.allocator import AllocatorIntegrityError, PageAllocator
 
 KeysCallback = Callable[[list[bytes]], None]
+
+
+def check_key_maps(
+    page_of: Mapping[bytes, int], key_of: Mapping[int, bytes], allocator: PageAllocator,
+    pool: str = "",
+) -> None:
+    """Raise AllocatorIntegrityError unless ``page_of`` and ``key_of`` are inverse maps and
+    every mapped page is referenced or cached in ``allocator`` (no free page is mapped).
+    ``pool`` prefixes the messages ("host ")."""
+    if len(page_of) != len(key_of):
+        raise AllocatorIntegrityError(f"{pool}key->page and page->key maps differ in size")
+    for key, page in page_of.items():
+        if key_of.get(page) != key:
+            raise AllocatorIntegrityError(f"{pool}page {page} does not map back to its key")
+        if allocator.refcount(page) == 0 and not allocator.is_cached(page):
+            raise AllocatorIntegrityError(f"free {pool}page {page} is still mapped")
 
 
 class TierMover(Protocol):
@@ -132,13 +148,7 @@ class HostTier:
         """Raise AllocatorIntegrityError unless the pool's allocator is sound, the maps are
         inverse, every mapped page is cached or referenced and every cached page is mapped."""
         self.allocator.check_integrity()
-        if len(self._page_of) != len(self._key_of):
-            raise AllocatorIntegrityError("host key->page and page->key maps differ in size")
-        for key, page in self._page_of.items():
-            if self._key_of.get(page) != key:
-                raise AllocatorIntegrityError(f"host page {page} does not map back to its key")
-            if self.allocator.refcount(page) == 0 and not self.allocator.is_cached(page):
-                raise AllocatorIntegrityError(f"free host page {page} is still mapped")
+        check_key_maps(self._page_of, self._key_of, self.allocator, "host ")
         unmapped = [p for p in self.allocator.cached_pages() if p not in self._key_of]
         if unmapped:
             raise AllocatorIntegrityError(f"host page {unmapped[0]} is cached but holds no key")

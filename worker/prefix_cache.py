@@ -28,7 +28,7 @@ from coordinator.core.hash_config import Namespace
 from coordinator.core.hashing import PageHasher
 from coordinator.core.index_types import Tier
 from worker.allocator import AllocatorIntegrityError, OutOfPages, PageAllocator
-from worker.host_tier import HostTier, KeysCallback, TierMover
+from worker.host_tier import HostTier, KeysCallback, TierMover, check_key_maps
 
 MovedCallback = Callable[[list[bytes], Tier], None]
 # Per-tenant namespaces kept (dataclasses.replace costs about as much as hashing a short
@@ -317,13 +317,7 @@ class PrefixCache:
         mapped page is referenced or cached in the allocator (so no free page is mapped); with
         a host tier, the same of it (``HostTier.check_integrity``, its allocator's included)
         and no key in both tiers."""
-        if len(self._page_of) != len(self._key_of):
-            raise AllocatorIntegrityError("key->page and page->key maps differ in size")
-        for key, page in self._page_of.items():
-            if self._key_of.get(page) != key:
-                raise AllocatorIntegrityError(f"page {page} does not map back to its key")
-            if self._alloc.refcount(page) == 0 and not self._alloc.is_cached(page):
-                raise AllocatorIntegrityError(f"free page {page} is still mapped")
+        check_key_maps(self._page_of, self._key_of, self._alloc)
         if self._host is not None:
             self._host.check_integrity()
             both = next((k for k in self._host.inventory() if k in self._page_of), None)
