@@ -94,9 +94,11 @@ class TwoTiers(RuleBasedStateMachine):
                 break
             expected_hits += 1
         expected_host = sum(self.where[k] is Tier.CPU for k in keys[:expected_hits])
+        before = self.snapshot()
         try:
             got = self.cache.acquire(keys, len(keys) + extra)
         except OutOfPages:
+            assert self.snapshot() == before  # all or nothing: nothing held, nothing moved
             return
         assert (got.hit_pages, got.host_hits) == (expected_hits, expected_host)
         assert len(got.pages) == len(keys) + extra == len(set(got.pages))
@@ -104,6 +106,11 @@ class TwoTiers(RuleBasedStateMachine):
             assert self.contents.device[page] == key  # a hit reads its own key's KV
             assert self.where[key] is Tier.GPU
         self.requests.append((self.version, keys, got.pages, got.hit_pages))
+
+    def snapshot(self) -> tuple[object, ...]:
+        return (self.cache.inventory_by_tier(), self.device.cached_pages(),
+                self.host.cached_pages(), [self.device.refcount(p) for p in range(DEVICE_PAGES)],
+                [self.host.refcount(p) for p in range(HOST_PAGES)])
 
     @precondition(lambda self: any(r[0] == self.version for r in self.requests))
     @rule(data=st.data())

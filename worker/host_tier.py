@@ -120,6 +120,11 @@ class HostTier:
             del self._page_of[self._key_of.pop(page)]
         self.allocator.free(pages)
 
+    def pinned(self, key: bytes) -> bool:
+        """Whether ``key`` is here with a reference on its page (a copy back in progress)."""
+        page = self._page_of.get(key)
+        return page is not None and self.allocator.refcount(page) > 0
+
     def discard(self, key: bytes) -> bool:
         """Drop ``key``'s unpinned copy without reporting it (the device holds the key again,
         computed anew); False when it is not here or pinned."""

@@ -48,7 +48,6 @@ class TierCopier:
         self.stats = TierCopyStats()
         self._page_bytes = device.page_bytes
         self._cuda = d.device.type == "cuda"
-        self._staging: torch.Tensor | None = None  # pinned, CUDA only; grown on demand
 
     def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         if not device_pages:
@@ -68,27 +67,22 @@ class TierCopier:
         started = time.perf_counter()
         src = torch.tensor(host_pages, dtype=torch.long)
         dst = torch.tensor(device_pages, dtype=torch.long, device=self.device.tensor.device)
-        staging = self._staging_for(len(host_pages)) if self._cuda else None
+        staging = None
+        if self._cuda:
+            # Gathered into pinned memory, so each layer's transfer is an asynchronous DMA;
+            # each layer has its own contiguous slice (nothing is reused before the sync in
+            # _count). Pinned tensors come from torch's caching host allocator: cheap to ask.
+            shape = list(self.host.tensor.shape)
+            shape[2] = len(host_pages)
+            staging = torch.empty(shape, dtype=self.host.tensor.dtype, pin_memory=True)
         for layer in range(self.device.layers):
             if staging is None:
                 pages = self.host.tensor[layer].index_select(1, src)
             else:
-                # Gathered into pinned memory, so the transfer below is an asynchronous DMA;
-                # each layer has its own slice (nothing is reused before the final sync).
-                pages = torch.index_select(self.host.tensor[layer], 1, src,
-                                           out=staging[layer, :, : len(host_pages)])
+                pages = torch.index_select(self.host.tensor[layer], 1, src, out=staging[layer])
             moved = pages.to(self.device.tensor.device, non_blocking=staging is not None)
             self.device.tensor[layer].index_copy_(1, dst, moved)
-        if self._cuda:
-            torch.cuda.current_stream(self.device.tensor.device).synchronize()
         self._count(len(host_pages), started, to_host=False)
-
-    def _staging_for(self, n: int) -> torch.Tensor:
-        if self._staging is None or self._staging.shape[2] < n:
-            shape = list(self.host.tensor.shape)
-            shape[2] = max(n, 2 * (0 if self._staging is None else self._staging.shape[2]))
-            self._staging = torch.empty(shape, dtype=self.host.tensor.dtype, pin_memory=True)
-        return self._staging
 
     def _count(self, pages: int, started: float, *, to_host: bool) -> None:
         if self._cuda:

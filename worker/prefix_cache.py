@@ -215,7 +215,9 @@ class PrefixCache:
         """Remember that ``pages[i]`` now holds the computed KV of ``keys[i]``.
 
         A key already cached is skipped, first writer wins: the other page keeps serving it and
-        the caller's duplicate page is simply freed later. Returns the newly recorded keys in
+        the caller's duplicate page is simply freed later. A key whose copy sits in the host
+        tier is recorded, and that copy dropped (the key moves to the device), unless the copy
+        is pinned by a copy back in progress (then it wins). Returns the newly recorded keys in
         order and calls ``on_stored`` with them once if any. ValueError (nothing changed) when
         the lengths differ, a page is not referenced by the caller, a page already holds
         another key, or one page is given two new keys.
@@ -230,8 +232,8 @@ class PrefixCache:
         for key, page in zip(keys, pages, strict=True):
             if key in page_of or key in claimed_keys:  # a repeated key: its first page wins
                 continue
-            if host is not None and host.page(key) is not None and not host.discard(key):
-                continue  # pinned in the host tier: that copy wins
+            if host is not None and host.pinned(key):
+                continue  # being copied back: that copy wins
             if self._alloc.refcount(page) == 0:
                 # Free or cached-unreferenced: the caller does not own its content.
                 raise ValueError(f"page {page} is not referenced; record pages you hold")
@@ -241,6 +243,8 @@ class PrefixCache:
             claimed_keys.add(key)
             new.append((key, page))
         for key, page in new:
+            if host is not None:
+                host.discard(key)  # checked unpinned above; a no-op for a key not there
             page_of[key] = page
             key_of[page] = key
         added = [key for key, _ in new]
