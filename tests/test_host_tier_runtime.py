@@ -14,6 +14,7 @@ import torch
 
 from coordinator.core.hash_config import HashConfig
 from coordinator.core.index_types import Tier
+from worker.config import ConfigError, WorkerConfig
 from worker.engine import ModelConfig
 from worker.kv_buffers import KVBuffers
 from worker.kv_tier_copy import HostMemoryShort, TierCopier, check_host_pool
@@ -192,8 +193,11 @@ def test_kvcoord_worker_refuses_more_host_pages_than_ram_at_start() -> None:
     )
     assert proc.returncode == 2, proc.stderr
     assert "--host-pages 4000000000 needs" in proc.stderr and "pages fit" in proc.stderr
-    too_many = subprocess.run(
-        [sys.executable, "-m", "kvcoord.cli", "worker", "--host-pages", "-3"],
-        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-    )
-    assert too_many.returncode == 2 and "host_pages must be 0.." in too_many.stderr
+
+
+def test_host_pages_out_of_range_or_without_prefix_caching_are_refused_by_the_config() -> None:
+    with pytest.raises(ConfigError, match=r"host_pages must be 0\.\.4294967295, got -3"):
+        WorkerConfig(host_pages=-3)
+    with pytest.raises(ConfigError, match="host_pages needs prefix_caching"):
+        WorkerConfig(host_pages=8, prefix_caching=False)
+    assert WorkerConfig(host_pages=8).host_pages == 8
