@@ -182,15 +182,13 @@ class PrefixCache:
         slots: list[tuple[bool, int]] = []  # (on the device, page) per hit position
         for key in keys[:n_pages]:
             page = page_of.get(key)
-            if page is None and host is not None:
-                page = host.page(key)
-                if page is None:
-                    break
-                slots.append((False, page))
-            elif page is None:
-                break
-            else:
+            if page is not None:
                 slots.append((True, page))
+                continue
+            page = None if host is None else host.page(key)
+            if page is None:
+                break
+            slots.append((False, page))
         device_hits = [page for on_device, page in slots if on_device]
         host_hits = [page for on_device, page in slots if not on_device]
         if host is not None and host_hits:
