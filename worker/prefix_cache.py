@@ -191,16 +191,17 @@ class PrefixCache:
             slots.append((False, page))
         device_hits = [page for on_device, page in slots if on_device]
         host_hits = [page for on_device, page in slots if not on_device]
+        need = n_pages - len(device_hits)
+        # Checked before touching anything, so a refusal changes nothing (not even the LRU
+        # order): the device hits still cached stop being evictable once referenced.
+        alloc = self._alloc
+        room = alloc.free_count + alloc.cached_count - sum(map(alloc.is_cached, device_hits))
+        if need > room:
+            raise OutOfPages(need, room)
         if host is not None and host_hits:
             host.pin(host_hits)
-        self._alloc.ref(device_hits)
-        try:
-            fresh = self._alloc.alloc(n_pages - len(device_hits))
-        except OutOfPages:
-            self._alloc.free(device_hits, keep_cached=True)
-            if host is not None and host_hits:
-                host.unpin(host_hits)
-            raise
+        alloc.ref(device_hits)
+        fresh = alloc.alloc(need)
         targets = iter(fresh)  # host hits take the first fresh pages, in position order
         pages = [page if on_device else next(targets) for on_device, page in slots]
         if host is not None and host_hits:
