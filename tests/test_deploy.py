@@ -1566,9 +1566,9 @@ def exported_metrics() -> dict[str, set[str]]:
     from coordinator.server.metrics import CoordinatorMetrics
     from coordinator.service import StatsSnapshot
     from kvcoord.gateway.metrics import GatewayMetrics
-    from worker.kv_tier_copy import TierCopyStats
     from worker.metrics import WorkerMetrics
     from worker.runtime import RuntimeStats
+    from worker.runtime_types import TierCopyStats
     from worker.sync_protocol import SyncCounters
 
     # replica_id set: the replication metrics appear only with replicas.

@@ -22,9 +22,9 @@ from kvcoord.gateway.metrics import GatewayMetrics
 from worker.bridge.bridge import Bridge, BridgeConfig
 from worker.bridge.serve import bridge_registry
 from worker.config import WorkerConfig
-from worker.kv_tier_copy import TierCopyStats
 from worker.metrics import WorkerMetrics
 from worker.runtime import RuntimeStats
+from worker.runtime_types import TierCopyStats
 from worker.sync_protocol import SyncCounters
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,6 +29,7 @@ from coordinator.client.channels import (
 from coordinator.client.errors import KvcoordError, retry_pause
 from coordinator.core.hashing import tokens_to_bytes
 from coordinator.wire import PROTOCOL_VERSION
+from worker.runtime_types import Generation
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 
@@ -37,19 +38,6 @@ __all__ = ["AsyncWorkerClient", "ClientTls", "Generation", "KvcoordError", "Load
 
 DEFAULT_TIMEOUT = 60.0
 U32_MAX = 2**32 - 1
-
-
-@dataclass(frozen=True, slots=True)
-class Generation:
-    """A finished generation: ``tokens`` is the completion only; ``cached_tokens`` prompt
-    tokens served from cached pages (either tier), ``computed_tokens`` prompt tokens run through
-    the model; ``host_cached_tokens`` of the cached ones, those copied back from host memory."""
-
-    tokens: list[int]
-    policy_version: int
-    cached_tokens: int
-    computed_tokens: int
-    host_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

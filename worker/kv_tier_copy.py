@@ -14,24 +14,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from worker.kv_buffers import KVBuffers
-
-
-@dataclass(slots=True)
-class TierCopyStats:
-    """What the copier moved since it was made: pages and bytes each way, and seconds spent
-    (wall time, the device synchronised)."""
-
-    pages_to_host: int = 0
-    pages_to_device: int = 0
-    bytes_to_host: int = 0
-    bytes_to_device: int = 0
-    seconds_to_host: float = 0.0
-    seconds_to_device: float = 0.0
+from worker.runtime_types import TierCopyStats
 
 
 class TierCopier:

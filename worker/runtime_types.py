@@ -1,6 +1,8 @@
 """What the worker runtime takes and gives: its refusals (each maps to a gRPC status in the
-servers), a finished :class:`Generation`, a :class:`RuntimeStats` snapshot, and the
-:class:`EventSink` its prefix cache reports to. ``worker.runtime`` re-exports them all."""
+servers), a finished :class:`Generation`, a :class:`RuntimeStats` snapshot (with the host
+tier's :class:`TierCopyStats`), and the :class:`EventSink` its prefix cache reports to.
+``worker.runtime`` re-exports them. No torch: the worker SDK (``worker.client``) answers
+with the same :class:`Generation`."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.core.index_types import Tier
-from worker.kv_tier_copy import TierCopyStats
 
 
 class InvalidRequest(ValueError):
@@ -45,6 +46,19 @@ class Generation:
     cached_tokens: int
     computed_tokens: int
     host_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class TierCopyStats:
+    """What the copier moved since it was made: pages and bytes each way, and seconds spent
+    (wall time, the device synchronised)."""
+
+    pages_to_host: int = 0
+    pages_to_device: int = 0
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    seconds_to_host: float = 0.0
+    seconds_to_device: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
