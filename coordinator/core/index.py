@@ -53,6 +53,7 @@ class _Worker:
     slot: int
     bit: int
     spilled: dict[bytes, Tier] = field(default_factory=dict)  # held keys not in GPU
+    spilled_by_tier: Counter[Tier] = field(default_factory=Counter)  # of spilled, kept as it moves
     pending: dict[bytes, float] = field(default_factory=dict)  # key -> deadline
 
 
@@ -102,7 +103,7 @@ class PrefixIndex:
         added = self._holdings.add(keys, w.slot)
         if tier is not Tier.GPU:
             set_bits(self._lower, keys, w.bit)
-            w.spilled.update(dict.fromkeys(keys, tier))
+            self._spill(w, keys, tier)
         elif w.spilled:  # most workers never spill: skip the scan
             self._unspill(w, w.spilled.keys() & set(keys))
         if w.pending:
@@ -237,11 +238,12 @@ class PrefixIndex:
         return self._holdings.count(w.slot) if w else 0
 
     def held_by_tier(self, worker_id: str) -> dict[Tier, int]:
-        """:meth:`held_count` split by tier, every tier named. O(the worker's lower-tier keys)."""
+        """:meth:`held_count` split by tier, every tier named. O(1): ListWorkers (a gateway's
+        readiness probe) asks it of every worker, whose host tiers may hold millions of keys."""
         w = self._workers.get(worker_id)
         if w is None:
             return dict.fromkeys(Tier, 0)
-        lower = Counter(w.spilled.values())
+        lower = w.spilled_by_tier
         gpu = self._holdings.count(w.slot) - len(w.spilled)
         return {Tier.GPU: gpu, Tier.CPU: lower[Tier.CPU], Tier.DISK: lower[Tier.DISK]}
 
@@ -351,9 +353,19 @@ class PrefixIndex:
             self._names.clear()
         return w
 
+    def _spill(self, w: _Worker, keys: Sequence[bytes], tier: Tier) -> None:
+        spilled, counts = w.spilled, w.spilled_by_tier
+        for key in keys:
+            old = spilled.get(key)
+            if old is not tier:
+                if old is not None:
+                    counts[old] -= 1
+                counts[tier] += 1
+                spilled[key] = tier
+
     def _unspill(self, w: _Worker, keys: Iterable[bytes]) -> None:
         for key in keys:
-            del w.spilled[key]
+            w.spilled_by_tier[w.spilled.pop(key)] -= 1
             clear_bit(self._lower, key, w.bit)
 
     def _drop_pending(self, w: _Worker, keys: Iterable[bytes]) -> None:

@@ -12,6 +12,7 @@ Pure core: no I/O.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,8 @@ def check_integrity(index: PrefixIndex) -> None:
         _require(w.bit == 1 << w.slot, f"{name}: bit does not match slot")
         _require(all(holdings.holds(k, w.slot) for k in w.spilled),
                  f"{name}: a spilled key is not held")
+        _require(Counter(w.spilled.values()) == +w.spilled_by_tier,
+                 f"{name}: spilled counts per tier are wrong")
         _require(not any(holdings.holds(k, w.slot) for k in w.pending),
                  f"{name}: a held key is pending")
         held = by_slot[w.slot]
