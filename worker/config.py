@@ -30,6 +30,8 @@ __all__ = ["ConfigError", "WorkerConfig"]
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
+MODEL_SIZE_NAMES = ("tiny", "small", "bench")
+"""The reference model's sizes (shapes: ``worker.model_sizes``, which needs torch)."""
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
@@ -59,6 +61,11 @@ class WorkerConfig:
     device: str = "auto"
     """``cuda`` when available for ``auto``; ``cuda`` is refused where torch has no GPU."""
     dtype: str = "float32"
+    model_size: str = "tiny"
+    """The reference model's size, one of ``MODEL_SIZE_NAMES`` (``worker.model_sizes``): ``tiny``
+    prefills for next to nothing; ``small`` (what ``kvcoord up`` runs) and ``bench`` make a
+    prefill cost what it costs on a real engine. A fleet's workers run one size (a version's
+    seeded weights differ between sizes, as a real fleet serves one model)."""
     model_name: str = "default"
     weights: str | None = None
     """A safetensors file; unset = weights generated from a seed chosen by ``policy_version``."""
@@ -155,6 +162,9 @@ class WorkerConfig:
             raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.model_size not in MODEL_SIZE_NAMES:
+            raise ConfigError(f"model_size must be one of {MODEL_SIZE_NAMES}, "
+                              f"got {self.model_size!r}")
         if self.device == "cuda" and not _cuda_available():
             raise ConfigError(
                 "device cuda was asked for but torch sees no CUDA GPU "

@@ -31,6 +31,7 @@ from worker.http_api.server import OpenAIServer
 from worker.http_api.serving import bind_http
 from worker.kv_tier_copy import HostMemoryShort
 from worker.metrics import WorkerMetrics
+from worker.model_sizes import MODEL_SIZES
 from worker.relay import EventRelay
 from worker.runtime import GenerationAborted, InvalidRequest, PoolExhausted, WorkerRuntime
 from worker.servicer import WorkerServicer
@@ -100,7 +101,8 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     device = config.resolved_device()
     try:
         runtime = await asyncio.to_thread(
-            WorkerRuntime, model=ModelConfig(), pages=config.pages, page_size=config.page_size,
+            WorkerRuntime, model=MODEL_SIZES[config.model_size], pages=config.pages,
+            page_size=config.page_size,
             hash_config=config.hash_config(), model_name=config.model_name,
             policy_version=config.policy_version, device=device,
             dtype=getattr(torch, config.dtype), weights_path=config.weights,
@@ -150,7 +152,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     agent.start()
     log.info("worker.serving", worker=worker_id, listen=config.listen, port=port,
              address=address, metrics_port=metrics_port, http_port=http_port, device=device,
-             pages=config.pages,
+             model_size=config.model_size, pages=config.pages,
              page_size=config.page_size, policy_version=runtime.policy_version,
              coordinator=config.coordinator, **security.describe())
     warn_if_open(config.listen, security)
