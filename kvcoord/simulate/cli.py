@@ -7,18 +7,32 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvcoord.simulate.trace import TraceRequest
 
 
 def add_simulate_parser(sub: Any) -> None:
     """Add the ``simulate`` subcommand to ``sub`` (an argparse subparsers action)."""
     sim: argparse.ArgumentParser = sub.add_parser(
-        "simulate", help="replay a Mooncake-format trace through the real index and router "
-        "with simulated workers",
+        "simulate", help="replay a Mooncake-format trace (or a generated workload) through the "
+        "real index and router with simulated workers",
     )
-    sim.add_argument("--trace", required=True, metavar="FILE",
-                     help="JSON Lines: timestamp (ms), input_length, output_length, hash_ids")
-    sim.add_argument("--workers", type=int, required=True, metavar="N")
+    source = sim.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", metavar="FILE",
+                        help="JSON Lines: timestamp (ms), input_length, output_length, hash_ids")
+    source.add_argument("--workload", metavar="NAME",
+                        help="generate the requests instead, seeded by --seed: chat, agent, "
+                        "grpo, rag (docs/SIMULATOR.md, 'Generated workloads')")
+    sim.add_argument("--requests", type=int, metavar="N",
+                     help="with --workload: how many requests to generate (default: the "
+                     "family's own, sized for 8 workers x 500,000 tokens)")
+    sim.add_argument("--write-trace", metavar="FILE",
+                     help="with --workload: write the generated requests to FILE as a "
+                     "Mooncake trace and stop (no --workers needed); --trace FILE replays them")
+    sim.add_argument("--workers", type=int, metavar="N",
+                     help="simulated workers (required unless --write-trace)")
     sim.add_argument("--capacity-tokens", type=int, default=500_000, metavar="N",
                      help="KV capacity per worker in tokens (default %(default)s: an 80 GB GPU "
                      "serving Llama-3-8B in bf16)")
@@ -46,17 +60,26 @@ def add_simulate_parser(sub: Any) -> None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     """Run the simulation, print the table (stdout), write --json/--plot; progress on stderr.
+    With ``--write-trace`` only write the generated workload (a line on stdout says where).
 
+    The requests come from ``--trace FILE`` or ``--workload NAME`` (exactly one; argparse
+    refuses neither or both); a generated workload is named ``workload:NAME`` in the report.
     Bad input raises ValueError (the CLI prints it and exits 2)."""
     from kvcoord.progress import Progress
     from kvcoord.simulate.engine import ROUTERS, check_policies
     from kvcoord.simulate.report import render, write_json, write_plot
     from kvcoord.simulate.runner import simulate
 
+    if args.write_trace is not None:
+        _source(args)
+        return 0
+    if args.workers is None:
+        raise ValueError("--workers N is required (how many workers to simulate)")
     names = check_policies(args.policy or list(ROUTERS))
     host_tokens = _whole_tokens(args.host_capacity_tokens)
     if args.plot:
         _require_matplotlib()  # fail before minutes of simulation, not after
+    trace = _source(args)
     bar: list[Progress] = []
 
     def on_phase(policy: str, requests: int) -> Callable[[int], None]:
@@ -67,10 +90,10 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     try:
         report = simulate(
-            args.trace, workers=args.workers, capacity_tokens=args.capacity_tokens,
-            host_capacity_tokens=host_tokens, policies=names, page_size=args.page_size,
-            limit=args.limit, seed=args.seed, seeds=args.seeds,
-            arrival_jitter_ms=args.jitter_ms, progress=on_phase,
+            trace, trace_name=f"workload:{args.workload}", workers=args.workers,
+            capacity_tokens=args.capacity_tokens, host_capacity_tokens=host_tokens,
+            policies=names, page_size=args.page_size, limit=args.limit, seed=args.seed,
+            seeds=args.seeds, arrival_jitter_ms=args.jitter_ms, progress=on_phase,
         )
     finally:
         if bar:
@@ -81,6 +104,25 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(report, args.plot)
     return 0
+
+
+def _source(args: argparse.Namespace) -> str | list[TraceRequest]:
+    """The trace path, or the generated requests (written out when --write-trace asks).
+    ValueError for an unknown workload (naming the known ones) or a flag that needs
+    --workload given without it."""
+    if args.trace is not None:
+        for flag, value in (("--requests", args.requests), ("--write-trace", args.write_trace)):
+            if value is not None:
+                raise ValueError(f"{flag} applies to --workload only (use --limit with --trace)")
+        return str(args.trace)
+    from kvcoord.simulate.workloads import generate, jsonl
+
+    requests = generate(args.workload, requests=args.requests, seed=args.seed)
+    if args.write_trace is not None:
+        jsonl.write(requests, args.write_trace)
+        print(f"wrote {len(requests)} requests of workload {args.workload} (seed {args.seed}) "
+              f"to {args.write_trace}")
+    return requests
 
 
 def _whole_tokens(text: str) -> int:

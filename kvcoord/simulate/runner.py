@@ -1,7 +1,10 @@
-"""``simulate``: load a trace, hash it once, compute the bounds, run each policy per seed."""
+"""``simulate``: load a trace (or take generated requests), hash it once, compute the bounds,
+run each policy per seed."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -13,7 +16,8 @@ from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS
 from kvcoord.simulate.bounds import infinite_bound, pooled_bound
 from kvcoord.simulate.engine import ROUTERS, SimConfig, check_policies, run_policy
 from kvcoord.simulate.report import SimulationReport
-from kvcoord.simulate.trace import BLOCK_TOKENS, load_trace, trace_page_keys
+from kvcoord.simulate.trace import BLOCK_TOKENS, TraceRequest, load_trace, trace_page_keys
+from kvcoord.simulate.workloads import jsonl
 
 DEFAULT_CAPACITY_TOKENS = 500_000  # an 80 GB GPU, Llama-3-8B bf16 at 128 KiB of KV per token
 # Pages of one trace block: the finest grain the trace's hash ids describe. A 16-token page
@@ -29,7 +33,7 @@ PhaseProgress = Callable[[str, int], Callable[[int], None]]
 
 
 def simulate(
-    trace: str | Path,
+    trace: str | Path | Sequence[TraceRequest],
     *,
     workers: int,
     capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
@@ -41,11 +45,18 @@ def simulate(
     seeds: int = DEFAULT_SEEDS,
     arrival_jitter_ms: float = ARRIVAL_JITTER_MS,
     progress: PhaseProgress | None = None,
+    trace_name: str = "requests",
 ) -> SimulationReport:
     """Run every policy in ``policies`` over the trace (its first ``limit`` requests) under
     each of the ``seeds`` seeds ``seed, seed + 1, ...`` (a seed jitters the arrivals by up to
     ``arrival_jitter_ms`` and breaks ties). Each worker has ``capacity_tokens`` of device KV
     memory and ``host_capacity_tokens`` of host memory (0: no host tier).
+
+    ``trace`` is a Mooncake trace file, or requests already built (a generated workload:
+    ``kvcoord.simulate.workloads``), which must be valid trace requests in arrival order
+    (ValueError otherwise); the report then names them ``trace_name`` (e.g.
+    ``workload:chat``) and its ``trace_sha256`` is that of all of them written as a trace
+    file (``workloads.jsonl.dumps``), as a file's is of all its bytes, ``limit`` or not.
 
     All arguments are checked before the trace is read (ValueError); trace problems raise
     ``TraceError`` (a ValueError naming the line). ``progress(label, requests)`` is called
@@ -63,7 +74,7 @@ def simulate(
     config = SimConfig(workers, capacity_tokens, hasher, namespace,
                        arrival_jitter_ms=arrival_jitter_ms,
                        host_capacity_tokens=host_capacity_tokens)
-    requests = load_trace(trace, limit)
+    requests, label, digest = _requests(trace, limit, trace_name)
     keys = trace_page_keys(requests, hasher, namespace)
     infinite = infinite_bound(requests, keys, page_size)
     pooled = pooled_bound(requests, keys, config.pages_per_worker * workers, hasher, namespace)
@@ -82,10 +93,29 @@ def simulate(
         for name in names
     }
     return SimulationReport(
-        trace=str(trace), trace_sha256=trace_identity(trace)["sha256"], workers=workers,
+        trace=label, trace_sha256=digest, workers=workers,
         capacity_tokens=capacity_tokens, host_capacity_tokens=host_capacity_tokens,
         page_size=page_size, requests=len(requests), seeds=run_seeds,
         arrival_jitter_ms=arrival_jitter_ms, infinite=infinite, pooled=pooled,
         pooled_host=pooled_host, runs=runs, elapsed_s=time.monotonic() - started,
     )
 
+
+def _requests(trace: str | Path | Sequence[TraceRequest], limit: int | None,
+              name: str) -> tuple[list[TraceRequest], str, str]:
+    """(the requests to run, the report's trace name, its sha256) for a file or a list."""
+    if isinstance(trace, str | Path):
+        return load_trace(trace, limit), str(trace), trace_identity(trace)["sha256"]
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    requests = list(trace)
+    if not requests:
+        raise ValueError("no requests to simulate")
+    jsonl.check(requests)
+    if any(a.timestamp_ms > b.timestamp_ms for a, b in itertools.pairwise(requests)):
+        raise ValueError("requests must be in arrival order (non-decreasing timestamp_ms)")
+    digest = jsonl.sha256(requests)
+    kept = requests[:limit]
+    # The engine files each request's results under its index: positions 0.. in this list.
+    kept = [r if r.index == i else dataclasses.replace(r, index=i) for i, r in enumerate(kept)]
+    return kept, name, digest
