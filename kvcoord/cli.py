@@ -13,6 +13,7 @@ from pathlib import Path
 from coordinator.client.errors import KvcoordError
 from kvcoord.cli_commands import COMMANDS
 from kvcoord.cli_security import add_client_flags, add_identity_parser, add_server_flags
+from worker.config import MODEL_SIZE_NAMES
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "the HTTP endpoint (default: the shipped reference tokenizer)")
     work.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
     work.add_argument("--model", help="model name (hash namespace; default 'default')")
+    work.add_argument("--model-size", choices=MODEL_SIZE_NAMES,
+                      help="the reference model's size (default tiny: prefill costs next to "
+                      "nothing; small ~10M and bench ~23M parameters make it cost)")
     work.add_argument("--weights", metavar="FILE", help="safetensors weights (default: seeded)")
     work.add_argument("--log-level", help="debug, info (default), warning, error")
     add_server_flags(work)
@@ -170,7 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--requests", type=int, metavar="N",
                     help="about N requests per routing policy (overrides --scale)")
     up.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                    help="the workers' device (default cpu: the reference model is tiny)")
+                    help="the workers' device (default cpu: the reference model is small)")
+    up.add_argument("--model-size", choices=MODEL_SIZE_NAMES,
+                    help="the workers' reference model (default small, ~10M parameters: "
+                    "prefill costs, so the report's TTFT shows what the cache saves)")
     up.add_argument("--pages", type=int,
                     help="KV pages per worker (default 256: less than the workload's working "
                     "set, as in production)")

@@ -70,7 +70,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "worker_id": args.worker_id,
         "metrics_port": args.metrics_port, "page_size": args.page_size,
         "http_listen": args.http_listen, "tokenizer": args.tokenizer,
-        "model_name": args.model, "weights": args.weights, "log_level": args.log_level,
+        "model_name": args.model, "model_size": args.model_size, "weights": args.weights,
+        "log_level": args.log_level,
         "token_file": args.token_file, "tls_ca": args.tls_ca, **server_flags(args),
     }
     try:
@@ -243,6 +244,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         serve=args.serve, spec=spec,
         device=args.device, pidfile=Path(args.pidfile) if args.pidfile else None,
         **({} if args.pages is None else {"pages": args.pages}),
+        **({} if args.model_size is None else {"model_size": args.model_size}),
     ))
 
 

@@ -1,4 +1,5 @@
-"""The workload ``kvcoord up`` drives through the SDK: multi-turn chats and a GRPO-style round.
+"""The workload ``kvcoord up`` drives through the SDK and the workers' OpenAI endpoints:
+multi-turn chats and a GRPO-style round.
 
 One pass, against one fleet, under one routing policy (``routing_policy`` on every Route and
 RouteBatch call):
@@ -6,19 +7,23 @@ RouteBatch call):
 1. **Chats**: ``chats`` conversations of ``turns`` turns; conversation c opens with system
    prompt ``c % system_prompts`` (so several chats share each one). Each turn's prompt is the
    whole history (system prompt, earlier user turns and replies, the new user turn): it is
-   routed with ``client.route`` and generated on the chosen worker with
-   ``WorkerClient.generate``. Up to ``concurrency`` conversations run at once.
+   routed with ``client.route`` and streamed from the chosen worker's OpenAI endpoint
+   (``kvcoord.completion_stream``), as a scheduler in front of real engines would. The reply
+   goes into the history as its text encoded again (what a chat client sends back), with the
+   reference tokenizer the workers use. Up to ``concurrency`` conversations run at once.
 2. **GRPO round**: ``grpo_prompts`` prompts (a shared instruction template + a problem), each
    sampled ``samples`` times. The first half of the prompts is routed with one
    ``client.route_batch`` call and generated in the returned ``order`` (each worker's share in
-   that order, workers in parallel); then ``client.policy_update`` moves the fleet to v+1; then
-   the second half likewise. Every generation before the update must report v, every one after
-   it v+1; anything else raises ``WorkloadError``.
+   that order, one request at a time, workers in parallel); then ``client.policy_update``
+   moves the fleet to v+1; then the second half likewise. Every generation before the update
+   must report v, every one after it v+1; anything else raises ``WorkloadError``.
 
 Prompts depend only on ``seed`` and the replies (greedy decoding under the same weights), so two
 passes on fresh fleets see the very same requests: that is what makes the policies comparable.
-Latency is client-side route + generate; for batch-routed samples the RouteBatch call's time is
-shared equally among its prompts.
+Both clocks run at the client from the request's route call: time to first token (TTFT) stops
+at the stream's first event, latency at its end. A batch-routed sample's clock starts when the
+client sends it (its worker has finished the sample before it), plus an equal share of the
+RouteBatch call; how long each GRPO round took in all is ``PassResult.grpo_s``.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from coordinator.client import CoordinatorClient, Route
+from kvcoord.completion_stream import CompletionStreamer, StreamError
 from kvcoord.progress import Progress
-from worker.client import WorkerClient
+from worker.text.tokenizer import TextTokenizer, reference_tokenizer
 
 VOCAB = 512  # the reference model's vocabulary: token ids must stay below it
 SCALES = {"small": 40, "default": 160}
@@ -56,7 +62,7 @@ class WorkloadSpec:
     system_prompts: int = 4
     system_tokens: int = 128
     user_tokens: int = 96
-    reply_tokens: int = 32
+    reply_tokens: int = 8
     think_s: float = 0.3
     """Mean pause between a reply and the next turn (a user reads before typing; uniform in
     [0.5, 1.5] x ``think_s``, seeded per chat). Why it matters
@@ -66,7 +72,7 @@ class WorkloadSpec:
     samples: int = 8
     template_tokens: int = 64
     problem_tokens: int = 160
-    completion_tokens: int = 32
+    completion_tokens: int = 8
     concurrency: int = 8
     seed: int = 7
 
@@ -88,24 +94,31 @@ class WorkloadSpec:
 
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
-    """One served request as the scheduler saw it (token counts are the worker's)."""
+    """One served request as the scheduler saw it (token counts are the worker's ``usage``;
+    ``computed_tokens`` follows from them: a fully cached prompt still computes its last token).
+    ``ttft_s`` and ``latency_s``: the module docstring's clocks."""
 
     kind: str  # "chat" | "grpo"
     worker_id: str
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
+    ttft_s: float
     latency_s: float
     policy_version: int
+    prompt_key: int
+    """``hash(tuple(prompt))``: deterministic for ints, so passes compare their prompts."""
 
 
 @dataclass(slots=True)
 class PassResult:
-    """Everything one pass recorded; ``routing_policy`` names the policy every route asked."""
+    """Everything one pass recorded; ``routing_policy`` names the policy every route asked.
+    ``grpo_s``: the GRPO rounds' time, each from its RouteBatch call to its last answer."""
 
     routing_policy: str
     records: list[RequestRecord] = field(default_factory=list)
     wall_s: float = 0.0
+    grpo_s: float = 0.0
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -116,44 +129,47 @@ class _Pass:
     """One pass's state: the clients, the records (under a lock), the stop flag."""
 
     def __init__(self, client: CoordinatorClient, routing_policy: str, progress: Progress,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, tokenizer: TextTokenizer) -> None:
         self.client = client
         self.result = PassResult(routing_policy)
         self.progress = progress
         self.stop = stop
-        self._workers: dict[str, WorkerClient] = {}
+        self.streamer = CompletionStreamer()
+        self._tokenizer = tokenizer
         self._lock = threading.Lock()
 
-    def worker(self, address: str) -> WorkerClient:
-        with self._lock:
-            if address not in self._workers:
-                self._workers[address] = WorkerClient(address, timeout=30.0)
-            return self._workers[address]
-
     def close(self) -> None:
-        for worker in self._workers.values():
-            worker.close()
+        self.streamer.close()
 
     def serve(self, kind: str, prompt: list[int], max_new: int, version: int,
               route: Route | None = None, route_s: float = 0.0) -> list[int]:
-        """Route (unless already routed), generate on the routed worker, record; returns the
-        completion. WorkloadError when the generation's version is not ``version``."""
+        """Route (unless already routed), stream the completion from the routed worker,
+        record; returns the reply's text encoded again. WorkloadError when the worker serves
+        another version than ``version`` or its endpoint fails."""
         if self.stop.is_set():
             raise Cancelled
-        start = time.monotonic()
         if route is None:
+            start = time.perf_counter()
             route = self.client.route(prompt, routing_policy=self.result.routing_policy)
-        generation = self.worker(route.address).generate(prompt, max_new)
-        latency = time.monotonic() - start + route_s
-        if generation.policy_version != version:
-            raise WorkloadError(f"{kind} request on {route.worker_id} generated under policy "
-                                f"v{generation.policy_version}, expected v{version}")
-        record = RequestRecord(kind, route.worker_id, len(prompt), generation.cached_tokens,
-                               generation.computed_tokens, latency, generation.policy_version)
+            route_s = time.perf_counter() - start
+        if not route.http_url:
+            raise WorkloadError(f"{route.worker_id} registered no OpenAI endpoint")
+        try:
+            answer = self.streamer.complete(route.http_url, prompt, max_new)
+        except StreamError as exc:
+            raise WorkloadError(f"{kind} request on {route.worker_id}: {exc}") from None
+        if answer.policy_version != version:
+            raise WorkloadError(f"{kind} request on {route.worker_id} served under policy "
+                                f"v{answer.policy_version}, expected v{version}")
+        cached = answer.cached_tokens
+        computed = len(prompt) - cached if cached < len(prompt) else 1
+        record = RequestRecord(kind, route.worker_id, len(prompt), cached, computed,
+                               route_s + answer.ttft_s, route_s + answer.total_s,
+                               answer.policy_version, hash(tuple(prompt)))
         with self._lock:
             self.result.records.append(record)
         self.progress.advance()
-        return generation.tokens
+        return self._tokenizer.encode(answer.text, add_special_tokens=False)
 
     def run_all(self, tasks: Sequence[Callable[[], None]], concurrency: int) -> None:
         """Run ``tasks`` on ``concurrency`` threads; the first error (or Ctrl-C here) sets the
@@ -180,7 +196,7 @@ def run_pass(target: str, routing_policy: str, spec: WorkloadSpec, progress: Pro
     problems = [template + _tokens(rng, spec.problem_tokens) for _ in range(spec.grpo_prompts)]
     started = time.monotonic()
     with CoordinatorClient(target, timeout=30.0) as client:
-        run = _Pass(client, routing_policy, progress, stop)
+        run = _Pass(client, routing_policy, progress, stop, reference_tokenizer())
         try:
             version = client.policy().version
 
@@ -199,28 +215,30 @@ def run_pass(target: str, routing_policy: str, spec: WorkloadSpec, progress: Pro
             run.run_all([functools.partial(chat, i) for i in range(spec.chats)], spec.concurrency)
             half = len(problems) // 2
             progress.set_phase(f"{routing_policy}: GRPO {half}x{spec.samples} samples @ v{version}")
-            _grpo_batch(run, problems[:half], spec, version)
+            run.result.grpo_s += _grpo_batch(run, problems[:half], spec, version)
             progress.set_phase(f"{routing_policy}: policy update v{version} -> v{version + 1}")
             with client.policy_update(version) as update:
                 pass  # reference workers derive the new weights from the version itself
             progress.set_phase(f"{routing_policy}: GRPO {len(problems) - half}x{spec.samples} "
                                f"samples @ v{update.version}")
-            _grpo_batch(run, problems[half:], spec, update.version)
+            run.result.grpo_s += _grpo_batch(run, problems[half:], spec, update.version)
         finally:
             run.close()
     run.result.wall_s = time.monotonic() - started
     return run.result
 
 
-def _grpo_batch(run: _Pass, prompts: list[list[int]], spec: WorkloadSpec, version: int) -> None:
+def _grpo_batch(run: _Pass, prompts: list[list[int]], spec: WorkloadSpec, version: int
+                ) -> float:
     """``samples`` copies of each prompt through one RouteBatch; each worker runs its share in
-    the returned order (siblings back to back), the workers in parallel."""
+    the returned order (siblings back to back), the workers in parallel. Returns the seconds
+    from the RouteBatch call to the last answer."""
     batch = [prompt for prompt in prompts for _ in range(spec.samples)]
     if not batch:
-        return
-    start = time.monotonic()
+        return 0.0
+    start = time.perf_counter()
     routed = run.client.route_batch(batch, routing_policy=run.result.routing_policy)
-    route_s = (time.monotonic() - start) / len(batch)
+    route_s = (time.perf_counter() - start) / len(batch)
     queues: dict[str, list[int]] = {}
     for i in routed.order:
         queues.setdefault(routed.routes[i].worker_id, []).append(i)
@@ -230,3 +248,4 @@ def _grpo_batch(run: _Pass, prompts: list[list[int]], spec: WorkloadSpec, versio
             run.serve("grpo", batch[i], spec.completion_tokens, version, routed.routes[i], route_s)
 
     run.run_all([functools.partial(drain, q) for q in queues.values()], len(queues))
+    return time.perf_counter() - start

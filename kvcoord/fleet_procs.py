@@ -10,6 +10,7 @@ drain), then SIGKILL to whatever outlives the grace period; it is idempotent.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -137,12 +138,16 @@ class LocalFleet:
     """KV pages per worker (None: the worker's default)."""
     pidfile: Path | None = None
     http: bool = False
+    """Workers also serve their OpenAI endpoint (``--http-listen``, URLs in ``worker_urls``);
+    ``start_gateway`` then puts a ``kvcoord gateway`` in front of them."""
     routing_policy: str | None = None
     """The coordinator's ``--routing-policy`` (None: its default, ``kv_aware``)."""
-    """Workers also serve their OpenAI endpoint (``--http-listen``); ``start_gateway`` then
-    puts a ``kvcoord gateway`` in front of them."""
+    model_size: str | None = None
+    """The workers' ``--model-size`` (None: the worker's default, ``tiny``)."""
     coordinator_target: str = ""
     worker_addresses: dict[str, str] = field(default_factory=dict)
+    worker_urls: dict[str, str] = field(default_factory=dict)
+    """Worker id -> its OpenAI base URL (``http`` only)."""
     gateway_url: str = ""
     _coordinator: subprocess.Popen[bytes] | None = None
     _worker_procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -159,18 +164,24 @@ class LocalFleet:
             self._coordinator = self._spawn("coordinator", {}, [
                 "coordinator", "--listen", self.coordinator_target, "--log-level", "warning",
                 *extra])
-            pages = ["--pages", str(self.pages)] if self.pages is not None else []
+            sizing = ["--pages", str(self.pages)] if self.pages is not None else []
+            if self.model_size is not None:
+                sizing += ["--model-size", self.model_size]
             # Why: torch sizes its thread pool to every core in each worker; N workers sharing
             # the cores then spin against each other (10x tail latency on 2 cores).
             threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // self.workers))}
             for i in range(self.workers):
                 worker_id, address = f"w{i}", f"127.0.0.1:{free_port()}"
                 self.worker_addresses[worker_id] = address
-                http = ["--http-listen", f"127.0.0.1:{free_port()}"] if self.http else []
+                http = []
+                if self.http:
+                    http_port = free_port()
+                    http = ["--http-listen", f"127.0.0.1:{http_port}"]
+                    self.worker_urls[worker_id] = f"http://127.0.0.1:{http_port}"
                 self._worker_procs[worker_id] = self._spawn(worker_id, threads, [
                     "worker", "--coordinator", self.coordinator_target, "--listen", address,
                     "--worker-id", worker_id, "--device", self.device, "--log-level", "warning",
-                    *pages, *http])
+                    *sizing, *http])
             self._wait_ready(deadline)
             self._warm_up()
         except BaseException:
@@ -207,11 +218,19 @@ class LocalFleet:
                 time.sleep(0.1)
 
     def _warm_up(self) -> None:
-        """One tiny generation per worker, so no measured request pays for lazy start-up work.
-        Prompt + completion stay under one page: nothing is cached or indexed."""
+        """One tiny generation per worker (and one through its OpenAI endpoint with ``http``),
+        so no measured request pays for lazy start-up work. Prompt + completion stay under one
+        page: nothing is cached or indexed."""
         for address in self.worker_addresses.values():
             with WorkerClient(address, timeout=30.0) as worker:
                 worker.generate([1, 2, 3, 4], 2)
+        body = json.dumps({"model": "default", "prompt": [1, 2, 3, 4], "max_tokens": 2,
+                           "stream": True}).encode()
+        for url in self.worker_urls.values():
+            request = urllib.request.Request(f"{url}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                answer.read()
 
     def start_gateway(self, timeout: float = 30.0) -> str:
         """Start ``kvcoord gateway`` in front of the fleet; its URL once ``/readyz`` says 200.

@@ -3,13 +3,15 @@
 What it does, in order:
 
 1. Starts a fresh fleet (``kvcoord coordinator``, embedded store unless ``--redis``, and
-   ``--workers`` ``kvcoord worker`` processes on free ports, each in its own process group) and
-   waits until the coordinator is healthy and every worker is ``ready`` at it.
+   ``--workers`` ``kvcoord worker`` processes on free ports, each in its own process group and
+   with its OpenAI endpoint, running the ``--model-size`` reference model) and waits until the
+   coordinator is healthy and every worker is ``ready`` at it, then warms each worker up with
+   one request that caches nothing.
 2. Runs the workload of ``kvcoord.demo_workload`` with ``routing_policy="round_robin"``, then
    stops that fleet.
 3. Starts a second fresh fleet and runs the very same workload with ``kv_aware``. Fresh fleets
-   (empty caches, policy v0 on the embedded store) are what make the two passes comparable:
-   the same prompts, in the same shapes, against cold workers.
+   (empty caches, policy v0 on the embedded store, the same warm-up) are what make the two
+   passes comparable: the same prompts, in the same shapes, against cold workers.
 4. Prints the report (stdout; progress goes to stderr). With ``--keep-running`` the kv_aware
    fleet keeps serving: its addresses are printed on a line starting ``serving:`` and it runs
    until Ctrl-C/SIGTERM (or until one of its processes dies: exit 1).
@@ -42,6 +44,7 @@ from kvcoord.demo_workload import SCALES, PassResult, WorkloadError, WorkloadSpe
 from kvcoord.fleet_procs import FleetError, LocalFleet
 from kvcoord.progress import Progress
 from kvcoord.up_report import render_report
+from worker.config import MODEL_SIZE_NAMES
 
 HEADLINE_POLICY = "kv_aware"
 CONTRAST_POLICY = "round_robin"
@@ -49,6 +52,9 @@ CONTRAST_POLICY = "round_robin"
 # its fleet's working set, which is exactly when routing decides what gets reused. With the
 # worker's default (1,024 pages) every worker would cache the whole demo workload.
 DEMO_PAGES = 256
+# Why not the worker's default (tiny): its prefill costs next to nothing, so a prefix hit saves
+# no time and the demo could show tokens saved but not the time to first token they buy.
+DEMO_MODEL_SIZE = "small"
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -74,6 +80,7 @@ class UpOptions:
         SCALES["default"]))
     device: str = "cpu"
     pages: int = DEMO_PAGES
+    model_size: str = DEMO_MODEL_SIZE
     pidfile: Path | None = None
 
     def __post_init__(self) -> None:
@@ -81,6 +88,9 @@ class UpOptions:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.pages < 1:
             raise ValueError(f"--pages must be >= 1, got {self.pages}")
+        if self.model_size not in MODEL_SIZE_NAMES:
+            raise ValueError(f"--model-size must be one of {MODEL_SIZE_NAMES}, "
+                             f"got {self.model_size!r}")
 
 
 @contextmanager
@@ -138,8 +148,9 @@ def _run(options: UpOptions, fleets: list[LocalFleet], log_dir: Path, out: TextI
          err: TextIO) -> int:
     spec = options.spec
     store = f"redis {options.redis}" if options.redis else "embedded store"
-    print(f"kvcoord up: coordinator ({store}) + {options.workers} reference workers, "
-          f"{spec.requests} requests per routing policy", file=err, flush=True)
+    print(f"kvcoord up: coordinator ({store}) + {options.workers} reference workers "
+          f"(model {options.model_size}), {spec.requests} requests per routing policy",
+          file=err, flush=True)
     progress = Progress(2 * spec.requests, stream=err)
     stop = threading.Event()
     passes: dict[str, PassResult] = {}
@@ -148,7 +159,8 @@ def _run(options: UpOptions, fleets: list[LocalFleet], log_dir: Path, out: TextI
             progress.set_phase(f"{policy}: starting a fresh fleet")
             fleet = LocalFleet(options.workers, log_dir / policy, redis=options.redis,
                                device=options.device, pages=options.pages,
-                               pidfile=options.pidfile, http=options.serve)
+                               model_size=options.model_size, pidfile=options.pidfile,
+                               http=True)
             fleet.log_dir.mkdir()
             fleets.append(fleet)
             fleet.start()
@@ -161,8 +173,9 @@ def _run(options: UpOptions, fleets: list[LocalFleet], log_dir: Path, out: TextI
         stop.set()
         progress.close()
     fleet = fleets[-1]
-    how = (f"each policy ran on a fresh fleet (new coordinator and workers, empty caches of "
-           f"{options.pages} pages each) with identical prompts.")
+    how = (f"each policy ran on a fresh fleet (new coordinator and workers running the "
+           f"{options.model_size!r} reference model, empty caches of {options.pages} pages each, "
+           f"the same warm-up) with identical prompts.")
     if options.redis:
         how += " The policy version lives in Redis: the second fleet starts where the first ended."
     report = render_report(spec, list(fleet.worker_addresses),

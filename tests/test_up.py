@@ -24,6 +24,9 @@ pytestmark = pytest.mark.slow
 
 KVCOORD = [sys.executable, "-m", "kvcoord.cli"]
 WORKERS = 2
+# The smallest sizes: the demo's own model (small) makes a prefill cost; here only the
+# plumbing and the report are under test, so the tiny one keeps these tests fast.
+SMALLEST = ["--workers", str(WORKERS), "--scale", "small", "--model-size", "tiny"]
 PROCESSES_PER_FLEET = 1 + WORKERS  # a coordinator and its workers; one fleet per policy
 
 
@@ -60,7 +63,7 @@ def row(report: str, label: str) -> list[str]:
 def test_up_runs_the_demo_prints_the_report_and_leaves_no_process(tmp_path: Path) -> None:
     pidfile = tmp_path / "pids"
     done = subprocess.run(
-        [*KVCOORD, "up", "--workers", str(WORKERS), "--scale", "small", "--pidfile", str(pidfile)],
+        [*KVCOORD, "up", *SMALLEST, "--pidfile", str(pidfile)],
         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=90,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -78,6 +81,19 @@ def test_up_runs_the_demo_prints_the_report_and_leaves_no_process(tmp_path: Path
         assert 0 < cached[i] < prompt[i] <= computed[i] + cached[i]
     kv_hit, rr_hit = (float(cell.rstrip("%")) for cell in row(report, "hit ratio"))
     assert kv_hit > rr_hit
+    # TTFT at the client, per policy, overall and per kind of request ("p50 / p99").
+    p50s, p99s = (list(map(float, row(report, f"TTFT p{q} (ms)"))) for q in (50, 99))
+    assert len(p50s) == len(p99s) == 2
+    assert all(0 < p50 <= p99 for p50, p99 in zip(p50s, p99s, strict=True))
+    for label in ("  chat turns p50 / p99", "  GRPO samples p50 / p99"):
+        for cell in row(report, label):
+            low, high = map(int, cell.split(" / "))
+            assert 0 <= low <= high <= max(p99s) + 1, (label, cell)
+    assert all(float(cell) > 0 for cell in row(report, "GRPO rounds (s)"))
+    verdict = report.splitlines()[-1]
+    assert re.fullmatch(r"kv_aware computed \d+ (fewer|more) prefill tokens than round_robin "
+                        r"\(\d+% (less|more)\) on the same requests; its TTFT was p50 \d+ "
+                        r"against \d+ ms, p99 \d+ against \d+ ms\.", verdict), verdict
     assert row(report, "policy versions seen") == ["v0, v1", "v0, v1"]
     per_worker = {line.split()[0]: line.split()[1:] for line in report.splitlines()
                   if re.match(r"w\d+ ", line)}
@@ -93,7 +109,7 @@ def test_up_runs_the_demo_prints_the_report_and_leaves_no_process(tmp_path: Path
 def test_ctrl_c_on_a_kept_running_fleet_stops_every_process(tmp_path: Path) -> None:
     pidfile = tmp_path / "pids"
     up = subprocess.Popen(
-        [*KVCOORD, "up", "--workers", str(WORKERS), "--scale", "small", "--keep-running",
+        [*KVCOORD, "up", *SMALLEST, "--keep-running",
          "--pidfile", str(pidfile)],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
@@ -146,7 +162,7 @@ def test_up_serve_keeps_the_fleet_behind_a_gateway_an_openai_client_uses(
 
     pidfile = tmp_path / "pids"
     up = subprocess.Popen(
-        [*KVCOORD, "up", "--workers", str(WORKERS), "--scale", "small", "--serve",
+        [*KVCOORD, "up", *SMALLEST, "--serve",
          "--pidfile", str(pidfile)],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
