@@ -133,6 +133,7 @@ class CoordinatorConfig:
     kv_queued_token: float = 1.0
     kv_running_request: float = 8.0
     kv_memory_pressure: float = 1.0
+    kv_duplicate_token: float = 1.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -240,7 +241,7 @@ class CoordinatorConfig:
             prefill_token=self.kv_prefill_token,
             lower_tier_token=self.tier_costs().lower_tier_token,
             queued_token=self.kv_queued_token, running_request=self.kv_running_request,
-            memory_pressure=self.kv_memory_pressure,
+            memory_pressure=self.kv_memory_pressure, duplicate_token=self.kv_duplicate_token,
         )
 
     @classmethod

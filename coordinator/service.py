@@ -122,7 +122,9 @@ class CoordinatorService:
             max_pending=config.max_pending_entries,
         )
         weights = config.kv_weights()
-        self.fleet = Fleet(load_floor=functools.partial(load_floor, weights=weights))
+        self.fleet = Fleet(load_floor=functools.partial(load_floor, weights=weights),
+                           backlog_weight=weights.queued_token,
+                           prefill_tokens_per_s=config.prefill_tokens_per_s)
         # What this process has seen of versions and incarnations: a store that forgets them
         # (Redis without persistence, the embedded store after a restart) is caught by it.
         high_water = HighWater()

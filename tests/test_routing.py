@@ -2,7 +2,8 @@
 
 Unless a test says otherwise the prompt is 70 tokens at page size 16: 4 indexed pages and a
 6-token tail that every worker computes. Default weights: prefill 1.0, lower tier 0.25,
-queued 1.0, running request 8.0, memory pressure 1.0 (per token of pages short).
+queued (prefill backlog) 1.0, running request 8.0, memory pressure 1.0 (per token of pages
+short), duplicate 1.0 (per token the best holder caches beyond the worker).
 """
 
 from __future__ import annotations
@@ -53,24 +54,34 @@ def test_kv_aware_prefers_the_longest_cached_prefix_when_loads_are_equal() -> No
     assert choose("kv_aware", candidates) == Decision("a", 6.0, 4)
 
 
-def test_kv_aware_prefers_a_less_loaded_worker_when_its_queue_outweighs_the_cache() -> None:
-    # a saves 32 tokens over b but has 100 queued: 6 + 100 = 106 > 38.
-    busy, idle = cand("a", cached=4, queued_tokens=100), cand("b", cached=2)
-    assert choose("kv_aware", [busy, idle]) == Decision("b", 38.0, 2)
-    # With 20 queued the saving wins: 6 + 20 = 26 < 38.
-    assert choose("kv_aware", [cand("a", cached=4, queued_tokens=20), idle]) == Decision(
-        "a", 26.0, 4
+def test_kv_aware_prefers_a_less_loaded_worker_when_its_backlog_outweighs_the_cache() -> None:
+    # b computes 38 and copies the 2 pages only a holds (32): 70. a has 100 tokens of prefill
+    # backlog: 6 + 100 = 106 > 70.
+    busy, idle = cand("a", cached=4, prefill_backlog_tokens=100), cand("b", cached=2)
+    assert choose("kv_aware", [busy, idle]) == Decision("b", 70.0, 2)
+    # With 60 the prefix stays where it is: 6 + 60 = 66 < 70.
+    assert choose("kv_aware", [cand("a", cached=4, prefill_backlog_tokens=60), idle]) == (
+        Decision("a", 66.0, 4)
     )
 
 
-def test_kv_aware_counts_routes_in_flight_like_reported_load() -> None:
-    # In-flight tokens are queue: 6 + 40 = 46 > 38.
-    assert choose("kv_aware", [cand("a", cached=4, inflight_tokens=40), cand("b", cached=2)]) == (
-        Decision("b", 38.0, 2)
-    )
-    # Running and in-flight requests cost 8 each: 6 + 8 * 3 = 30 > 22 = 1*16 + 6.
-    busy = cand("a", cached=4, running_requests=2, inflight_routes=1)
-    assert choose("kv_aware", [busy, cand("b", cached=3)]) == Decision("b", 22.0, 3)
+def test_kv_aware_keeps_a_prefix_on_its_holder_where_one_requests_ttft_alone_would_move_it(
+) -> None:
+    # a: 6 + 80 backlog = 86. b caches nothing: 70, plus the 64-token copy of a's prefix = 134.
+    # Priced as one request's TTFT alone (no copy charge) b would win at 70.
+    holder, cold = cand("a", cached=4, prefill_backlog_tokens=80), cand("b")
+    assert choose("kv_aware", [holder, cold]) == Decision("a", 86.0, 4)
+    assert choose("kv_aware", [holder, cold], duplicate_token=0.0) == Decision("b", 70.0, 0)
+
+
+def test_kv_aware_waits_behind_the_prefill_backlog_not_the_heartbeats_queue() -> None:
+    # Heartbeat and in-flight token counts (prompt + output, cached or not) are not a wait: the
+    # backlog is. a: 6 + 0; b: 22 + 16 copied = 38.
+    reported = cand("a", cached=4, queued_tokens=1000, inflight_tokens=1000)
+    assert choose("kv_aware", [reported, cand("b", cached=3)]) == Decision("a", 6.0, 4)
+    # Running and in-flight requests cost 8 each: 6 + 8 * 6 = 54 > 38.
+    busy = cand("a", cached=4, running_requests=5, inflight_routes=1)
+    assert choose("kv_aware", [busy, cand("b", cached=3)]) == Decision("b", 38.0, 3)
 
 
 def test_lower_tier_pages_cost_less_than_recompute_but_more_than_gpu_pages() -> None:
@@ -106,9 +117,11 @@ def test_copies_share_the_indexed_pages_and_each_compute_their_tail() -> None:
 
 
 def test_weights_are_exchange_rates_the_caller_can_change() -> None:
-    busy, idle = cand("a", cached=4, queued_tokens=100), cand("b", cached=2)
+    busy, idle = cand("a", cached=4, prefill_backlog_tokens=100), cand("b", cached=2)
     assert choose("kv_aware", [busy, idle], queued_token=0.0) == Decision("a", 6.0, 4)
     assert choose("kv_aware", [busy, idle], queued_token=0.25) == Decision("a", 31.0, 4)
+    # b: 38 + 0.5 * 32 copied = 54 < 106.
+    assert choose("kv_aware", [busy, idle], duplicate_token=0.5) == Decision("b", 54.0, 2)
 
 
 def test_kv_aware_breaks_exact_ties_at_random_and_never_picks_a_costlier_worker() -> None:
@@ -156,8 +169,9 @@ def test_least_loaded_takes_fewest_requests_then_fewest_tokens_and_ignores_the_c
         cand("c", running_requests=3),  # (3, 0)
         cand("d", cached=4, running_requests=5),  # warm but busy
     ]
-    # Its cost is still reported on the kv_aware scale: 70 + 20 queued + 8 * 2 requests.
-    assert choose("least_loaded", candidates) == Decision("b", 106.0, 0)
+    # Its cost is still reported on the kv_aware scale: 70 + 8 * 2 requests + 64 tokens of d's
+    # prefix copied.
+    assert choose("least_loaded", candidates) == Decision("b", 150.0, 0)
 
 
 def test_least_loaded_breaks_ties_at_random() -> None:
@@ -285,7 +299,8 @@ def test_kv_aware_reads_idle_workers_only_until_none_can_win() -> None:
     weights = KvAwareWeights()
     request = RoutingRequest(prompt_pages=4, prompt_tokens=70, page_size=16)
     idle = sorted(
-        [cand(f"i{n}", queued_tokens=10 * n, total_pages=100, free_pages=100) for n in range(50)],
+        [cand(f"i{n}", prefill_backlog_tokens=10 * n, total_pages=100, free_pages=100)
+         for n in range(50)],
         key=lambda c: load_floor(c.load, weights),
     )
     seen: list[str] = []
@@ -295,15 +310,16 @@ def test_kv_aware_reads_idle_workers_only_until_none_can_win() -> None:
             seen.append(c.worker_id)
             yield c
 
-    holder = cand("h", cached=2, queued_tokens=80, total_pages=100, free_pages=100)
+    holder = cand("h", cached=2, prefill_backlog_tokens=80, total_pages=100, free_pages=100)
     decision = make_chooser("kv_aware").choose(request, [holder], random.Random(0), idle=stream())
-    # h: 38 uncached + 80 queued = 118; i0: 70 + 0 = 70 wins; i1's floor 70 + 10 > 70: stop.
-    assert (decision.worker_id, decision.cost) == ("i0", 70.0)
+    # h: 38 uncached + 80 backlog = 118; i0: 70 + 32 copied + 0 = 102 wins; i1's floor
+    # 102 + 10 > 102: stop.
+    assert (decision.worker_id, decision.cost) == ("i0", 102.0)
     assert seen == ["i0", "i1"]
     seen.clear()
-    holder = cand("h", cached=2, queued_tokens=25, total_pages=100, free_pages=100)
+    holder = cand("h", cached=2, prefill_backlog_tokens=25, total_pages=100, free_pages=100)
     decision = make_chooser("kv_aware").choose(request, [holder], random.Random(0), idle=stream())
-    # h: 38 + 25 = 63 beats even i0's floor (70): i0 is read, not costed; nothing after it.
+    # h: 38 + 25 = 63 beats even i0's floor (102): i0 is read, not costed; nothing after it.
     assert (decision.worker_id, decision.cost) == ("h", 63.0)
     assert seen == ["i0"]
 
@@ -313,6 +329,7 @@ loads = st.builds(
     running_requests=st.integers(0, 4), queued_tokens=st.integers(0, 200),
     free_pages=st.integers(0, 20), total_pages=st.sampled_from([0, 20]),
     inflight_routes=st.integers(0, 3), inflight_tokens=st.integers(0, 100),
+    prefill_backlog_tokens=st.integers(0, 200).map(float),
 )
 
 
@@ -336,6 +353,7 @@ def test_kv_aware_with_idle_in_floor_order_costs_the_same_as_reading_everyone(
     everyone = policy.choose(request, [*held, *idle], random.Random(1))
     pruned = policy.choose(request, held, random.Random(1), idle=iter(idle))
     assert pruned.cost == everyone.cost
+    longest = max((c.cached_pages for c in held), default=0)
     best = {c.worker_id for c in [*held, *idle]
-            if kv_aware_cost(request, c, weights) == everyone.cost}
+            if kv_aware_cost(request, c, weights, longest) == everyone.cost}
     assert pruned.worker_id in best

@@ -105,22 +105,35 @@ def write_trace(path: Path, rows: list[tuple[float, int, int, list[int]]]) -> Pa
     return path
 
 
-@pytest.mark.parametrize(("second_at_ms", "cached"), [(100.0, 0), (150.0, 1024)])
-def test_kv_aware_sees_a_finished_route_only_once_a_heartbeat_reports_it(
-    tmp_path: Path, second_at_ms: float, cached: int
+@pytest.mark.parametrize("second_at_ms", [40.0, 100.0, 150.0])
+def test_kv_aware_sends_a_repeat_to_its_holder_by_its_backlog_not_by_heartbeats(
+    tmp_path: Path, second_at_ms: float
 ) -> None:
     # Two workers, one 1024-token prompt (2 pages of 512) asked twice, no jitter.
     # The first prefills in 1024 / 15,000 s = 68.3 ms on worker X, decodes 1 token (20 ms) and
-    # finishes at 88.3 ms. X's next heartbeat goes 20 ms later (108.3 ms) and reaches the
-    # coordinator 10 ms after that (118.3 ms).
-    # At 100 ms the coordinator still counts the route in flight on X: cost 0 uncached + 1024
-    # in-flight tokens + 8 (a running request) = 1032 against 1024 on the idle worker, so
-    # the repeat goes there and computes everything. At 150 ms X reported it finished: cost 0
-    # on X, and the repeat is served from X's cache.
+    # finishes at 88.3 ms; X's heartbeat saying so reaches the coordinator at 118.3 ms.
+    # At 40 ms X's backlog is 1024 - 0.04 * 15,000 = 424 tokens and its 2 pages are pending:
+    # cost 424 + 8 (the route in flight) = 432 against 1024 + 1024 copied on the idle worker.
+    # At 100 ms, before any heartbeat, the backlog has drained: 8 against 2048. At 150 ms the
+    # heartbeat came: 0 against 2048. Every time the repeat waits for or finds X's pages.
     trace = write_trace(tmp_path / "t.jsonl", [(0, 1024, 1, [1, 2]),
                                                (second_at_ms, 1024, 1, [1, 2])])
     report = simulate(trace, workers=2, policies=["kv_aware"], seeds=1, arrival_jitter_ms=0)
-    assert report.runs["kv_aware"][0].cached_tokens == (0, cached)
+    run = report.runs["kv_aware"][0]
+    assert run.cached_tokens == (0, 1024)
+    assert run.worker_prefill_tokens in ((1024, 0), (0, 1024))
+
+
+def test_kv_aware_sends_an_unrelated_prompt_away_from_a_backlog(tmp_path: Path) -> None:
+    # A 6,144-token prompt starts on X at 0 and prefills until 409.6 ms. An unrelated 1,024-token
+    # prompt at 100 ms finds X with 6,144 - 1,500 = 4,644 tokens of backlog (+ 8 in flight)
+    # and Y with none: it goes to Y, and both prefill at once.
+    trace = write_trace(tmp_path / "t.jsonl", [(0, 6144, 1, list(range(12))),
+                                               (100, 1024, 1, [100, 101])])
+    report = simulate(trace, workers=2, policies=["kv_aware"], seeds=1, arrival_jitter_ms=0)
+    run = report.runs["kv_aware"][0]
+    assert sorted(run.worker_prefill_tokens) == [1024, 6144]
+    assert run.ttft_s[1] == pytest.approx(1024 / 15_000)
 
 
 def test_dynamo_like_sees_stored_pages_only_after_the_sync_delay(tmp_path: Path) -> None:

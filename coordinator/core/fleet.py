@@ -14,6 +14,7 @@ from operator import attrgetter
 
 from coordinator.core.errors import FailedPrecondition
 from coordinator.core.routing import Candidate, WorkerLoad
+from coordinator.core.tier_costs import TierCosts
 from coordinator.wire import Reason
 
 
@@ -75,10 +76,16 @@ class RegisteredWorker:
     # current_load() result, rebuilt only when the load changes (it is read on every route).
     _load_view: WorkerLoad | None = None
     _idle_candidate: Candidate | None = None
-    # The load terms of the router's cost (routing.load_floor), kept current on every load
-    # change so the fleet can hand idle workers to the router cheapest first.
+    # The load terms of the router's cost (routing.load_floor) without the prefill backlog,
+    # kept current on every load change; floor_at adds the backlog at a given time, so the
+    # fleet can hand idle workers to the router cheapest first.
     load_floor: float = 0.0
     floor_of: Callable[[WorkerLoad], float] | None = None
+    # The prefill backlog (see prefill_backlog): when the worker would be done computing the
+    # prompts routed to it, on the coordinator's clock, computing prefill_tokens_per_s.
+    prefill_busy_until: float = 0.0
+    prefill_tokens_per_s: float = TierCosts().prefill_tokens_per_s
+    backlog_weight: float = 1.0  # the router's queued_token weight (set by Fleet)
     # Every version this incarnation has served: its rollout records may carry any of them.
     served_versions: set[int] = field(default_factory=set)
     routed_requests: int = 0
@@ -108,8 +115,29 @@ class RegisteredWorker:
         """Whether this worker serves requests of ``model`` at ``version`` (>= ``floor``)."""
         return self.policy_version == version and version >= floor and self.model == model
 
-    def current_load(self) -> WorkerLoad:
-        """Heartbeat load plus the coordinator's own in-flight accounting."""
+    def prefill_backlog(self, now: float) -> float:
+        """Prefill tokens still queued at ``now`` by the coordinator's books: every route's
+        uncached work, added as it was issued (``queue_prefill``) and drained at
+        ``prefill_tokens_per_s`` since, as a FIFO prefill server computes it. Exact for a
+        worker computing at that rate, whoever's decodes run beside; it needs no report from
+        the worker, so it is as fresh for a bridged engine as for a reference worker."""
+        left = self.prefill_busy_until - now
+        return left * self.prefill_tokens_per_s if left > 0 else 0.0
+
+    def queue_prefill(self, tokens: float, now: float) -> None:
+        """Count ``tokens`` of prefill routed here at ``now`` (this replica's route or one
+        another replica shared)."""
+        self.prefill_busy_until = (max(self.prefill_busy_until, now)
+                                   + tokens / self.prefill_tokens_per_s)
+        self._load_changed()
+
+    def floor_at(self, now: float) -> float:
+        """``routing.load_floor`` of ``current_load(now)``."""
+        return self.load_floor + self.backlog_weight * self.prefill_backlog(now)
+
+    def current_load(self, now: float | None = None) -> WorkerLoad:
+        """Heartbeat load plus the coordinator's own in-flight accounting and, given ``now``,
+        the prefill backlog then (0 without ``now``)."""
         view = self._load_view
         if view is None:
             base = self.load
@@ -121,15 +149,22 @@ class RegisteredWorker:
                 inflight_routes=len(self.inflight) + self.awaited_routes,
                 inflight_tokens=self.inflight_tokens + self.awaited_tokens,
             )
+        backlog = self.prefill_backlog(now) if now is not None else 0.0
+        if backlog:
+            return WorkerLoad(view.running_requests, view.queued_tokens, view.free_pages,
+                              view.total_pages, view.inflight_routes, view.inflight_tokens,
+                              backlog)
         return view
 
-    def idle_candidate(self) -> Candidate:
-        """This worker as a routing candidate holding none of the prompt (the common case),
-        reused until its load changes."""
+    def idle_candidate(self, now: float) -> Candidate:
+        """This worker as a routing candidate holding none of the prompt at ``now`` (the
+        common case), reused while its load does not change and it has no backlog."""
         candidate = self._idle_candidate
-        if candidate is None or candidate.load is not self._load_view:
-            candidate = self._idle_candidate = Candidate(self.worker_id, 0, 0,
-                                                         self.current_load())
+        load = self.current_load(now)
+        if candidate is None or candidate.load is not load:
+            candidate = Candidate(self.worker_id, 0, 0, load)
+            if load is self._load_view:
+                self._idle_candidate = candidate
         return candidate
 
     def report_load(self, load: WorkerLoad, completed_routes: int) -> None:
@@ -200,8 +235,22 @@ class RegisteredWorker:
 class Fleet:
     """Worker sessions by id, at most one (the newest incarnation) per worker id."""
 
-    def __init__(self, load_floor: Callable[[WorkerLoad], float] | None = None) -> None:
+    def __init__(
+        self,
+        load_floor: Callable[[WorkerLoad], float] | None = None,
+        *,
+        backlog_weight: float = 1.0,
+        prefill_tokens_per_s: float = TierCosts().prefill_tokens_per_s,
+    ) -> None:
+        """``load_floor``: the router's load terms of a load; ``backlog_weight``: its weight of
+        a prefill backlog token; ``prefill_tokens_per_s``: how fast a worker drains its prefill
+        backlog (ValueError unless finite and > 0)."""
+        if not (0 < prefill_tokens_per_s < float("inf")):
+            raise ValueError(f"prefill_tokens_per_s must be finite and > 0, "
+                             f"got {prefill_tokens_per_s!r}")
         self._load_floor = load_floor
+        self._backlog_weight = backlog_weight
+        self._prefill_tokens_per_s = prefill_tokens_per_s
         self._sessions: dict[str, RegisteredWorker] = {}
         self._epoch = 0
         self._routable_cache: dict[tuple[int, int, str], list[RegisteredWorker]] = {}
@@ -225,6 +274,8 @@ class Fleet:
         old = self._sessions.get(session.worker_id)
         self._sessions[session.worker_id] = session
         session.floor_of = self._load_floor
+        session.backlog_weight = self._backlog_weight
+        session.prefill_tokens_per_s = self._prefill_tokens_per_s
         session.served_versions.add(session.policy_version)
         session._load_changed()
         self.changed()
@@ -251,7 +302,7 @@ class Fleet:
         self, now: float, *, version: int, min_version: int | None, model: str
     ) -> list[RegisteredWorker]:
         """READY workers of ``model`` serving exactly ``version`` (and at least ``min_version``),
-        in ascending ``load_floor`` order (least loaded first).
+        in ascending ``floor_at(now)`` order (least loaded first).
 
         The filtered list is cached until ``changed()`` and re-sorted per call (nearly sorted:
         one route changes one worker's load); leases are re-checked on every call, so a lapsed
@@ -268,7 +319,7 @@ class Fleet:
                 if s.serves(version, floor, model)
                 and s.connected and not (s.fenced or s.draining or s.cordoned)
             ]
-        cached.sort(key=_FLOOR)
+        cached.sort(key=lambda s: s.floor_at(now))
         return [s for s in cached if now < s.lease_deadline]
 
     def lapsed(self, now: float) -> list[RegisteredWorker]:

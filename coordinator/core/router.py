@@ -12,7 +12,6 @@ import heapq
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from operator import attrgetter
 
 from coordinator.core.awaited_routes import AwaitedRoutes, EndedRoutes
 from coordinator.core.errors import InvalidArgument, Unavailable
@@ -38,10 +37,10 @@ from coordinator.core.routing import (
     execution_order,
     group_identical,
     make_chooser,
+    prefill_work,
 )
 from coordinator.wire import Reason
 
-_FLOOR = attrgetter("load_floor")
 __all__ = ["BatchResult", "LookupResult", "PromptInput", "RouteReservation", "RouteResult",
            "Router", "RouterCounters", "Scope"]
 
@@ -275,11 +274,11 @@ class Router:
         # the chooser cheapest first.
         idle_sessions = heapq.merge(
             *[(s for s in view.eligible if s.worker_id not in view.details) for view in views],
-            key=_FLOOR,
+            key=lambda s: s.floor_at(now),
         )
         try:
             decision = chooser.choose(
-                request, holders, self._rng, idle=(s.idle_candidate() for s in idle_sessions)
+                request, holders, self._rng, idle=(s.idle_candidate(now) for s in idle_sessions)
             )
         except NoEligibleWorker:
             versions = ", ".join(str(v.ns.policy_version) for v in views)
@@ -308,6 +307,9 @@ class Router:
         else:
             route_id = self.awaited.new_id()
             session.hold_inflight(uncached_tokens, copies, self.max_inflight)
+        # The work the decision counted on: pages pending here (a sibling's, routed just
+        # before) are computed once, by whichever route reaches the worker first.
+        session.queue_prefill(prefill_work(request, decision.cached_pages), now)
         for _ in range(copies):
             session.count_routed(token_count, cached_tokens)
         if self._on_routed is not None:
@@ -349,12 +351,16 @@ class Router:
             return False
         if reservation.pending_keys:
             self._index.add_pending(session.worker_id, reservation.pending_keys)
+        now = self._clock()
         if reservation.awaited:
             self.awaited.hold(session, reservation.uncached_tokens, reservation.copies,
-                              self._clock(), route_id=reservation.route_id)
+                              now, route_id=reservation.route_id)
         else:
             session.hold_inflight(reservation.uncached_tokens, reservation.copies,
                                   self.max_inflight)
+        # A reservation does not say which of its pages were pending elsewhere: every copy's
+        # uncached tokens, the most the deciding replica could have counted.
+        session.queue_prefill(reservation.uncached_tokens * reservation.copies, now)
         return True
 
     def end_remote_routes(self, route_ids: Sequence[str]) -> EndedRoutes:
@@ -380,6 +386,6 @@ class Router:
                 and session.status(now) is WorkerStatus.READY
             ):
                 candidates.append(Candidate(
-                    worker_id, detail.pages, detail.lower_tier_pages, session.current_load()
+                    worker_id, detail.pages, detail.lower_tier_pages, session.current_load(now)
                 ))
         return candidates

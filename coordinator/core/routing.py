@@ -39,9 +39,12 @@ class WorkerLoad:
 
     ``running_requests``, ``queued_tokens`` (prefill + decode tokens queued), ``free_pages`` and
     ``total_pages`` come from the heartbeat; ``inflight_routes`` and ``inflight_tokens`` (their
-    uncached prefill tokens) are routes issued and not yet reported finished. All >= 0.
-    ``total_pages == 0`` means the capacity is unknown (no heartbeat yet): no memory pressure
-    is charged then, rather than treating the worker as full.
+    uncached prefill tokens) are routes issued and not yet reported finished.
+    ``prefill_backlog_tokens`` is the coordinator's estimate of the prefill work queued at the
+    worker when the route is chosen: the routes it issued there, drained at the worker's
+    prefill rate (``fleet.PrefillBacklog``). All >= 0. ``total_pages == 0`` means the capacity
+    is unknown (no heartbeat yet): no memory pressure is charged then, rather than treating the
+    worker as full.
     """
 
     running_requests: int = 0
@@ -50,12 +53,13 @@ class WorkerLoad:
     total_pages: int = 0
     inflight_routes: int = 0
     inflight_tokens: int = 0
+    prefill_backlog_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         # Built for every eligible worker on every route: explicit comparisons, not the
         # generic field walk (which cost more than the routing decision itself).
         if min(self.running_requests, self.queued_tokens, self.free_pages, self.total_pages,
-               self.inflight_routes, self.inflight_tokens) < 0:
+               self.inflight_routes, self.inflight_tokens, self.prefill_backlog_tokens) < 0:
             raise ValueError(f"WorkerLoad fields must be >= 0, got {self!r}")
 
 
@@ -101,23 +105,26 @@ class RoutingRequest:
 @dataclass(frozen=True, slots=True)
 class KvAwareWeights:
     """Exchange rates into prefill-token equivalents (config; all finite and >= 0, else
-    ValueError).
+    ValueError). With the defaults, a worker's cost is its time to first token for the prompt
+    plus what the route costs the fleet's cache afterwards, both in prefill tokens:
 
     - ``prefill_token``: per prompt token the worker must compute (not cached).
     - ``lower_tier_token``: per cached token that must first move up from CPU/disk: derived,
       not tuned: the copy back's time in prefill tokens (``TierCosts.lower_tier_token``; the
       coordinator derives it from its config, ``CoordinatorConfig.kv_weights``).
-    - ``queued_token``: per token queued at the worker or routed there and in flight.
+    - ``queued_token``: per token of prefill backlog the prompt would wait behind
+      (``WorkerLoad.prefill_backlog_tokens``).
     - ``running_request``: per request decoding there or routed and in flight.
     - ``memory_pressure``: per token of pages the prompt needs beyond the worker's free pages.
+    - ``duplicate_token``: per token of the prompt that its best holder caches and this worker
+      does not: the copy a move would make.
     """
 
     prefill_token: float = 1.0
     # A transfer over PCIe is cheaper than recomputing the page, not free: 0.079 by default.
     lower_tier_token: float = TierCosts().lower_tier_token
-    # Work queued ahead of a prompt delays its first token about as long as the same amount of
-    # its own prefill, so 1.0 makes the cost a TTFT estimate (Dynamo weighs overlap and load 1:1
-    # by default too). Decode tokens overlap better than prefill; 1.0 is the cautious bound.
+    # The backlog delays the prompt's first token by exactly its own prefill time, so 1.0 makes
+    # the cost a TTFT estimate (Dynamo weighs overlap and load 1:1 by default too).
     queued_token: float = 1.0
     # A running request with a ~2k-token context adds one KV read (2k x 128 KiB = 256 MB, about
     # 0.08 ms on an H100) to every engine step: about one prefill token's time (~15k tok/s).
@@ -127,6 +134,13 @@ class KvAwareWeights:
     # A page short forces evicting a cached page; charging its tokens as if they will be
     # recomputed once is the upper bound (LRU evicts the coldest page).
     memory_pressure: float = 1.0
+    # Locality's future value. Sending a prompt away from the worker holding its prefix
+    # recomputes the prefix now (prefill_token) and leaves the fleet holding it twice: the
+    # copy displaces as many tokens of other prefixes from the fleet's memory as it holds, the
+    # same loss memory_pressure prices for one worker's eviction, charged the same way (as
+    # recomputed once). Without it the cost is one request's TTFT alone, which moves a
+    # prefix whenever its holder is a little busier and halves what the fleet can hold.
+    duplicate_token: float = 1.0
 
     def __post_init__(self) -> None:
         _require_non_negative(self)
@@ -170,31 +184,45 @@ class RouteChooser(Protocol):
 
 
 def load_floor(load: WorkerLoad, weights: KvAwareWeights) -> float:
-    """The load terms of ``kv_aware_cost`` (queued and running work): what a worker costs
-    beyond the prompt's own prefill, and a lower bound on that for a worker caching none of it."""
-    return weights.queued_token * (load.queued_tokens + load.inflight_tokens) + (
+    """The load terms of ``kv_aware_cost`` (prefill backlog and running work): what a worker
+    costs beyond the prompt's own prefill, and a lower bound on that for a worker caching none
+    of it."""
+    return weights.queued_token * load.prefill_backlog_tokens + (
         weights.running_request * (load.running_requests + load.inflight_routes)
     )
 
 
-def kv_aware_cost(request: RoutingRequest, candidate: Candidate, weights: KvAwareWeights) -> float:
-    """The estimated cost of running ``request`` on ``candidate``, in prefill-token units.
+def prefill_work(request: RoutingRequest, cached_pages: int) -> int:
+    """The prompt tokens a worker caching ``cached_pages`` leading pages computes for
+    ``request``: its missing pages once (copies run back to back) and every copy's tail."""
+    tail_tokens = request.prompt_tokens - request.prompt_pages * request.page_size
+    return (request.prompt_pages - cached_pages) * request.page_size + request.copies * tail_tokens
+
+
+def kv_aware_cost(
+    request: RoutingRequest,
+    candidate: Candidate,
+    weights: KvAwareWeights,
+    best_cached_pages: int = 0,
+) -> float:
+    """The estimated cost of running ``request`` on ``candidate``, in prefill-token units,
+    where the longest prefix any candidate caches is ``best_cached_pages`` pages.
 
     Copies share the indexed pages (computed once: siblings run back to back) and each computes
     its own tail past them. GPU pages needed are the uncached and lower-tier pages plus each
-    copy's tail pages; only those beyond the free pages are charged.
+    copy's tail pages; only those beyond the free pages are charged. The pages the best holder
+    caches beyond this worker's are charged ``duplicate_token`` each.
     """
     if candidate.cached_pages > request.prompt_pages:
         raise ValueError(f"worker {candidate.worker_id!r} caches more pages than the prompt has")
     page, load = request.page_size, candidate.load
     tail_tokens = request.prompt_tokens - request.prompt_pages * page
     missing_pages = request.prompt_pages - candidate.cached_pages
-    uncached_tokens = missing_pages * page + request.copies * tail_tokens
     cost = (
-        weights.prefill_token * uncached_tokens
+        weights.prefill_token * prefill_work(request, candidate.cached_pages)
         + weights.lower_tier_token * candidate.lower_tier_pages * page
-        + weights.queued_token * (load.queued_tokens + load.inflight_tokens)
-        + weights.running_request * (load.running_requests + load.inflight_routes)
+        + load_floor(load, weights)
+        + weights.duplicate_token * max(0, best_cached_pages - candidate.cached_pages) * page
     )
     if load.total_pages > 0:
         needed = (
@@ -204,6 +232,11 @@ def kv_aware_cost(request: RoutingRequest, candidate: Candidate, weights: KvAwar
         )
         cost += weights.memory_pressure * max(0, needed - load.free_pages) * page
     return cost
+
+
+def _best_cached(candidates: Iterable[Candidate]) -> int:
+    """The longest prefix (pages) any of ``candidates`` caches; 0 for none."""
+    return max((c.cached_pages for c in candidates), default=0)
 
 
 def _lowest(
@@ -227,7 +260,8 @@ def _lowest(
 
 
 class KvAwareChooser:
-    """Lowest ``kv_aware_cost`` wins; exact ties are broken at random. Stateless."""
+    """Lowest ``kv_aware_cost`` wins, with ``best_cached_pages`` the longest prefix any
+    candidate caches; exact ties are broken at random. Stateless."""
 
     name = "kv_aware"
 
@@ -248,8 +282,11 @@ class KvAwareChooser:
         tail = request.prompt_tokens - pages * page
         tail_pages = request.copies * math.ceil(tail / page)
         tail_cost = request.copies * tail
-        # Any worker caching nothing pays at least the whole prefill plus its load floor.
-        idle_base = w.prefill_token * (pages * page + tail_cost)
+        best_cached = _best_cached(candidates)
+        # Any worker caching nothing pays at least the whole prefill, the copy of the best
+        # holder's prefix and its load floor.
+        idle_base = (w.prefill_token * (pages * page + tail_cost)
+                     + w.duplicate_token * best_cached * page)
         best = math.inf
         tied: list[Candidate] = []
         holders = len(candidates)
@@ -263,8 +300,9 @@ class KvAwareChooser:
             cost = (
                 w.prefill_token * (missing * page + tail_cost)
                 + w.lower_tier_token * lower * page
-                + w.queued_token * (load.queued_tokens + load.inflight_tokens)
-                + w.running_request * (load.running_requests + load.inflight_routes)
+                + (w.queued_token * load.prefill_backlog_tokens
+                   + w.running_request * (load.running_requests + load.inflight_routes))
+                + w.duplicate_token * (best_cached - cached) * page
             )
             if load.total_pages > 0:
                 cost += w.memory_pressure * max(
@@ -304,7 +342,7 @@ class RoundRobinChooser:
         last = self._last
         later = [c for c in candidates if last is None or c.worker_id > last]
         chosen = min(later or candidates, key=lambda c: c.worker_id)
-        cost = kv_aware_cost(request, chosen, self.weights)
+        cost = kv_aware_cost(request, chosen, self.weights, _best_cached(candidates))
         self._last = chosen.worker_id
         return Decision(chosen.worker_id, cost, chosen.cached_pages)
 
@@ -329,8 +367,9 @@ class LeastLoadedChooser:
             w = c.load
             return (w.running_requests + w.inflight_routes, w.queued_tokens + w.inflight_tokens)
 
-        chosen, _ = _lowest([*candidates, *idle], load, rng)
-        cost = kv_aware_cost(request, chosen, self.weights)
+        everyone = [*candidates, *idle]
+        chosen, _ = _lowest(everyone, load, rng)
+        cost = kv_aware_cost(request, chosen, self.weights, _best_cached(everyone))
         return Decision(chosen.worker_id, cost, chosen.cached_pages)
 
 

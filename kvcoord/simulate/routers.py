@@ -5,8 +5,9 @@ very code the coordinator's ``Router`` runs: ``coordinator.core.routing.make_cho
 choosing among :class:`Candidate` objects built from the production
 ``PrefixIndex.match_detail(keys, include_pending=True)`` (holders) plus every other worker as
 an idle candidate in ascending ``load_floor`` order, then ``add_pending`` for the chosen
-worker's unconfirmed pages and ``hold_inflight`` in the coordinator's books. The loads it
-reads are the coordinator's (``views.CoordinatorLoads``: heartbeat-delayed, plus in-flight).
+worker's unconfirmed pages, ``hold_inflight`` and ``queue_prefill`` in the coordinator's books.
+The loads it reads are the coordinator's (``views.CoordinatorLoads``: heartbeat-delayed, plus
+in-flight, plus the prefill backlog).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from coordinator.core.routing import (
     RoutingRequest,
     load_floor,
     make_chooser,
+    prefill_work,
 )
 from kvcoord.simulate.simworker import Job
 from kvcoord.simulate.views import CoordinatorLoads
@@ -72,7 +74,7 @@ class ProductionRouter:
     def route(self, job: Job, details: Mapping[str, MatchDetail], now: float) -> int:
         ctx = self._ctx
         keys, request = job.keys, job.request
-        loads = [ctx.coordinator.load(i) for i in range(len(ctx.worker_ids))]
+        loads = [ctx.coordinator.load(i, now) for i in range(len(ctx.worker_ids))]
         holders = [
             Candidate(worker_id, d.pages, d.lower_tier_pages, loads[self._position[worker_id]])
             for worker_id, d in details.items()
@@ -94,7 +96,8 @@ class ProductionRouter:
             ctx.index.add_pending(decision.worker_id, keys[confirmed:])
         position = self._position[decision.worker_id]
         cached_tokens = min(confirmed * ctx.page_size, request.input_length)
-        ctx.coordinator.routed(position, request.input_length, cached_tokens)
+        ctx.coordinator.routed(position, request.input_length, cached_tokens,
+                               prefill_work(routing_request, decision.cached_pages), now)
         return position
 
     def on_prefill_done(self, worker: int, job: Job) -> None:

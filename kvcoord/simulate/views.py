@@ -58,16 +58,21 @@ class CoordinatorLoads:
             for worker_id in worker_ids
         ]
 
-    def load(self, worker: int) -> WorkerLoad:
-        """Last heartbeat + in-flight routes (``RegisteredWorker.current_load``)."""
-        return self._sessions[worker].current_load()
+    def load(self, worker: int, now: float) -> WorkerLoad:
+        """Last heartbeat + in-flight routes + the prefill backlog at ``now``
+        (``RegisteredWorker.current_load``)."""
+        return self._sessions[worker].current_load(now)
 
     def heartbeat(self, worker: int, load: WorkerLoad, completed_routes: int) -> None:
         self._sessions[worker].report_load(load, completed_routes)
 
-    def routed(self, worker: int, prompt_tokens: int, cached_tokens: int) -> None:
+    def routed(self, worker: int, prompt_tokens: int, cached_tokens: int, prefill_work: int,
+               now: float) -> None:
+        """The coordinator issued a route at ``now``, counting on ``prefill_work`` tokens of
+        prefill there (``routing.prefill_work``), as ``Router`` books it."""
         session = self._sessions[worker]
         session.hold_inflight(prompt_tokens - cached_tokens, 1, MAX_INFLIGHT)
+        session.queue_prefill(prefill_work, now)
         session.count_routed(prompt_tokens, cached_tokens)
 
 

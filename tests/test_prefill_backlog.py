@@ -1,0 +1,63 @@
+"""The coordinator's prefill backlog per worker: the routes it issued, drained at the worker's
+prefill rate, and the order in which the fleet hands idle workers to the router."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from coordinator.core.fleet import Fleet, RegisteredWorker
+from coordinator.core.routing import KvAwareWeights, WorkerLoad, load_floor
+
+
+def session(worker_id: str) -> RegisteredWorker:
+    return RegisteredWorker(worker_id=worker_id, incarnation=1, address="", model="m",
+                            policy_version=0, external=False, total_pages=100,
+                            lease_deadline=math.inf, connected=True)
+
+
+def fleet_of(*ids: str, rate: float = 1_000.0) -> Fleet:
+    weights = KvAwareWeights()
+    fleet = Fleet(lambda load: load_floor(load, weights), backlog_weight=weights.queued_token,
+                  prefill_tokens_per_s=rate)
+    for worker_id in ids:
+        fleet.put(session(worker_id))
+    return fleet
+
+
+def test_routed_prefill_drains_at_the_stated_rate_first_in_first_out() -> None:
+    fleet = fleet_of("a")
+    a = fleet.get("a")
+    assert a is not None
+    a.queue_prefill(500, now=10.0)  # done at 10.5 s
+    a.queue_prefill(300, now=10.2)  # queued behind it: done at 10.8 s
+    assert a.prefill_backlog(10.2) == pytest.approx(600.0)
+    assert a.prefill_backlog(10.7) == pytest.approx(100.0)
+    assert a.prefill_backlog(11.0) == 0.0
+    # An idle worker starts the next prompt when it arrives, not at the old busy end.
+    a.queue_prefill(200, now=20.0)
+    assert a.prefill_backlog(20.0) == pytest.approx(200.0)
+    assert a.current_load(20.1).prefill_backlog_tokens == pytest.approx(100.0)
+    assert a.current_load().prefill_backlog_tokens == 0.0  # no time given: no backlog
+
+
+def test_the_fleet_hands_workers_over_by_their_floor_at_the_time_of_the_route() -> None:
+    fleet = fleet_of("a", "b")
+    a, b = fleet.get("a"), fleet.get("b")
+    assert a is not None and b is not None
+    b.report_load(WorkerLoad(running_requests=2, total_pages=100), completed_routes=0)
+    a.queue_prefill(100, now=0.0)  # a: 100 backlog; b: 2 running = 16
+    assert [s.worker_id for s in fleet.routable(0.0, version=0, min_version=None,
+                                                model="m")] == ["b", "a"]
+    assert a.floor_at(0.0) == pytest.approx(100.0)
+    # 90 ms later a has 10 tokens left: cheaper than b's two running requests.
+    assert [s.worker_id for s in fleet.routable(0.09, version=0, min_version=None,
+                                                model="m")] == ["a", "b"]
+    assert a.idle_candidate(0.09).load.prefill_backlog_tokens == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("rate", [0.0, -1.0, math.inf, math.nan])
+def test_a_prefill_rate_that_is_not_finite_and_positive_is_refused(rate: float) -> None:
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        fleet_of(rate=rate)
