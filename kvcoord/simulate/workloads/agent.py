@@ -16,11 +16,12 @@ Where each number comes from (:class:`AgentShape`'s defaults):
   answer: median 250, sigma 1.2 (mean ~510). TraceLab: 430.2M genuinely new (user and tool)
   tokens and 186.9M output tokens over its 357,161 steps, i.e. ~1,200 and ~520 per step;
   "long contexts with short outputs".
-- Human turns: 10% of steps, after a log-normal pause (median 60 s, sigma 1.2); other steps
+- Human turns: 10% of steps, after a log-normal pause (median 120 s, sigma 1.2); other steps
   after the tool's latency (median 1 s, sigma 1.0). TraceLab counts 8.9 user-initiated
-  against 73.6 tool-initiated steps per session (10.8%); the pause and latency medians are
-  own choices (TraceLab shows human gaps of minutes and heavy-tailed tool latency, which is
-  what evicts an idle session's KV).
+  against 73.6 tool-initiated steps per session (10.8%). The pause and latency medians are
+  own choices; TraceLab's eviction sweep (an idealised cache keeping a session's KV for 1
+  minute hits 85.4%, for 5 minutes ~94%, for 1 hour 98.6%) says many human gaps last
+  minutes, and those gaps are what evict an idle session's KV.
 - The answer's decode time comes first: ``output x 20 ms``, the simulator's own
   ``CostModel.decode_s_per_token``, so a step does not arrive before its context exists.
 - Harness prompts: 3, 8-16 blocks (4,096-8,192 tokens) each, Zipf-popular (exponent 1);
@@ -28,8 +29,9 @@ Where each number comes from (:class:`AgentShape`'s defaults):
   and tool schemas run to several thousand tokens).
 - Window: 131,072 tokens; a session ends at the first step that would pass it (real agents
   compact there; TraceLab's contexts average ~154k tokens a step on 200k-token models).
-- Session starts: Poisson, 0.15 a second: own choice, sized so the sessions alive at once
-  hold more KV than the default fleet (docs/SIMULATOR.md, "Generated workloads").
+- Session starts: Poisson, 0.5 a second (~6 requests/s): own choice, sized so the sessions
+  alive at once hold more KV than the default fleet (docs/SIMULATOR.md, "Generated
+  workloads").
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Where each number comes from (:class:`ChatShape`'s defaults):
   dispersion 1/k).
 - System prompts: 4, Zipf-popular (exponent 1), 1-2 blocks each. Own choice for "a few"; in
   the Mooncake conversation trace every request shares exactly one leading block.
-- Rate: 1.2 conversations a second (~4 requests/s, the trace's 3.4/s): own choice, sized so
+- Rate: 1.5 conversations a second, ~3.3 requests/s (the trace's hour: 3.4/s), sized so
   the default fleet (8 x 500,000 tokens, 15,000 prefill tokens/s each) is loaded, not
   overloaded, and the conversations alive at once hold more KV than the fleet (docs/
   SIMULATOR.md, "Generated workloads").

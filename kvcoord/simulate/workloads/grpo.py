@@ -13,10 +13,10 @@ Where each number comes from (:class:`GrpoShape`'s defaults):
   (``recipe/dapo/run_dapo_qwen2.5_32b.sh``: ``n_resp_per_prompt=16``,
   ``max_response_length=20480``, ``max_prompt_length=2048``, ``train_prompt_bsz=512``).
   DeepSeekMath's original GRPO sampled 64 outputs per question.
-- Prompts per step: 64 (1,024 rollouts). DAPO runs 512 prompts x 16 on 16 nodes x 8 GPUs
+- Prompts per step: 80 (1,280 rollouts). DAPO runs 512 prompts x 16 on 16 nodes x 8 GPUs
   with tensor parallelism 4, i.e. 256 rollouts per rollout engine per step; we give each of
-  the default fleet's 8 workers half that (own choice), so one step's KV (prompts plus
-  outputs) about fills the fleet instead of overflowing it twice over.
+  the default fleet's 8 workers 160 (own choice), so one step's KV (prompts plus outputs,
+  ~4.3M tokens) just overflows the fleet's 4M instead of overflowing it twice over.
 - Prompt length: uniform over 600..2,048 tokens (DAPO's ``max_prompt_length``). Own choice of
   the low end: a prompt shorter than one 512-token block holds no full block, so its siblings
   could share nothing at block granularity; math prompts alone are often that short, and a

@@ -23,13 +23,14 @@ Where each number comes from (:class:`RagShape`'s defaults):
   in the default run ~90% of document retrievals fetch a document retrieved before, yet the
   infinite-cache bound is ~15% of prompt tokens.
 - Documents: 512-token chunks (one block each), the chunk size of CacheBlend's (EuroSys'25)
-  RAG datasets; k = 6 per request, own choice below CacheBlend's 10 passages per query
-  (RAGCache notes retrieved documents add 1,000+ tokens to a ~100-token request).
+  RAG datasets, and k = 10 per request, as CacheBlend's multi-hop QA sets carry 10
+  passages per query (RAGCache notes retrieved documents add 1,000+ tokens to a ~100-token
+  request).
 - Question: log-normal, median 90 tokens, sigma 0.5 (mean ~100, RAGCache's ~100-token
   requests), clipped to 1..512; answer: log-normal, median 128, sigma 0.7 (own choice:
   short grounded answers).
 - System prompts: 3 applications, 1 block each, Zipf-popular (own choice).
-- Arrivals: Poisson, 20 requests a second: own choice, sized for the default fleet (docs/
+- Arrivals: Poisson, 14 requests a second: own choice, sized for the default fleet (docs/
   SIMULATOR.md, "Generated workloads").
 """
 
@@ -100,5 +101,5 @@ def _queries(rng: random.Random, shape: RagShape) -> Iterator[tuple[float, list[
 
 
 WORKLOAD = Workload(
-    "rag", "retrieval-augmented questions: system prompt, 6 of 5,000 Zipf-popular documents in "
+    "rag", "retrieval-augmented questions: system prompt, 10 of 5,000 Zipf-popular documents in "
     "retrieval order, question (RAGCache's skew, CacheBlend's chunks)", 4_000, generate)
