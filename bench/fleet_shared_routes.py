@@ -6,7 +6,8 @@ them through its events). Three measures, each beside one replica's:
 
 - ``siblings``: groups of 16 siblings of a fresh prompt sent alternately to the two replicas
   one every 20 ms; a group is "placed as one replica" when each sibling's worker held as many
-  of the group before it as one replica's placement gives (one per worker, then a second round).
+  of the group before it as one replica's placement gives (all on the first sibling's worker:
+  its pages are pending there, and ``kv_aware`` charges a move the copy it would make).
 - ``pairs``: two siblings sent at the same instant, one to each replica: how many land on the
   same worker and how many apart (one replica, sent the pair at once, is the reference).
 - ``burst``: a concurrent burst of distinct fresh prompts from both replicas onto a fleet whose
@@ -103,8 +104,8 @@ def _prompt(case: int, n: int) -> list[int]:
 
 def placement_ranks(chosen: list[str]) -> list[int]:
     """How a group was placed, whoever the workers: for each sibling, how many of the group
-    its worker already had. One replica (equal, idle workers) spreads a fresh prompt's siblings
-    one per worker, then a second round: [0] * 8 + [1] * 8."""
+    its worker already had. One replica (equal, idle workers) keeps a fresh prompt's siblings on
+    the first one's worker: [0, 1, ..., 15]."""
     seen: Counter[str] = Counter()
     ranks = []
     for worker_id in chosen:
@@ -128,7 +129,7 @@ async def _measure(targets: list[str], hash_config: HashConfig, groups: int, pai
     clients = [AsyncCoordinatorClient(t) for t in targets]
     try:
         async with _fleet(targets, hash_config, busy=False):
-            one_replica = [0] * WORKERS + [1] * (SIBLINGS - WORKERS)
+            one_replica = list(range(SIBLINGS))
             placed = [await _siblings(clients, _prompt(case, g)) for g in range(groups)]
             out["siblings_groups"] = groups
             out["siblings_placed_as_one_replica"] = sum(p == one_replica for p in placed)

@@ -4,6 +4,8 @@ once, a worker whose stream is here is ours to describe, fencing never reverts."
 
 from __future__ import annotations
 
+import pytest
+
 from coordinator.config import CoordinatorConfig
 from coordinator.control.sync_messages import Outbound, RegistrationRequest
 from coordinator.core.errors import DomainError
@@ -173,8 +175,9 @@ def test_a_route_chosen_here_is_published_with_the_keys_its_worker_lacks() -> No
     keys = [K[0], K[1], K[2]]
     route = r.service.router.route(PromptInput(48, page_keys=tuple(keys)), Scope())
     (event,) = [e for e in r.published() if isinstance(e, Routed)]
+    # 2 of the 3 pages to compute: 32 tokens of prefill on w1's backlog, here and elsewhere.
     assert event.reservation == RouteReservation("w1", 1, route.route_id, (K[1], K[2]), 32, 1,
-                                                 False)
+                                                 False, 32)
     r.service.router.end_routes(["x-1", route.route_id])
     assert [e for e in r.published() if isinstance(e, RoutesEnded)] == [
         RoutesEnded(("x-1", route.route_id))]
@@ -196,6 +199,19 @@ def test_another_replicas_route_counts_here_even_for_a_worker_streaming_here() -
     assert r.inflight() == (6, 600)
     assert r.applier.counters.ignored == 1
     assert not r.published()  # nothing taken from another replica is published again
+
+
+def test_another_replicas_route_adds_the_prefill_it_counted_to_the_backlog_here() -> None:
+    r = RoutingReplica()
+    remote_worker(r)
+    session = r.service.fleet.get("w1")
+    assert session is not None
+    now = r.service.clock()
+    r.applier.apply("c2", Routed(RouteReservation("w1", 1, "c2-1", (K[3],), 100, 16, False, 40)))
+    assert session.prefill_backlog(now) == pytest.approx(40.0, abs=1.0)
+    # From a release that does not say: every copy's uncached tokens.
+    r.applier.apply("c2", Routed(RouteReservation("w1", 1, "c2-2", (K[4],), 100, 2, False)))
+    assert session.prefill_backlog(now) == pytest.approx(240.0, abs=2.0)
 
 
 def test_an_awaited_route_ends_through_any_replica_once() -> None:

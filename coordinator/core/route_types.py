@@ -65,7 +65,10 @@ class RouteReservation:
     count as well (issue 17 §4: replicas route as one): pending entries for the prompt's keys
     the worker does not hold yet, and ``copies`` in-flight routes of the uncached tokens. An
     ``awaited`` route is held until ``EndRoutes(route_id)`` (or the TTL), any other until the
-    worker's heartbeats report it finished, as on the replica that chose it."""
+    worker's heartbeats report it finished, as on the replica that chose it.
+    ``prefill_tokens`` is the prefill work the decision added to the worker's backlog
+    (``routing.prefill_work``); None from a release that did not send it, when the other
+    replicas count every copy's uncached tokens instead."""
 
     worker_id: str
     incarnation: int
@@ -74,11 +77,15 @@ class RouteReservation:
     uncached_tokens: int
     copies: int
     awaited: bool
+    prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.copies < 1 or self.uncached_tokens < 0:
             raise ValueError(f"a reservation needs copies >= 1 and uncached_tokens >= 0, got "
                              f"{self.copies}, {self.uncached_tokens}")
+        if self.prefill_tokens is not None and self.prefill_tokens < 0:
+            raise ValueError(f"a reservation's prefill_tokens must be >= 0, got "
+                             f"{self.prefill_tokens}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -309,13 +309,14 @@ class Router:
             session.hold_inflight(uncached_tokens, copies, self.max_inflight)
         # The work the decision counted on: pages pending here (a sibling's, routed just
         # before) are computed once, by whichever route reaches the worker first.
-        session.queue_prefill(prefill_work(request, decision.cached_pages), now)
+        work = prefill_work(request, decision.cached_pages)
+        session.queue_prefill(work, now)
         for _ in range(copies):
             session.count_routed(token_count, cached_tokens)
         if self._on_routed is not None:
             self._on_routed(RouteReservation(
                 session.worker_id, session.incarnation, route_id, tuple(pending),
-                uncached_tokens, copies, end_awaited,
+                uncached_tokens, copies, end_awaited, work,
             ))
         self.counters.routes += copies
         self.counters.prompt_tokens += token_count * copies
@@ -358,9 +359,10 @@ class Router:
         else:
             session.hold_inflight(reservation.uncached_tokens, reservation.copies,
                                   self.max_inflight)
-        # A reservation does not say which of its pages were pending elsewhere: every copy's
-        # uncached tokens, the most the deciding replica could have counted.
-        session.queue_prefill(reservation.uncached_tokens * reservation.copies, now)
+        work = reservation.prefill_tokens
+        if work is None:  # an older replica: the most it could have counted
+            work = reservation.uncached_tokens * reservation.copies
+        session.queue_prefill(work, now)
         return True
 
     def end_remote_routes(self, route_ids: Sequence[str]) -> EndedRoutes:

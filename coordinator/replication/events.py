@@ -196,6 +196,8 @@ def encode(origin: str, published_ms: int, event: ReplicaEvent) -> dict[str, str
         r = event.reservation
         body = {"w": r.worker_id, "i": r.incarnation, "r": r.route_id, "u": r.uncached_tokens,
                 "c": r.copies, "a": r.awaited}
+        if r.prefill_tokens is not None:
+            body["p"] = r.prefill_tokens
         blob = b"".join(r.pending_keys)
     elif isinstance(event, RoutesEnded):
         body = {"r": list(event.route_ids)}
@@ -258,9 +260,10 @@ def _decode_body(kind: type[Any], body: dict[str, Any], keys: PageKeys) -> Repli
         return State(str(body["w"]), int(body["i"]), int(body["v"]), load, int(body["c"]),
                      bool(body["d"]), bool(body["f"]))
     if kind is Routed:
+        prefill = body.get("p")  # absent from an older release
         return Routed(RouteReservation(
             str(body["w"]), int(body["i"]), str(body["r"]), tuple(keys), int(body["u"]),
-            int(body["c"]), bool(body["a"]),
+            int(body["c"]), bool(body["a"]), None if prefill is None else int(prefill),
         ))
     if keys:
         raise ValueError(f"{kind.__name__} carries no page keys")
