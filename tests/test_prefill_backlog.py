@@ -61,3 +61,19 @@ def test_the_fleet_hands_workers_over_by_their_floor_at_the_time_of_the_route() 
 def test_a_prefill_rate_that_is_not_finite_and_positive_is_refused(rate: float) -> None:
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         fleet_of(rate=rate)
+
+
+def test_prompt_tokens_of_routes_in_flight_count_as_pinned_until_a_heartbeat_settles_them(
+) -> None:
+    fleet = fleet_of("a")
+    a = fleet.get("a")
+    assert a is not None
+    a.hold_inflight(100, 2, max_inflight=8, context_tokens=300)
+    a.hold_inflight(50, 1, max_inflight=8, context_tokens=400)
+    assert a.current_load().active_tokens == 1000
+    a.report_load(WorkerLoad(total_pages=100), completed_routes=2)  # the oldest two
+    assert (a.current_load().active_tokens, a.current_load().inflight_tokens) == (400, 50)
+    a.hold_awaited(10, 3, context_tokens=20)
+    assert a.current_load().active_tokens == 460
+    a.release_awaited(10, 3, context_tokens=20)
+    assert a.current_load().active_tokens == 400

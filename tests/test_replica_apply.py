@@ -175,9 +175,10 @@ def test_a_route_chosen_here_is_published_with_the_keys_its_worker_lacks() -> No
     keys = [K[0], K[1], K[2]]
     route = r.service.router.route(PromptInput(48, page_keys=tuple(keys)), Scope())
     (event,) = [e for e in r.published() if isinstance(e, Routed)]
-    # 2 of the 3 pages to compute: 32 tokens of prefill on w1's backlog, here and elsewhere.
+    # 2 of the 3 pages to compute: 32 tokens of prefill on w1's backlog, here and elsewhere;
+    # the 48-token prompt pins its KV there while in flight.
     assert event.reservation == RouteReservation("w1", 1, route.route_id, (K[1], K[2]), 32, 1,
-                                                 False, 32)
+                                                 False, 32, 48)
     r.service.router.end_routes(["x-1", route.route_id])
     assert [e for e in r.published() if isinstance(e, RoutesEnded)] == [
         RoutesEnded(("x-1", route.route_id))]
@@ -207,8 +208,10 @@ def test_another_replicas_route_adds_the_prefill_it_counted_to_the_backlog_here(
     session = r.service.fleet.get("w1")
     assert session is not None
     now = r.service.clock()
-    r.applier.apply("c2", Routed(RouteReservation("w1", 1, "c2-1", (K[3],), 100, 16, False, 40)))
+    r.applier.apply("c2", Routed(RouteReservation("w1", 1, "c2-1", (K[3],), 100, 16, False, 40,
+                                                  120)))
     assert session.prefill_backlog(now) == pytest.approx(40.0, abs=1.0)
+    assert session.current_load(now).active_tokens == 16 * 120
     # From a release that does not say: every copy's uncached tokens.
     r.applier.apply("c2", Routed(RouteReservation("w1", 1, "c2-2", (K[4],), 100, 2, False)))
     assert session.prefill_backlog(now) == pytest.approx(240.0, abs=2.0)

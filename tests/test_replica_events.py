@@ -56,7 +56,7 @@ EVENTS: list[ReplicaEvent] = [
     SnapshotDone("c2"),
     Routed(RouteReservation("w1", 3, "ab12-f", tuple(KEYS[2:5]), 4096, 16, False)),
     Routed(RouteReservation("w1", 3, "ab12-10", (), 0, 1, True)),
-    Routed(RouteReservation("w1", 3, "ab12-11", tuple(KEYS[:1]), 512, 2, False, 528)),
+    Routed(RouteReservation("w1", 3, "ab12-11", tuple(KEYS[:1]), 512, 2, False, 528, 530)),
     RoutesEnded(("ab12-f", "cd34-1")),
     RoutesEnded(()),
 ]

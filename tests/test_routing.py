@@ -74,6 +74,23 @@ def test_kv_aware_keeps_a_prefix_on_its_holder_where_one_requests_ttft_alone_wou
     assert choose("kv_aware", [holder, cold], duplicate_token=0.0) == Decision("b", 70.0, 0)
 
 
+def test_kv_aware_charges_the_tokens_that_overflow_what_routes_in_flight_pin() -> None:
+    # 100 pages of 16 = 1,600 tokens; routes in flight pin 1,560 there: the 70-token prompt
+    # overflows by 30, which preempts a running sequence to recompute: 6 + 30 = 36, still
+    # below b's 22 + 16 copied = 38. With all 1,600 pinned: 6 + 70 = 76 > 38.
+    crowded = cand("a", cached=4, active_tokens=1560, total_pages=100, free_pages=100)
+    assert kv_aware_cost(REQUEST, crowded, KvAwareWeights()) == 36.0
+    spare = cand("b", cached=3, total_pages=100, free_pages=100)
+    assert choose("kv_aware", [crowded, spare]) == Decision("a", 36.0, 4)
+    full = cand("a", cached=4, active_tokens=1600, total_pages=100, free_pages=100)
+    assert choose("kv_aware", [full, spare]) == Decision("b", 38.0, 3)
+    # With 1,530 pinned it fits exactly: nothing charged.
+    roomy = cand("a", cached=4, active_tokens=1530, total_pages=100, free_pages=100)
+    assert choose("kv_aware", [roomy, spare]) == Decision("a", 6.0, 4)
+    # A worker whose capacity is unknown (no heartbeat yet) is never charged for it.
+    assert kv_aware_cost(REQUEST, cand("c", cached=4, active_tokens=10**6), KvAwareWeights()) == 6
+
+
 def test_kv_aware_waits_behind_the_prefill_backlog_not_the_heartbeats_queue() -> None:
     # Heartbeat and in-flight token counts (prompt + output, cached or not) are not a wait: the
     # backlog is. a: 6 + 0; b: 22 + 16 copied = 38.

@@ -34,6 +34,7 @@ class _Held:
     uncached_tokens: int
     copies: int
     deadline: float
+    context_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,16 +66,18 @@ class AwaitedRoutes:
         return f"{self._prefix}-{next(self._counter):x}"
 
     def hold(self, session: RegisteredWorker, uncached_tokens: int, copies: int,
-             now: float, route_id: str = "") -> str:
-        """Count ``copies`` routes of ``uncached_tokens`` each as ``session``'s load until
-        ``end`` or the deadline; returns their id (a new one, unless ``route_id`` gives the id
-        another replica issued; an id held already is not held twice)."""
+             now: float, route_id: str = "", context_tokens: int = 0) -> str:
+        """Count ``copies`` routes of ``uncached_tokens`` (and ``context_tokens`` of prompt)
+        each as ``session``'s load until ``end`` or the deadline; returns their id (a new one,
+        unless ``route_id`` gives the id another replica issued; an id held already is not
+        held twice)."""
         self.expire(now)
         if route_id in self._held:
             return route_id
         route_id = route_id or self.new_id()
-        self._held[route_id] = _Held(session, uncached_tokens, copies, now + self.ttl_s)
-        session.hold_awaited(uncached_tokens, copies)
+        self._held[route_id] = _Held(session, uncached_tokens, copies, now + self.ttl_s,
+                                     context_tokens)
+        session.hold_awaited(uncached_tokens, copies, context_tokens)
         if len(self._held) > self._capacity:
             self._release(self._held.popitem(last=False)[1])
         return route_id
@@ -105,4 +108,4 @@ class AwaitedRoutes:
 
     @staticmethod
     def _release(held: _Held) -> None:
-        held.session.release_awaited(held.uncached_tokens, held.copies)
+        held.session.release_awaited(held.uncached_tokens, held.copies, held.context_tokens)

@@ -70,9 +70,13 @@ class RegisteredWorker:
     # Uncached prefill tokens of each route issued and not yet reported finished, oldest first.
     inflight: deque[int] = field(default_factory=deque)
     inflight_tokens: int = 0
+    # Prompt tokens of the same routes, in the same order: the KV they pin until they finish.
+    inflight_context: deque[int] = field(default_factory=deque)
+    inflight_context_tokens: int = 0
     # Routes whose end the caller reports (core.awaited_routes); heartbeats do not settle them.
     awaited_routes: int = 0
     awaited_tokens: int = 0
+    awaited_context_tokens: int = 0
     # current_load() result, rebuilt only when the load changes (it is read on every route).
     _load_view: WorkerLoad | None = None
     _idle_candidate: Candidate | None = None
@@ -148,12 +152,13 @@ class RegisteredWorker:
                 total_pages=base.total_pages or self.total_pages,
                 inflight_routes=len(self.inflight) + self.awaited_routes,
                 inflight_tokens=self.inflight_tokens + self.awaited_tokens,
+                active_tokens=self.inflight_context_tokens + self.awaited_context_tokens,
             )
         backlog = self.prefill_backlog(now) if now is not None else 0.0
         if backlog:
             return WorkerLoad(view.running_requests, view.queued_tokens, view.free_pages,
                               view.total_pages, view.inflight_routes, view.inflight_tokens,
-                              backlog)
+                              backlog, view.active_tokens)
         return view
 
     def idle_candidate(self, now: float) -> Candidate:
@@ -172,7 +177,7 @@ class RegisteredWorker:
         self.load = load
         for _ in range(min(completed_routes, len(self.inflight))):
             # Finish order is unknown: settle the oldest first.
-            self.inflight_tokens -= self.inflight.popleft()
+            self._settle_oldest()
         self._load_changed()
 
     def _load_changed(self) -> None:
@@ -180,16 +185,24 @@ class RegisteredWorker:
         if self.floor_of is not None:
             self.load_floor = self.floor_of(self.current_load())
 
-    def hold_inflight(self, uncached_tokens: int, copies: int, max_inflight: int) -> None:
+    def hold_inflight(self, uncached_tokens: int, copies: int, max_inflight: int,
+                      context_tokens: int = 0) -> None:
         """Count ``copies`` routes issued to this worker (by any replica) until heartbeats
-        report them finished; at most ``max_inflight`` are remembered (the oldest are then
-        assumed finished)."""
+        report them finished, each of ``uncached_tokens`` to compute and ``context_tokens`` of
+        prompt; at most ``max_inflight`` are remembered (the oldest are then assumed
+        finished)."""
         for _ in range(copies):
             self.inflight.append(uncached_tokens)
             self.inflight_tokens += uncached_tokens
+            self.inflight_context.append(context_tokens)
+            self.inflight_context_tokens += context_tokens
             if len(self.inflight) > max_inflight:
-                self.inflight_tokens -= self.inflight.popleft()
+                self._settle_oldest()
         self._load_changed()
+
+    def _settle_oldest(self) -> None:
+        self.inflight_tokens -= self.inflight.popleft()
+        self.inflight_context_tokens -= self.inflight_context.popleft()
 
     def count_routed(self, prompt_tokens: int, cached_tokens: int) -> None:
         """The routing totals `kvcoord status` shows (one route)."""
@@ -197,15 +210,17 @@ class RegisteredWorker:
         self.routed_tokens += prompt_tokens
         self.routed_cached_tokens += cached_tokens
 
-    def hold_awaited(self, uncached_tokens: int, copies: int) -> None:
+    def hold_awaited(self, uncached_tokens: int, copies: int, context_tokens: int = 0) -> None:
         """Count ``copies`` routes as load until ``release_awaited`` (core.awaited_routes)."""
         self.awaited_routes += copies
         self.awaited_tokens += uncached_tokens * copies
+        self.awaited_context_tokens += context_tokens * copies
         self._load_changed()
 
-    def release_awaited(self, uncached_tokens: int, copies: int) -> None:
+    def release_awaited(self, uncached_tokens: int, copies: int, context_tokens: int = 0) -> None:
         self.awaited_routes -= copies
         self.awaited_tokens -= uncached_tokens * copies
+        self.awaited_context_tokens -= context_tokens * copies
         self._load_changed()
 
     def check_batch(self, seq: int) -> BatchVerdict:

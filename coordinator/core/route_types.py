@@ -68,7 +68,8 @@ class RouteReservation:
     worker's heartbeats report it finished, as on the replica that chose it.
     ``prefill_tokens`` is the prefill work the decision added to the worker's backlog
     (``routing.prefill_work``); None from a release that did not send it, when the other
-    replicas count every copy's uncached tokens instead."""
+    replicas count every copy's uncached tokens instead. ``context_tokens`` is each copy's
+    prompt length (the KV it pins while in flight); 0 from such a release."""
 
     worker_id: str
     incarnation: int
@@ -78,11 +79,15 @@ class RouteReservation:
     copies: int
     awaited: bool
     prefill_tokens: int | None = None
+    context_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.copies < 1 or self.uncached_tokens < 0:
             raise ValueError(f"a reservation needs copies >= 1 and uncached_tokens >= 0, got "
                              f"{self.copies}, {self.uncached_tokens}")
+        if self.context_tokens < 0:
+            raise ValueError(f"a reservation's context_tokens must be >= 0, got "
+                             f"{self.context_tokens}")
         if self.prefill_tokens is not None and self.prefill_tokens < 0:
             raise ValueError(f"a reservation's prefill_tokens must be >= 0, got "
                              f"{self.prefill_tokens}")

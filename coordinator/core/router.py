@@ -34,10 +34,10 @@ from coordinator.core.routing import (
     NoEligibleWorker,
     RouteChooser,
     RoutingRequest,
+    booked_work,
     execution_order,
     group_identical,
     make_chooser,
-    prefill_work,
 )
 from coordinator.wire import Reason
 
@@ -303,20 +303,22 @@ class Router:
         uncached_tokens = token_count - cached_tokens
         end_awaited = report_end and session.external
         if end_awaited:
-            route_id = self.awaited.hold(session, uncached_tokens, copies, now)
+            route_id = self.awaited.hold(session, uncached_tokens, copies, now,
+                                         context_tokens=token_count)
         else:
             route_id = self.awaited.new_id()
-            session.hold_inflight(uncached_tokens, copies, self.max_inflight)
+            session.hold_inflight(uncached_tokens, copies, self.max_inflight, token_count)
         # The work the decision counted on: pages pending here (a sibling's, routed just
         # before) are computed once, by whichever route reaches the worker first.
-        work = prefill_work(request, decision.cached_pages)
+        lower = chosen_detail.lower_tier_pages if chosen_detail is not None else 0
+        work = booked_work(request, decision.cached_pages, lower, self._weights)
         session.queue_prefill(work, now)
         for _ in range(copies):
             session.count_routed(token_count, cached_tokens)
         if self._on_routed is not None:
             self._on_routed(RouteReservation(
                 session.worker_id, session.incarnation, route_id, tuple(pending),
-                uncached_tokens, copies, end_awaited, work,
+                uncached_tokens, copies, end_awaited, work, token_count,
             ))
         self.counters.routes += copies
         self.counters.prompt_tokens += token_count * copies
@@ -355,10 +357,11 @@ class Router:
         now = self._clock()
         if reservation.awaited:
             self.awaited.hold(session, reservation.uncached_tokens, reservation.copies,
-                              now, route_id=reservation.route_id)
+                              now, route_id=reservation.route_id,
+                              context_tokens=reservation.context_tokens)
         else:
             session.hold_inflight(reservation.uncached_tokens, reservation.copies,
-                                  self.max_inflight)
+                                  self.max_inflight, reservation.context_tokens)
         work = reservation.prefill_tokens
         if work is None:  # an older replica: the most it could have counted
             work = reservation.uncached_tokens * reservation.copies

@@ -42,9 +42,10 @@ class WorkerLoad:
     uncached prefill tokens) are routes issued and not yet reported finished.
     ``prefill_backlog_tokens`` is the coordinator's estimate of the prefill work queued at the
     worker when the route is chosen: the routes it issued there, drained at the worker's
-    prefill rate (``fleet.PrefillBacklog``). All >= 0. ``total_pages == 0`` means the capacity
-    is unknown (no heartbeat yet): no memory pressure is charged then, rather than treating the
-    worker as full.
+    prefill rate (``RegisteredWorker.prefill_backlog``). ``active_tokens`` are the prompt
+    tokens of the routes in flight there: KV they pin until they finish. All >= 0.
+    ``total_pages == 0`` means the capacity is unknown (no heartbeat yet): no memory pressure
+    is charged then, rather than treating the worker as full.
     """
 
     running_requests: int = 0
@@ -54,12 +55,14 @@ class WorkerLoad:
     inflight_routes: int = 0
     inflight_tokens: int = 0
     prefill_backlog_tokens: float = 0.0
+    active_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Built for every eligible worker on every route: explicit comparisons, not the
         # generic field walk (which cost more than the routing decision itself).
         if min(self.running_requests, self.queued_tokens, self.free_pages, self.total_pages,
-               self.inflight_routes, self.inflight_tokens, self.prefill_backlog_tokens) < 0:
+               self.inflight_routes, self.inflight_tokens, self.prefill_backlog_tokens,
+               self.active_tokens) < 0:
             raise ValueError(f"WorkerLoad fields must be >= 0, got {self!r}")
 
 
@@ -115,7 +118,8 @@ class KvAwareWeights:
     - ``queued_token``: per token of prefill backlog the prompt would wait behind
       (``WorkerLoad.prefill_backlog_tokens``).
     - ``running_request``: per request decoding there or routed and in flight.
-    - ``memory_pressure``: per token of pages the prompt needs beyond the worker's free pages.
+    - ``memory_pressure``: per token of pages the prompt needs beyond the worker's free pages,
+      and per token its copies overflow the pages its routes in flight pin.
     - ``duplicate_token``: per token of the prompt that its best holder caches and this worker
       does not: the copy a move would make.
     """
@@ -132,7 +136,8 @@ class KvAwareWeights:
     # enough to split workers with equal queues, far below one cached page's saving.
     running_request: float = 8.0
     # A page short forces evicting a cached page; charging its tokens as if they will be
-    # recomputed once is the upper bound (LRU evicts the coldest page).
+    # recomputed once is the upper bound (LRU evicts the coldest page). A token beyond what the
+    # running sequences leave preempts one of them, recomputed later: the same price.
     memory_pressure: float = 1.0
     # Locality's future value. Sending a prompt away from the worker holding its prefix
     # recomputes the prefix now (prefill_token) and leaves the fleet holding it twice: the
@@ -199,6 +204,27 @@ def prefill_work(request: RoutingRequest, cached_pages: int) -> int:
     return (request.prompt_pages - cached_pages) * request.page_size + request.copies * tail_tokens
 
 
+def booked_work(request: RoutingRequest, cached_pages: int, lower_tier_pages: int,
+                weights: KvAwareWeights) -> int:
+    """The work, in whole prefill tokens, a route adds to the backlog of a worker caching
+    ``cached_pages`` leading pages of which ``lower_tier_pages`` in CPU/disk: the tokens it
+    computes and the copy back of its lower-tier hits, which holds the same prefill server
+    (``TierCosts``: a copy the next prefill waits for)."""
+    return prefill_work(request, cached_pages) + math.ceil(
+        weights.lower_tier_token * lower_tier_pages * request.page_size)
+
+
+def overflow_tokens(request: RoutingRequest, load: WorkerLoad) -> int:
+    """How far the prompt's copies overflow the worker's KV pages beside what its routes in
+    flight pin (0 when its capacity is unknown): an engine out of pages preempts a running
+    sequence and recomputes it later (vLLM's default), or holds the prompt back until
+    decodes end."""
+    if load.total_pages == 0:
+        return 0
+    return max(0, load.active_tokens + request.copies * request.prompt_tokens
+               - load.total_pages * request.page_size)
+
+
 def kv_aware_cost(
     request: RoutingRequest,
     candidate: Candidate,
@@ -210,7 +236,8 @@ def kv_aware_cost(
 
     Copies share the indexed pages (computed once: siblings run back to back) and each computes
     its own tail past them. GPU pages needed are the uncached and lower-tier pages plus each
-    copy's tail pages; only those beyond the free pages are charged. The pages the best holder
+    copy's tail pages; only those beyond the free pages are charged, and so are the tokens that
+    overflow what the routes in flight leave (``overflow_tokens``). The pages the best holder
     caches beyond this worker's are charged ``duplicate_token`` each.
     """
     if candidate.cached_pages > request.prompt_pages:
@@ -230,7 +257,8 @@ def kv_aware_cost(
             + candidate.lower_tier_pages
             + request.copies * math.ceil(tail_tokens / page)
         )
-        cost += weights.memory_pressure * max(0, needed - load.free_pages) * page
+        cost += weights.memory_pressure * (max(0, needed - load.free_pages) * page
+                                           + overflow_tokens(request, load))
     return cost
 
 
@@ -282,6 +310,7 @@ class KvAwareChooser:
         tail = request.prompt_tokens - pages * page
         tail_pages = request.copies * math.ceil(tail / page)
         tail_cost = request.copies * tail
+        footprint = request.copies * request.prompt_tokens
         best_cached = _best_cached(candidates)
         # Any worker caching nothing pays at least the whole prefill, the copy of the best
         # holder's prefix and its load floor.
@@ -305,9 +334,9 @@ class KvAwareChooser:
                 + w.duplicate_token * (best_cached - cached) * page
             )
             if load.total_pages > 0:
-                cost += w.memory_pressure * max(
-                    0, missing + lower + tail_pages - load.free_pages
-                ) * page
+                cost += w.memory_pressure * (
+                    max(0, missing + lower + tail_pages - load.free_pages) * page
+                    + max(0, load.active_tokens + footprint - load.total_pages * page))
             if cost < best:
                 best, tied = cost, [c]
             elif cost == best:

@@ -198,6 +198,8 @@ def encode(origin: str, published_ms: int, event: ReplicaEvent) -> dict[str, str
                 "c": r.copies, "a": r.awaited}
         if r.prefill_tokens is not None:
             body["p"] = r.prefill_tokens
+        if r.context_tokens:
+            body["x"] = r.context_tokens
         blob = b"".join(r.pending_keys)
     elif isinstance(event, RoutesEnded):
         body = {"r": list(event.route_ids)}
@@ -264,6 +266,7 @@ def _decode_body(kind: type[Any], body: dict[str, Any], keys: PageKeys) -> Repli
         return Routed(RouteReservation(
             str(body["w"]), int(body["i"]), str(body["r"]), tuple(keys), int(body["u"]),
             int(body["c"]), bool(body["a"]), None if prefill is None else int(prefill),
+            int(body.get("x", 0)),
         ))
     if keys:
         raise ValueError(f"{kind.__name__} carries no page keys")

@@ -5,7 +5,8 @@ very code the coordinator's ``Router`` runs: ``coordinator.core.routing.make_cho
 choosing among :class:`Candidate` objects built from the production
 ``PrefixIndex.match_detail(keys, include_pending=True)`` (holders) plus every other worker as
 an idle candidate in ascending ``load_floor`` order, then ``add_pending`` for the chosen
-worker's unconfirmed pages, ``hold_inflight`` and ``queue_prefill`` in the coordinator's books.
+worker's unconfirmed pages, ``hold_inflight`` and ``queue_prefill`` (``booked_work``) in the
+coordinator's books.
 The loads it reads are the coordinator's (``views.CoordinatorLoads``: heartbeat-delayed, plus
 in-flight, plus the prefill backlog).
 """
@@ -23,9 +24,9 @@ from coordinator.core.routing import (
     Candidate,
     KvAwareWeights,
     RoutingRequest,
+    booked_work,
     load_floor,
     make_chooser,
-    prefill_work,
 )
 from kvcoord.simulate.simworker import Job
 from kvcoord.simulate.views import CoordinatorLoads
@@ -97,7 +98,9 @@ class ProductionRouter:
         position = self._position[decision.worker_id]
         cached_tokens = min(confirmed * ctx.page_size, request.input_length)
         ctx.coordinator.routed(position, request.input_length, cached_tokens,
-                               prefill_work(routing_request, decision.cached_pages), now)
+                               booked_work(routing_request, decision.cached_pages,
+                                           detail.lower_tier_pages if detail else 0,
+                                           ctx.weights), now)
         return position
 
     def on_prefill_done(self, worker: int, job: Job) -> None:

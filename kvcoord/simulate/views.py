@@ -71,7 +71,7 @@ class CoordinatorLoads:
         """The coordinator issued a route at ``now``, counting on ``prefill_work`` tokens of
         prefill there (``routing.prefill_work``), as ``Router`` books it."""
         session = self._sessions[worker]
-        session.hold_inflight(prompt_tokens - cached_tokens, 1, MAX_INFLIGHT)
+        session.hold_inflight(prompt_tokens - cached_tokens, 1, MAX_INFLIGHT, prompt_tokens)
         session.queue_prefill(prefill_work, now)
         session.count_routed(prompt_tokens, cached_tokens)
 
