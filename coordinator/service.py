@@ -62,6 +62,7 @@ class WorkerView:
     session: RegisteredWorker
     status: WorkerStatus
     cached_by_tier: dict[Tier, int]  # the index's holdings of the worker, every tier named
+    prefill_backlog_tokens: float = 0.0  # kv_aware's books at the time of the view
 
     @property
     def cached_pages(self) -> int:
@@ -293,7 +294,8 @@ class CoordinatorService:
         views = []
         for session in sorted(self.fleet, key=lambda s: s.worker_id):
             cached = self.index.held_by_tier(session.worker_id)
-            views.append(WorkerView(session, session.status(now), cached))
+            views.append(WorkerView(session, session.status(now), cached,
+                                    session.prefill_backlog(now)))
         return views
 
     def cordon(self, worker_id: str, cordoned: bool) -> WorkerView:
@@ -306,7 +308,8 @@ class CoordinatorService:
         self.replication.cordoned(session)
         log.info("worker.cordoned" if cordoned else "worker.uncordoned", worker=worker_id)
         cached = self.index.held_by_tier(worker_id)
-        return WorkerView(session, session.status(self.clock()), cached)
+        now = self.clock()
+        return WorkerView(session, session.status(now), cached, session.prefill_backlog(now))
 
     def stats(self) -> StatsSnapshot:
         now = self.clock()

@@ -168,13 +168,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         [w.worker_id, w.address, w.state, f"v{w.policy_version}", str(w.incarnation),
          f"{w.cached_gpu_pages}/{w.total_pages}", f"{w.cached_cpu_pages}/{w.host_pages}",
          str(w.cached_disk_pages), str(w.free_pages), str(w.running_requests),
-         str(w.queued_tokens), str(w.inflight_routes), str(w.routed_requests),
+         str(w.queued_tokens), str(w.inflight_routes), f"{w.prefill_backlog_tokens:.0f}",
+         f"{w.prefill_tokens_per_s:.0f}", str(w.routed_requests),
          f"{w.hit_ratio:.1%}", w.owner_replica or "-"]
         for w in workers
     ]
     print(render_table(
         ["worker", "address", "state", "policy", "inc", "gpu pages", "host pages", "disk",
-         "free", "running", "queued", "inflight", "routed", "hit", "replica"], rows,
+         "free", "running", "queued", "inflight", "backlog", "prefill/s", "routed", "hit",
+         "replica"], rows,
     ))
     return 0
 

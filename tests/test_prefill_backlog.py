@@ -1,5 +1,6 @@
 """The coordinator's prefill backlog per worker: the routes it issued, drained at the worker's
-prefill rate, and the order in which the fleet hands idle workers to the router."""
+prefill rate (configured, then learned from the Stored events that end each prefill), and the
+order in which the fleet hands idle workers to the router."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import pytest
 
 from coordinator.core.fleet import Fleet, RegisteredWorker
+from coordinator.core.prefill_backlog import RATE_WINDOW, PrefillBacklog
 from coordinator.core.routing import KvAwareWeights, WorkerLoad, load_floor
 
 
@@ -77,3 +79,52 @@ def test_prompt_tokens_of_routes_in_flight_count_as_pinned_until_a_heartbeat_set
     assert a.current_load().active_tokens == 460
     a.release_awaited(10, 3, context_tokens=20)
     assert a.current_load().active_tokens == 400
+
+
+# ---- the rate learned from Stored events (core.prefill_backlog) ------------------------------
+
+def test_a_prefill_end_seen_in_a_stored_event_corrects_the_books_and_teaches_the_rate() -> None:
+    backlog = PrefillBacklog(1_000.0)  # configured: 1,000 tokens/s
+    backlog.book(500, now=0.0, last_pending_key=b"a-last")  # idle worker: starts at once
+    backlog.book(300, now=0.1, last_pending_key=b"b-last")  # queued behind it
+    # The worker is slower than configured: "a" ends at 1.0 s, not 0.5 s.
+    backlog.observe_stored([b"a-first", b"a-last"], now=1.0)
+    assert backlog.tokens_per_s == pytest.approx(500.0)  # 500 tokens in 1.0 s
+    assert backlog.tokens(1.0) == pytest.approx(300.0)  # only "b" is left
+    assert backlog.tokens(1.2) == pytest.approx(200.0)  # draining at the learned rate
+    # "b" queued behind "a": its 300 tokens took from a's end to b's, 0.5 s.
+    backlog.observe_stored([b"b-last"], now=1.5)
+    assert backlog.tokens_per_s == pytest.approx(800 / 1.5)  # (500 + 300) over (1.0 + 0.5)
+    assert backlog.tokens(1.5) == 0.0
+
+
+def test_an_end_seen_late_also_ends_every_route_booked_before_it() -> None:
+    backlog = PrefillBacklog(1_000.0)
+    backlog.book(100, now=0.0, last_pending_key=b"a")
+    backlog.book(100, now=0.0, last_pending_key=b"b")
+    backlog.book(100, now=0.0, last_pending_key=b"c")
+    backlog.observe_stored([b"b"], now=0.2)  # a's event was lost or merged: b ends both
+    assert backlog.tokens(0.2) == pytest.approx(100.0)
+    # With no earlier end seen, b's queue's start is unknown: its own 100 tokens over the 0.2 s
+    # since it was routed, a rate on the low (safe) side.
+    assert backlog.tokens_per_s == pytest.approx(500.0)
+    backlog.observe_stored([b"a"], now=0.25)  # a's mark went with b's end: nothing happens
+    assert backlog.tokens(0.25) == pytest.approx(75.0)
+    # Keys nobody marked (a cached prompt, a page moved to the host tier) change nothing.
+    backlog.observe_stored([b"z"], now=0.25)
+    assert backlog.tokens(0.25) == pytest.approx(75.0)
+
+
+def test_the_rate_follows_the_last_window_of_measured_prefills() -> None:
+    backlog = PrefillBacklog(1_000.0)
+    now = 0.0
+    for i in range(RATE_WINDOW):  # slow at first: 100 tokens/s
+        backlog.book(100, now, last_pending_key=f"slow{i}".encode())
+        now += 1.0
+        backlog.observe_stored([f"slow{i}".encode()], now)
+    assert backlog.tokens_per_s == pytest.approx(100.0)
+    for i in range(RATE_WINDOW):  # then 400 tokens/s: the old measures age out
+        backlog.book(100, now, last_pending_key=f"fast{i}".encode())
+        now += 0.25
+        backlog.observe_stored([f"fast{i}".encode()], now)
+    assert backlog.tokens_per_s == pytest.approx(400.0)

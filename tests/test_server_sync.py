@@ -435,3 +435,22 @@ async def test_route_never_picks_an_excluded_worker_and_bounds_the_list() -> Non
 
 async def _holds(client: AsyncCoordinatorClient, prompt: list[int], worker: str) -> bool:
     return worker in (await client.lookup(prompt)).matches
+
+
+async def test_a_prefill_end_in_a_stored_event_empties_the_backlog_and_teaches_the_rate() -> None:
+    # prefill_tokens_per_s 100: a 1,600-token prompt books 16 s of prefill on its worker.
+    async with running_coordinator(prefill_tokens_per_s=100.0) as coord:
+        a = ScriptedWorker(target(coord), "a", hash_config=DEV_HASH)
+        await a.start()
+        prompt = list(range(5000, 5000 + 1600))
+        async with AsyncCoordinatorClient(target(coord)) as client:
+            assert (await client.route(prompt)).worker_id == "a"
+            (info,) = await client.workers()
+            assert info.prefill_tokens_per_s == 100.0
+            assert 1500 < info.prefill_backlog_tokens <= 1600
+            # The worker stores the prompt's pages: its prefill ended, far sooner than 16 s.
+            await a.store(a.keys(prompt))
+            (info,) = await client.workers()
+            assert info.prefill_backlog_tokens == 0.0
+            assert info.prefill_tokens_per_s > 1600  # 1,600 tokens in well under a second
+        await a.close()

@@ -144,6 +144,8 @@ def worker_from(info: pb.WorkerInfo) -> WorkerInfo:
         http_url=info.http_url, host_pages=info.host_pages,
         cached_gpu_pages=info.cached_gpu_pages, cached_cpu_pages=info.cached_cpu_pages,
         cached_disk_pages=info.cached_disk_pages,
+        prefill_backlog_tokens=info.prefill_backlog_tokens,
+        prefill_tokens_per_s=info.prefill_tokens_per_s,
     )
 
 

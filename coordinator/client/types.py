@@ -124,6 +124,10 @@ class WorkerInfo:
     """Of ``cached_pages`` (the index's holdings of the worker), those in GPU, CPU and disk."""
     cached_cpu_pages: int = 0
     cached_disk_pages: int = 0
+    prefill_backlog_tokens: float = 0.0
+    """Prefill work ``kv_aware`` counts queued there (tokens), drained at
+    ``prefill_tokens_per_s``: configured, then learned from the prefills it saw end."""
+    prefill_tokens_per_s: float = 0.0
 
     @property
     def hit_ratio(self) -> float:

@@ -41,7 +41,7 @@ from coordinator.core.errors import (
 from coordinator.core.fleet import PAGE_BOUND_FACTOR, BatchVerdict, Fleet, RegisteredWorker
 from coordinator.core.hash_config import HashConfig
 from coordinator.core.index import PrefixIndex
-from coordinator.core.page_events import PageEvent, apply_page_events
+from coordinator.core.page_events import PageEvent, apply_page_events, observe_prefill_ends
 from coordinator.store.protocol import MetadataStore, StoreUnavailable
 from coordinator.wire import Reason
 
@@ -285,6 +285,7 @@ class WorkerSync:
         self._check_page_limit(session, sum(len(e.keys) for e in events if e.kind == "stored"))
         session.advance(seq)
         apply_page_events(self._index, session.worker_id, events)
+        observe_prefill_ends(session, events, self._clock())
         self.counters.events_applied += len(events)
         self._replication.pages(session, seq, events)
         return [Ack(seq)]

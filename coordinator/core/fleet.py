@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 
 from coordinator.core.errors import FailedPrecondition
+from coordinator.core.prefill_backlog import PrefillBacklog
 from coordinator.core.routing import Candidate, WorkerLoad
 from coordinator.core.tier_costs import TierCosts
 from coordinator.wire import Reason
@@ -85,10 +86,10 @@ class RegisteredWorker:
     # fleet can hand idle workers to the router cheapest first.
     load_floor: float = 0.0
     floor_of: Callable[[WorkerLoad], float] | None = None
-    # The prefill backlog (see prefill_backlog): when the worker would be done computing the
-    # prompts routed to it, on the coordinator's clock, computing prefill_tokens_per_s.
-    prefill_busy_until: float = 0.0
-    prefill_tokens_per_s: float = TierCosts().prefill_tokens_per_s
+    # The prefill work routed here and not yet done, and the rate it drains at
+    # (core.prefill_backlog; Fleet.put gives it the configured rate).
+    backlog: PrefillBacklog = field(
+        default_factory=lambda: PrefillBacklog(TierCosts().prefill_tokens_per_s))
     backlog_weight: float = 1.0  # the router's queued_token weight (set by Fleet)
     # Every version this incarnation has served: its rollout records may carry any of them.
     served_versions: set[int] = field(default_factory=set)
@@ -121,19 +122,22 @@ class RegisteredWorker:
 
     def prefill_backlog(self, now: float) -> float:
         """Prefill tokens still queued at ``now`` by the coordinator's books: every route's
-        uncached work, added as it was issued (``queue_prefill``) and drained at
-        ``prefill_tokens_per_s`` since, as a FIFO prefill server computes it. Exact for a
-        worker computing at that rate, whoever's decodes run beside; it needs no report from
-        the worker, so it is as fresh for a bridged engine as for a reference worker."""
-        left = self.prefill_busy_until - now
-        return left * self.prefill_tokens_per_s if left > 0 else 0.0
+        work, added as it was issued (``queue_prefill``), drained at the worker's prefill rate
+        and corrected as its Stored events show prefills ending (``core.prefill_backlog``).
+        It needs no load report, so it is as fresh for a bridged engine as for a reference
+        worker."""
+        return self.backlog.tokens(now)
 
-    def queue_prefill(self, tokens: float, now: float) -> None:
+    def queue_prefill(self, tokens: float, now: float,
+                      last_pending_key: bytes | None = None) -> None:
         """Count ``tokens`` of prefill routed here at ``now`` (this replica's route or one
-        another replica shared)."""
-        self.prefill_busy_until = (max(self.prefill_busy_until, now)
-                                   + tokens / self.prefill_tokens_per_s)
+        another replica shared); ``last_pending_key``: the last key the route left pending."""
+        self.backlog.book(tokens, now, last_pending_key)
         self._load_changed()
+
+    def observe_stored(self, keys: Iterable[bytes], now: float) -> None:
+        """The worker reported ``keys`` stored at ``now``: the prefills they end."""
+        self.backlog.observe_stored(keys, now)
 
     def floor_at(self, now: float) -> float:
         """``routing.load_floor`` of ``current_load(now)``."""
@@ -260,9 +264,7 @@ class Fleet:
         """``load_floor``: the router's load terms of a load; ``backlog_weight``: its weight of
         a prefill backlog token; ``prefill_tokens_per_s``: how fast a worker drains its prefill
         backlog (ValueError unless finite and > 0)."""
-        if not (0 < prefill_tokens_per_s < float("inf")):
-            raise ValueError(f"prefill_tokens_per_s must be finite and > 0, "
-                             f"got {prefill_tokens_per_s!r}")
+        PrefillBacklog(prefill_tokens_per_s)  # ValueError for a rate that is not finite, > 0
         self._load_floor = load_floor
         self._backlog_weight = backlog_weight
         self._prefill_tokens_per_s = prefill_tokens_per_s
@@ -290,7 +292,7 @@ class Fleet:
         self._sessions[session.worker_id] = session
         session.floor_of = self._load_floor
         session.backlog_weight = self._backlog_weight
-        session.prefill_tokens_per_s = self._prefill_tokens_per_s
+        session.backlog = PrefillBacklog(self._prefill_tokens_per_s)
         session.served_versions.add(session.policy_version)
         session._load_changed()
         self.changed()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from coordinator.core.fleet import RegisteredWorker
 from coordinator.core.index import PrefixIndex
 from coordinator.core.index_types import Tier
 
@@ -29,3 +30,12 @@ def apply_page_events(index: PrefixIndex, worker_id: str, events: Sequence[PageE
             index.remove(worker_id, event.keys)
         else:
             index.drop_worker(worker_id)
+
+
+def observe_prefill_ends(session: RegisteredWorker, events: Sequence[PageEvent],
+                         now: float) -> None:
+    """Tell ``session``'s prefill backlog which keys a batch stored (a prefill's last page
+    marks its end; ``core.prefill_backlog``)."""
+    for event in events:
+        if event.kind == "stored":
+            session.observe_stored(event.keys, now)

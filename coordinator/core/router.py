@@ -312,7 +312,7 @@ class Router:
         # before) are computed once, by whichever route reaches the worker first.
         lower = chosen_detail.lower_tier_pages if chosen_detail is not None else 0
         work = booked_work(request, decision.cached_pages, lower, self._weights)
-        session.queue_prefill(work, now)
+        session.queue_prefill(work, now, pending[-1] if pending else None)
         for _ in range(copies):
             session.count_routed(token_count, cached_tokens)
         if self._on_routed is not None:
@@ -365,7 +365,8 @@ class Router:
         work = reservation.prefill_tokens
         if work is None:  # an older replica: the most it could have counted
             work = reservation.uncached_tokens * reservation.copies
-        session.queue_prefill(work, now)
+        keys = reservation.pending_keys
+        session.queue_prefill(work, now, keys[-1] if keys else None)
         return True
 
     def end_remote_routes(self, route_ids: Sequence[str]) -> EndedRoutes:

@@ -30,7 +30,7 @@ from coordinator.control.worker_streams import WorkerStreams
 from coordinator.control.worker_sync import DEREGISTERED, WorkerSync
 from coordinator.core.fleet import Fleet, RegisteredWorker
 from coordinator.core.index import PrefixIndex
-from coordinator.core.page_events import apply_page_events
+from coordinator.core.page_events import apply_page_events, observe_prefill_ends
 from coordinator.core.router import Router
 from coordinator.replication.events import (
     Attached,
@@ -187,6 +187,7 @@ class ReplicaApplier:
             self._ask(session.worker_id)
             return
         apply_page_events(self._index, session.worker_id, event.events)
+        observe_prefill_ends(session, event.events, self._clock())
         session.next_seq = event.seq + 1
         self._renew(session)
 

@@ -296,6 +296,8 @@ def worker_to_pb(view: WorkerView) -> pb.WorkerInfo:
         cached_gpu_pages=view.cached_by_tier[Tier.GPU],
         cached_cpu_pages=view.cached_by_tier[Tier.CPU],
         cached_disk_pages=view.cached_by_tier[Tier.DISK],
+        prefill_backlog_tokens=view.prefill_backlog_tokens,
+        prefill_tokens_per_s=s.backlog.tokens_per_s,
     )
 
 

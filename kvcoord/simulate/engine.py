@@ -280,6 +280,8 @@ class _Replay:
     def _deliver(self, w: int, message: object) -> None:
         if isinstance(message, PageEvent):
             apply_page_event(self.index, message)
+            if message.stored:
+                self.coordinator.stored(w, message.keys, self.now)
         else:
             assert isinstance(message, _Beat)
             self.coordinator.heartbeat(w, message.load, message.completed_routes)

@@ -100,7 +100,8 @@ class ProductionRouter:
         ctx.coordinator.routed(position, request.input_length, cached_tokens,
                                booked_work(routing_request, decision.cached_pages,
                                            detail.lower_tier_pages if detail else 0,
-                                           ctx.weights), now)
+                                           ctx.weights), now,
+                               keys[-1] if confirmed < len(keys) else None)
         return position
 
     def on_prefill_done(self, worker: int, job: Job) -> None:
