@@ -10,7 +10,7 @@ LISTEN ?= 127.0.0.1:50051
 GEN_DIRS := coordinator/v1 $(wildcard worker/v1)
 
 .DEFAULT_GOAL := help
-.PHONY: help install proto proto-check lint test test-vllm smoke bench bench-peers chaos run demo clean
+.PHONY: help install proto proto-check lint test test-vllm smoke bench bench-peers engines-peers bench-engines chaos run demo clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -68,8 +68,27 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-test-vllm: $(STAMP) $(ACCEL) $(VLLM_STAMP) ## a real vLLM (CPU) behind the bridge and gateway (~40 s; first builds .venv-vllm, 3.4 GB)
-	KVCOORD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/pytest tests_vllm --durations=5
+# SGLang's model gateway (`smg`, PyPI sglang-router), the peer router of `kvcoord bench engines`,
+# in a venv of its own too (~60 MB): its fastapi/uvicorn pins are not ours.
+SMG_VENV ?= .venv-smg
+SMG_STAMP := $(SMG_VENV)/.installed
+
+$(SMG_STAMP):
+	$(PYTHON) -m venv $(SMG_VENV)
+	$(SMG_VENV)/bin/pip install --quiet --upgrade pip
+	$(SMG_VENV)/bin/pip install --quiet "sglang-router==0.3.2"
+	touch $(SMG_STAMP)
+
+VLLM_TEST_ENV = KVCOORD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+	KVCOORD_SMG=$(abspath $(SMG_VENV))/bin/smg
+
+test-vllm: $(STAMP) $(ACCEL) $(VLLM_STAMP) $(SMG_STAMP) ## a real vLLM (CPU) behind the bridge and gateway, and the engines bench's quick form (~3 min; first builds .venv-vllm, 3.4 GB, and .venv-smg)
+	$(VLLM_TEST_ENV) $(VENV)/bin/pytest tests_vllm --durations=5
+
+engines-peers: $(VLLM_STAMP) $(SMG_STAMP) ## install what `kvcoord bench engines` runs: vLLM's CPU build (.venv-vllm) and smg (.venv-smg)
+
+bench-engines: $(STAMP) $(ACCEL) $(VLLM_STAMP) $(SMG_STAMP) ## two vLLM engines behind kvcoord gateway and smg, 3 repeats (~15 min, 2 cores); bench/results/engines.json
+	$(VLLM_TEST_ENV) $(VENV)/bin/kvcoord bench engines
 
 # Every `kvcoord bench` suite at its quick sizes, then one chaos round of each fault, all writing
 # under a temporary directory (bench/results/ is for full runs). Fails when a suite crashes or an

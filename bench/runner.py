@@ -73,14 +73,21 @@ def _run_steps(suite: Suite, quick: bool) -> dict[str, Any]:
 def run_suite(suite: str, *, quick: bool = False, out: Path = RESULTS,
               suites: Mapping[str, Suite] = SUITES) -> int:
     """Run one suite of ``suites``, or every one for ``all``: 0 when every step ran and every
-    invariant held, 1 otherwise, 2 for an unknown suite or an ``out`` that cannot be made a
-    directory (checked first). JSON goes to ``out/<suite>.json``.
+    invariant held, 1 otherwise, 2 for an unknown suite, a suite whose ``preflight`` says what
+    it lacks (its line printed) or an ``out`` that cannot be made a directory (checked first).
+    ``all`` runs the suites whose ``in_all`` is true. JSON goes to ``out/<suite>.json``.
     Run it from the checkout's root: steps start ``python -m bench.…`` servers."""
-    names = list(suites) if suite == "all" else [suite]
+    names = [n for n, s in suites.items() if s.in_all] if suite == "all" else [suite]
     if any(n not in suites for n in names):
         known = ", ".join([*suites, "all"])
         print(f"kvcoord bench: unknown suite {suite!r}; known: {known}", file=sys.stderr)
         return 2
+    for name in names:  # a missing optional peer: say how to get it, run nothing
+        check = suites[name].preflight
+        lacking = check(quick) if check is not None else None
+        if lacking is not None:
+            print(lacking, file=sys.stderr)
+            return 2
     try:  # before any suite runs: a place that cannot take the JSON must not waste the run
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

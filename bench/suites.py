@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bench import invariants, targets
+from bench import engines_report, invariants, targets
 
 Step = tuple[str, Callable[[], Any]]
 Results = dict[str, Any]
@@ -25,6 +25,11 @@ class Suite:
     targets: Callable[[Results], list[list[str]]]
     invariants: Callable[[Results], list[str]]
     """What broke, one line each; empty when everything held."""
+    in_all: bool = True
+    """Whether ``kvcoord bench all`` (``make smoke``, ``make bench``) runs it."""
+    preflight: Callable[[bool], str | None] | None = None
+    """``preflight(quick)``: one line saying what the suite lacks (a peer not installed), or
+    None; the runner exits 2 with that line before running anything."""
 
 
 def coordinator_steps(quick: bool) -> list[Step]:
@@ -115,6 +120,18 @@ def gateway_steps(quick: bool) -> list[Step]:
             ("ttft", lambda: bench_gateway_ttft(300))]  # the whole committed slice, always
 
 
+def engines_steps(quick: bool) -> list[Step]:
+    from bench.bench_engines import full_config, quick_config, run_engines
+
+    return [("engines", lambda: run_engines(quick_config() if quick else full_config()))]
+
+
+def engines_preflight(quick: bool) -> str | None:
+    from bench.bench_engines import preflight
+
+    return preflight(quick)
+
+
 def fleet_steps(quick: bool) -> list[Step]:
     from bench.bench_fleet import fleet_steps as steps
 
@@ -130,4 +147,8 @@ SUITES: dict[str, Suite] = {
     "security": Suite(security_steps, targets.security_targets, invariants.security),
     "gateway": Suite(gateway_steps, targets.gateway_targets, invariants.gateway),
     "fleet": Suite(fleet_steps, targets.fleet_targets, invariants.fleet),
+    # Real vLLM engines and SGLang's smg (optional venvs): run by name, `make test-vllm`
+    # runs its quick form; never part of `all`.
+    "engines": Suite(engines_steps, engines_report.targets, engines_report.invariants,
+                     in_all=False, preflight=engines_preflight),
 }

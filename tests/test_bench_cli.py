@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.runner import run_suite
-from bench.suites import Suite
+from bench.suites import SUITES, Suite
 from kvcoord.bench_runner import NEEDS_CHECKOUT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +47,11 @@ def test_from_another_directory_bench_finds_the_checkout(tmp_path: Path) -> None
     # an unknown suite is answered by bench/runner.py itself, naming the known ones.
     done = kvcoord("bench", "no-such-suite", cwd=tmp_path)
     assert done.returncode == 2
-    assert done.stderr == ("kvcoord bench: unknown suite 'no-such-suite'; known: coordinator, "
-                           "worker, policy, replication, bridge, security, gateway, fleet, all\n")
+    assert done.stderr == ("kvcoord bench: unknown suite 'no-such-suite'; known: "
+                           f"{', '.join([*SUITES, 'all'])}\n")
+    assert done.stderr.startswith("kvcoord bench: unknown suite 'no-such-suite'; known: "
+                                  "coordinator, worker, policy, replication, bridge, security, "
+                                  "gateway, fleet, ")
 
 
 def test_no_installed_package_imports_bench() -> None:

@@ -1,0 +1,142 @@
+"""What the engines bench reports: one turn's summary, each router's ranges over the repeats,
+the verdicts of ``kv_aware`` against ``smg cache_aware``, the printed table, and the suite's
+targets and invariants (bench/runner.py). Pure functions over plain values: nothing here starts
+a process, so ``bench/suites.py`` imports it up front.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from bench.engines_load import Outcome
+from kvcoord.tables import render_table
+from kvcoord.up_report import percentile
+
+ROUTERS = ("kv_aware", "smg_cache_aware", "smg_round_robin")
+"""The routers in turn order: (a) kvcoord gateway, (b) and (c) smg."""
+MEASURES = ("ttft_p50_ms", "ttft_p99_ms", "latency_p50_ms", "latency_p99_ms", "cached_share",
+            "engine_cached_share", "requests_per_s", "router_cpu_ms_per_request")
+# Lower is better for these; higher for the rest.
+LOWER_IS_BETTER = {"ttft_p50_ms", "ttft_p99_ms", "latency_p50_ms", "latency_p99_ms",
+                   "router_cpu_ms_per_request"}
+VERDICT_MEASURES = ("ttft_p50_ms", "ttft_p99_ms", "cached_share")
+"""The issue's goal: kv_aware ahead of smg cache_aware on these, with ranges apart."""
+PREFILL_RATIO_TARGET = 10.0
+
+
+def summarize_turn(outcomes: Sequence[Outcome], wall_s: float, cpu_s: float,
+                   engine_queries: float, engine_hits: float) -> dict[str, Any]:
+    """One router's turn: client-side percentiles over the answered requests (ms), the
+    engines' cached share from usage and from their own counters, throughput, and the router's
+    CPU per request. ``errors`` lists what failed (the invariants fail the run on any)."""
+    answered = [o for o in outcomes if o.error is None]
+    ttft = [o.ttft_s * 1000 for o in answered if o.ttft_s is not None]
+    latency = [o.latency_s * 1000 for o in answered if o.latency_s is not None]
+    prompt = sum(o.prompt_tokens or 0 for o in answered)
+    cached = sum(o.cached_tokens or 0 for o in answered)
+    over = [o.index for o in answered if (o.cached_tokens or 0) > (o.prompt_tokens or 0)]
+    errors = [f"request {o.index}: {o.error}" for o in outcomes if o.error is not None]
+    return {
+        "requests": len(outcomes), "answered": len(answered), "errors": len(errors),
+        "first_errors": "; ".join(errors[:3]),
+        "cached_over_prompt": len(over),
+        "ttft_p50_ms": statistics.median(ttft) if ttft else 0.0,
+        "ttft_p99_ms": percentile(ttft, 99),
+        "latency_p50_ms": statistics.median(latency) if latency else 0.0,
+        "latency_p99_ms": percentile(latency, 99),
+        "prompt_tokens": prompt, "cached_tokens": cached,
+        "cached_share": cached / prompt if prompt else 0.0,
+        "engine_cached_share": engine_hits / engine_queries if engine_queries else 0.0,
+        "requests_per_s": len(answered) / wall_s if wall_s else 0.0,
+        "wall_s": wall_s,
+        "router_cpu_s": cpu_s,
+        "router_cpu_ms_per_request": cpu_s / len(outcomes) * 1000 if outcomes else 0.0,
+        "by_worker": dict(sorted(Counter(o.worker for o in answered if o.worker).items())),
+    }
+
+
+def ranges(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Each measure's min, max and mean over ``runs`` (a router's repeats), and the runs."""
+    out: dict[str, Any] = {}
+    for measure in MEASURES:
+        values = [run[measure] for run in runs]
+        out[measure] = {"min": min(values), "max": max(values),
+                        "mean": statistics.fmean(values)}
+    out["runs"] = {f"run{i}": run for i, run in enumerate(runs)}
+    return out
+
+
+def verdict(ours: dict[str, float], theirs: dict[str, float], lower_is_better: bool) -> str:
+    """``better`` or ``worse`` only when the min-max ranges are apart; else ``overlap``."""
+    if lower_is_better:
+        ours, theirs = {"min": -ours["max"], "max": -ours["min"]}, \
+            {"min": -theirs["max"], "max": -theirs["min"]}
+    if ours["min"] > theirs["max"]:
+        return "better"
+    if ours["max"] < theirs["min"]:
+        return "worse"
+    return "overlap"
+
+
+def verdicts(routers: dict[str, Any]) -> dict[str, str]:
+    """kv_aware against smg cache_aware on the goal's measures."""
+    ours, theirs = routers["kv_aware"], routers["smg_cache_aware"]
+    return {m: verdict(ours[m], theirs[m], m in LOWER_IS_BETTER) for m in VERDICT_MEASURES}
+
+
+def _cell(value: dict[str, float], measure: str) -> str:
+    def fmt(x: float) -> str:
+        if "share" in measure:
+            return f"{100 * x:.1f}%"
+        return f"{x:,.2f}" if x < 100 else f"{x:,.0f}"
+    if value["min"] == value["max"]:
+        return fmt(value["mean"])
+    return f"{fmt(value['mean'])} ({fmt(value['min'])}-{fmt(value['max'])})"
+
+
+def table(routers: dict[str, Any]) -> str:
+    """Routers as rows, each measure's mean (min-max over the repeats) as a column."""
+    headers = ["router", "TTFT p50 ms", "TTFT p99 ms", "latency p50 ms", "latency p99 ms",
+               "cached (usage)", "cached (engines)", "req/s", "router CPU ms/req"]
+    rows = [[name, *(_cell(routers[name][m], m) for m in MEASURES)] for name in ROUTERS]
+    return render_table(headers, rows)
+
+
+def targets(results: dict[str, Any]) -> list[list[str]]:
+    """Prefill sizing (>= 10x) and the issue's goal per measure (met only with ranges apart)."""
+    engines = results["engines"]
+    ratio = engines["prefill"]["ratio"]
+    rows = [["cold / cached prefill, 2,048 tokens", f">= {PREFILL_RATIO_TARGET:.0f}x",
+             f"{ratio:.1f}x", "met" if ratio >= PREFILL_RATIO_TARGET else "MISSED"]]
+    for measure, said in engines["verdicts"].items():
+        rows.append([f"kv_aware vs smg cache_aware: {measure}", "better, ranges apart", said,
+                     "met" if said == "better" else "MISSED"])
+    return rows
+
+
+def invariants(results: dict[str, Any]) -> list[str]:
+    """Every request of every turn answered with usage; no engine reported more cached tokens
+    than a prompt has; the engines' cached tokens agreed with the index on every probe; the
+    smg comparison ran on every request it meant to."""
+    engines = results["engines"]
+    broken = []
+    for name, router in engines["routers"].items():
+        for run_name, run in router["runs"].items():
+            if run["errors"] or run["answered"] != run["requests"]:
+                broken.append(f"{name} {run_name}: {run['requests'] - run['answered']} of "
+                              f"{run['requests']} requests failed: {run['first_errors']}")
+            if run["cached_over_prompt"]:
+                broken.append(f"{name} {run_name}: {run['cached_over_prompt']} requests with "
+                              "more cached tokens than prompt tokens")
+    for run_name, check in engines["index_checks"].items():
+        if check["disagreements"] or check["probes"] == 0:
+            broken.append(f"index check after kv_aware {run_name}: "
+                          f"{len(check['disagreements'])} of {check['probes']} probes "
+                          f"disagree: {list(check['disagreements'].values())[:3]}")
+    compared = engines["sglang_like_vs_smg"]
+    if compared["agreed"] + compared["differed"] != compared["requests"]:
+        broken.append("sglang_like vs smg: not every request was compared")
+    return broken

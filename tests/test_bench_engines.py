@@ -1,0 +1,123 @@
+"""`kvcoord bench engines` without its peers, and the parts of it that need no engine: the
+prompt text keeps the trace's shared prefixes shared as token ids, the stream takes whole
+families of the trace, the index check's expected figure, and the verdicts' ranges.
+
+The bench itself (real vLLM engines, smg) runs in tests_vllm/test_engines_bench.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.bench_engines import QUICK_TRACE
+from bench.engines_checks import expected_cached
+from bench.engines_model import ModelShape, chat, check_words, prompt_text, write_model
+from bench.engines_report import verdict
+from bench.engines_stream import StreamShape, build_stream, sample_families
+from bench.runner import run_suite
+from bench.suites import SUITES, Suite
+from kvcoord.simulate.trace import load_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench_engines(tmp_path: Path, vllm: Path, smg: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KVCOORD_VLLM_PYTHON": str(vllm), "KVCOORD_SMG": str(smg)}
+    return subprocess.run(
+        [sys.executable, "-m", "kvcoord.cli", "bench", "engines", "--out", str(tmp_path / "out")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+        stdin=subprocess.DEVNULL)
+
+
+def executable(path: Path) -> Path:
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_without_vllm_or_smg_it_exits_2_with_one_line_saying_how_to_install(
+    tmp_path: Path,
+) -> None:
+    done = bench_engines(tmp_path, tmp_path / "no-python", tmp_path / "no-smg")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        "kvcoord bench engines: needs vLLM's CPU build (.venv-vllm) and SGLang's model gateway "
+        "smg (sglang-router==0.3.2 in .venv-smg): run `make engines-peers` (or set "
+        "KVCOORD_VLLM_PYTHON and KVCOORD_SMG)\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_with_vllm_but_without_smg_it_names_only_smg(tmp_path: Path) -> None:
+    done = bench_engines(tmp_path, executable(tmp_path / "python"), tmp_path / "no-smg")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1
+    assert "needs SGLang's model gateway smg" in done.stderr
+    assert "vLLM" not in done.stderr
+    assert "make engines-peers" in done.stderr
+
+
+def test_all_runs_no_suite_kept_out_of_it(tmp_path: Path) -> None:
+    def never(quick: bool) -> list[tuple[str, object]]:
+        raise AssertionError("a suite kept out of `all` ran")
+
+    suites = {"kept": Suite(lambda quick: [("step", lambda: {"x": 1})], lambda r: [],
+                            lambda r: []),
+              "out": Suite(never, lambda r: [], lambda r: [], in_all=False,
+                           preflight=lambda quick: "out: lacks everything")}
+    assert run_suite("all", quick=True, out=tmp_path, suites=suites) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
+    assert not SUITES["engines"].in_all
+
+
+def test_a_prompt_extending_another_extends_its_token_ids(tmp_path: Path) -> None:
+    tokenizer = write_model(tmp_path / "model", ModelShape())
+    check_words(tokenizer)
+    short = tokenizer.encode_chat(chat(prompt_text((7, 8), 64, 128)))
+    long = tokenizer.encode_chat(chat(prompt_text((7, 8, 9), 64, 170)))
+    other = tokenizer.encode_chat(chat(prompt_text((7, 5), 64, 128)))
+    header = next(i for i, (a, b) in enumerate(zip(short, other, strict=False)) if a != b) - 64
+    assert long[:header + 128] == short[:header + 128]
+    assert other[:header + 64] == short[:header + 64]
+    assert len(long) - len(short) == 42
+
+
+def test_the_stream_takes_whole_families_in_trace_order() -> None:
+    trace = load_trace(ROOT / "tests" / "data" / "mooncake_300.jsonl")
+    picked = sample_families(trace, 40, seed=3)
+    assert len(picked) == 40 and picked == sorted(picked)
+    families = [{i for i, r in enumerate(trace) if r.hash_ids[0] == root}
+                for root in {trace[i].hash_ids[0] for i in picked}]
+    # Whole families, but for the last one taken: cut to fit.
+    assert sum(not family <= set(picked) for family in families) <= 1
+
+
+def test_the_committed_quick_sample_is_the_stream_whole_and_shares_prefixes(
+    tmp_path: Path,
+) -> None:
+    tokenizer = write_model(tmp_path / "model", ModelShape())
+    stream = build_stream(QUICK_TRACE, StreamShape(requests=36), tokenizer, 4096)
+    assert [r.trace_index for r in stream.requests] == list(range(36))
+    assert stream.distinct_tokens < stream.prompt_tokens / 2
+    assert all(r.prompt_tokens <= 4096 for r in stream.requests)
+
+
+@pytest.mark.parametrize(("matched", "prompt", "cached"), [
+    (0, 100, 0), (96, 100, 96), (112, 112, 96), (128, 128, 96), (128, 129, 128), (64, 4000, 64),
+])
+def test_the_engine_reuses_whole_blocks_and_computes_the_last_token(
+    matched: int, prompt: int, cached: int,
+) -> None:
+    assert expected_cached(matched, prompt) == cached
+
+
+def test_a_verdict_needs_the_ranges_apart() -> None:
+    fast, slow = {"min": 1.0, "max": 2.0}, {"min": 2.5, "max": 3.0}
+    assert verdict(fast, slow, lower_is_better=True) == "better"
+    assert verdict(slow, fast, lower_is_better=True) == "worse"
+    assert verdict(fast, {"min": 1.5, "max": 3.0}, lower_is_better=True) == "overlap"
+    assert verdict(slow, fast, lower_is_better=False) == "better"
