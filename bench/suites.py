@@ -138,6 +138,24 @@ def fleet_steps(quick: bool) -> list[Step]:
     return steps(quick)
 
 
+def routing_steps(quick: bool) -> list[Step]:
+    from bench.routing_matrix import bench_routing
+
+    return [("routing", lambda: bench_routing(quick))]
+
+
+def _routing_targets(results: Results) -> list[list[str]]:
+    from bench.routing_matrix import routing_targets
+
+    return routing_targets(results)
+
+
+def _routing_invariants(results: Results) -> list[str]:
+    from bench.routing_matrix import routing_invariants
+
+    return routing_invariants(results)
+
+
 SUITES: dict[str, Suite] = {
     "coordinator": Suite(coordinator_steps, targets.coordinator_targets, invariants.coordinator),
     "worker": Suite(worker_steps, targets.worker_targets, invariants.worker),
@@ -147,6 +165,7 @@ SUITES: dict[str, Suite] = {
     "security": Suite(security_steps, targets.security_targets, invariants.security),
     "gateway": Suite(gateway_steps, targets.gateway_targets, invariants.gateway),
     "fleet": Suite(fleet_steps, targets.fleet_targets, invariants.fleet),
+    "routing": Suite(routing_steps, _routing_targets, _routing_invariants),
     # Real vLLM engines and SGLang's smg (optional venvs): run by name, `make test-vllm`
     # runs its quick form; never part of `all`.
     "engines": Suite(engines_steps, engines_report.targets, engines_report.invariants,
