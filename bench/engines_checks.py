@@ -220,8 +220,11 @@ def compare_sglang_like(engines: Sequence[Engine], tokenizer: TextTokenizer,
                 f"sglang_like {engines[chosen].worker_id}, smg {engines[smg_pick].worker_id} "
                 f"({len(ids)} tokens, {path.replace('_', ' ')}: {shared} shared)")
     agreed = sum(t[0] for t in tally.values())
+    # From the first difference on, the two trees hold different prompts: later picks compare
+    # diverged states, not the rules alone.
+    first = next(iter(differing), None)
     return {"requests": len(requests), "agreed": agreed, "differed": len(requests) - agreed,
-            "ties_resolved_to_smg": ties,
+            "first_difference": first, "ties_resolved_to_smg": ties,
             **{f"{path}.{what}": t[i] for path, t in tally.items()
                for i, what in enumerate(("agreed", "compared"))},
             "smg_picks": "".join(str(i) for i in smg_picks),
