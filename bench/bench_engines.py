@@ -41,19 +41,17 @@ from bench.engines_fleet import (
     MODEL,
     Engine,
     EngineConfig,
-    RouterRun,
-    kvcoord_router,
     running_engines,
     smg_command,
-    smg_router,
     vllm_python,
 )
 from bench.engines_load import replay, send_one
 from bench.engines_model import WORDS, ModelShape, check_words, template_tokens, write_model
 from bench.engines_procs import cpu_seconds, metric_sum
 from bench.engines_report import ROUTERS, ranges, summarize_turn, table, verdicts
+from bench.engines_routers import RouterRun, kvcoord_router, smg_router
 from bench.engines_stream import TRACE, Stream, StreamRequest, StreamShape, build_stream
-from kvcoord.provenance import trace_identity
+from kvcoord.provenance import git_state, trace_identity
 from worker.text.tokenizer import TextTokenizer
 
 CHECKOUT = Path(__file__).resolve().parent.parent
@@ -107,8 +105,12 @@ def preflight(quick: bool) -> str | None:
     return None
 
 
+_BEGAN = time.monotonic()
+
+
 def _log(message: str) -> None:
-    print(f"      engines: {message}", file=sys.stderr, flush=True)
+    print(f"      engines [{time.monotonic() - _BEGAN:5.0f} s]: {message}", file=sys.stderr,
+          flush=True)
 
 
 def measure_prefill(engines: list[Engine], tokenizer_overhead: int) -> dict[str, Any]:
@@ -184,7 +186,10 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
     _log(f"{len(stream.requests)} requests, {stream.prompt_tokens:,} prompt tokens, "
          f"{stream.distinct_tokens:,} distinct; KV cache {kv_tokens:,} tokens per engine")
     load_before = os.getloadavg()[0]
+    # The runner stamps the commit when it writes the JSON; others may commit meanwhile.
+    started_at, dirty_at_start = git_state()
     with running_engines(python, work / "model", engine_config, log_dir) as engines:
+        _log("engines up")
         prefill = measure_prefill(engines, template_tokens(tokenizer))
         _log(f"prefill of {PREFILL_TOKENS} tokens: cold {prefill['cold_ms']:.0f} ms, "
              f"cached {prefill['cached_ms']:.1f} ms ({prefill['ratio']:.1f}x)")
@@ -199,6 +204,7 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
         with smg_router(smg, engines, "cache_aware", log_dir, "compare") as router:
             picks = smg_choices(router, engines, compared)
         comparison = compare_sglang_like(engines, tokenizer, compared, picks)
+        _log(f"sglang_like agreed with smg on {comparison['agreed']} of {len(compared)}")
     routers = {name: ranges(runs[name]) for name in ROUTERS}
     print("\nengines: routers in front of two vLLM CPU engines (mean, min-max over "
           f"{config.repeats} repeat{'s' if config.repeats > 1 else ''})")
@@ -206,6 +212,7 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
     setup = _setup(config, stream, paced, engine_config, tokenizer.vocab_size, scale)
     # Other work on the machine slows the engines: say how busy it was around the run.
     setup["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
+    setup["started_at"] = {"commit": started_at, "dirty": dirty_at_start}
     return {"setup": setup, "prefill": prefill, "routers": routers,
             "verdicts": verdicts(routers),
             "index_checks": {f"run{i}": check for i, check in enumerate(index_checks)},

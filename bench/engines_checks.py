@@ -30,9 +30,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from bench.engines_fleet import ENGINE_BLOCK, MODEL, PAGE_SIZE, Engine, RouterRun
+from bench.engines_fleet import ENGINE_BLOCK, MODEL, PAGE_SIZE, Engine
 from bench.engines_load import send_one
 from bench.engines_procs import EnginesError, http_get, metric_samples
+from bench.engines_routers import RouterRun
 from bench.engines_stream import StreamRequest
 from coordinator.client import CoordinatorClient
 from coordinator.core.hash_config import HashConfig, Namespace
