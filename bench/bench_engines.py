@@ -26,6 +26,7 @@ import argparse
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,11 +51,13 @@ from bench.engines_model import WORDS, ModelShape, check_words, template_tokens,
 from bench.engines_procs import cpu_seconds, metric_sum
 from bench.engines_report import ROUTERS, ranges, summarize_turn, table, verdicts
 from bench.engines_routers import RouterRun, kvcoord_router, smg_router
-from bench.engines_stream import TRACE, Stream, StreamRequest, StreamShape, build_stream
+from bench.engines_stream import Stream, StreamRequest, StreamShape, build_stream
 from kvcoord.provenance import git_state, trace_identity
 from worker.text.tokenizer import TextTokenizer
 
 CHECKOUT = Path(__file__).resolve().parent.parent
+# Beside the checkout, as docs/SIMULATOR.md runs it; KVCOORD_ENGINES_TRACE names another.
+FULL_TRACE = CHECKOUT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 QUICK_TRACE = CHECKOUT / "tests" / "data" / "mooncake_families_36.jsonl"
 TRACE_VAR = "KVCOORD_ENGINES_TRACE"
 INSTALL_HINT = "run `make engines-peers` (or set KVCOORD_VLLM_PYTHON and KVCOORD_SMG)"
@@ -81,9 +84,8 @@ class EnginesConfig:
 
 
 def full_config() -> EnginesConfig:
-    trace = Path(os.environ.get(TRACE_VAR) or CHECKOUT.parent / "shared" / TRACE.parent.name
-                 / TRACE.name)
-    return EnginesConfig(trace, StreamShape(requests=160))
+    return EnginesConfig(Path(os.environ.get(TRACE_VAR) or FULL_TRACE),
+                         StreamShape(requests=160))
 
 
 def quick_config() -> EnginesConfig:
@@ -161,13 +163,21 @@ def run_turn(router: RouterRun, engines: list[Engine], stream: Stream) -> dict[s
 def run_engines(config: EnginesConfig) -> dict[str, Any]:
     """The whole run (module docstring): the results ``engines.json`` holds."""
     work = Path(tempfile.mkdtemp(prefix="kvcoord-bench-engines-"))
+    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the engines stop in order.
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         results = _run(config, work)
     except BaseException:
         print(f"engines: the processes' logs are kept in {work / 'logs'}", file=sys.stderr)
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     shutil.rmtree(work, ignore_errors=True)
     return results
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:

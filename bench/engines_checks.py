@@ -175,9 +175,9 @@ class _TieToPeer(random.Random):
         self.peer_pick = 0
         self.tied: list[int] | None = None
 
-    def choice(self, seq: Sequence[T]) -> T:  # type: ignore[override]
-        self.tied = [int(x) for x in seq]  # type: ignore[call-overload]
-        return seq[seq.index(self.peer_pick)] if self.peer_pick in seq else seq[0]  # type: ignore[arg-type]
+    def choice(self, seq: Sequence[Any]) -> Any:  # seq: the tied workers' positions
+        self.tied = list(seq)
+        return self.peer_pick if self.peer_pick in seq else seq[0]
 
 
 def compare_sglang_like(engines: Sequence[Engine], tokenizer: TextTokenizer,

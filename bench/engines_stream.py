@@ -31,8 +31,6 @@ from bench.engines_model import chat, prompt_text, template_tokens
 from kvcoord.simulate.trace import TraceRequest, load_trace
 from worker.text.tokenizer import TextTokenizer
 
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
-"""Where the development machine keeps the trace (``KVCOORD_ENGINES_TRACE`` overrides)."""
 TRACE_BLOCK = 512  # tokens per hash id in the trace
 
 
