@@ -39,47 +39,41 @@ def job(page_keys: list[bytes], tokens: int) -> Job:
 
 # ---- sglang_like: cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5 ----
 
-def test_sglang_like_follows_the_longest_match_above_the_threshold_else_the_smallest_tree() -> None:
+def test_sglang_like_follows_the_longest_match_above_the_threshold_else_the_least_loaded() -> None:
     router = SglangLikeRouter(context(3))
     a = keys("a", 12)
-    # All trees empty: match rate 0 <= 0.3, so the smallest tree; all three tie (0 pages) and
-    # the seeded rng picks one. Call it `first`.
-    first = router.route(job(a[:10], 160), {}, 0.0)
-    # a[:12] matches 10 pages of `first`'s tree: 160 / 192 tokens = 0.83 > 0.3 -> `first`.
-    assert router.route(job(a[:12], 192), {}, 0.0) == first
-    # A disjoint prompt matches nothing: smallest tree. `first` holds 12 pages, the other two
-    # none; they tie and the rng picks `second`.
-    second = router.route(job(keys("b", 10), 160), {}, 0.0)
-    assert second != first
-    third = ({0, 1, 2} - {first, second}).pop()
-    # 2 pages of a, then 8 new: best match 2 pages = 32 / 160 tokens = 0.2 <= 0.3, so the
-    # smallest tree: first 12 pages, second 10, third 0 -> third.
-    assert router.route(job(a[:2] + keys("c", 8), 160), {}, 0.0) == third
-    # 4 pages of a, then 6 new: 64 / 160 = 0.4 > 0.3 -> the tree holding them, `first`.
-    assert router.route(job(a[:4] + keys("d", 6), 160), {}, 0.0) == first
+    # All trees empty: match rate 0 <= 0.3, so the least loaded; all three hold 0 requests and
+    # the first, w0, wins (smg's min_by_key keeps the first).
+    assert router.route(job(a[:10], 160), {}, 0.0) == 0
+    # a[:12] matches 10 pages of w0's tree: 160 / 192 tokens = 0.83 > 0.3 -> w0, though busier.
+    assert router.route(job(a[:12], 192), {}, 0.0) == 0
+    # A disjoint prompt matches nothing: the least loaded, w1 (w0 has 2 in flight).
+    assert router.route(job(keys("b", 10), 160), {}, 0.0) == 1
+    # 2 pages of a, then 8 new: 32 / 160 tokens = 0.2 <= 0.3 -> the least loaded, w2.
+    assert router.route(job(a[:2] + keys("c", 8), 160), {}, 0.0) == 2
+    # 4 pages of a, then 6 new: 64 / 160 = 0.4 > 0.3 -> the tree holding them, w0.
+    assert router.route(job(a[:4] + keys("d", 6), 160), {}, 0.0) == 0
+    # Its finished requests free w0: 3 in flight -> 0; a low-match prompt then goes there.
+    for _ in range(3):
+        router.on_finished(0, job([], 1))
+    assert router.route(job(keys("e", 10), 160), {}, 0.0) == 0
 
 
 def test_sglang_like_balances_once_in_flight_requests_differ_by_more_than_64() -> None:
     router = SglangLikeRouter(context(2))
     p = keys("p", 12)
-    target = router.route(job(p[:10], 160), {}, 0.0)  # empty trees tie: the rng picks
-    other = 1 - target
-    # The same prompt matches fully (rate 1.0 > 0.3) and sticks to `target` while the fleet
-    # counts as balanced. Imbalanced means max - min > 64 AND max > 1.5 x min; before route k
-    # the in-flight counts are k-1 vs 0, so routes 2..65 stay on `target`.
+    assert router.route(job(p[:10], 160), {}, 0.0) == 0  # nothing matches: least loaded, w0
+    # The same prompt matches fully (rate 1.0 > 0.3) and sticks to w0 while the fleet counts as
+    # balanced. Imbalanced means max - min > 64 AND max > 1.5 x min; before route k the
+    # in-flight counts are k-1 vs 0, so routes 2..65 stay on w0.
     for _ in range(2, 66):
-        assert router.route(job(p[:10], 160), {}, 0.0) == target
-    # 65 vs 0: 65 - 0 > 64 and 65 > 0 x 1.5 -> imbalanced: the least loaded, `other`, though
-    # `target` holds 10 of this prompt's 12 pages.
-    assert router.route(job(p, 192), {}, 0.0) == other
-    # 65 vs 1: 64 is not > 64 -> cache-aware again. A disjoint prompt matches nothing, so the
-    # smallest tree wins: `target` holds 10 pages, `other` 12 (p) -> `target`, the busier one.
-    assert router.route(job(keys("r", 10), 160), {}, 0.0) == target
-    # Completions count: 66 vs 1 now; finishing two on `target` leaves 64 vs 1 (balanced) and
-    # the prompt p follows its longest match, `other` (12 pages against 10).
-    router.on_finished(target, job(p[:10], 160))
-    router.on_finished(target, job(p[:10], 160))
-    assert router.route(job(p, 192), {}, 0.0) == other
+        assert router.route(job(p[:10], 160), {}, 0.0) == 0
+    # 65 vs 0: 65 - 0 > 64 and 65 > 0 x 1.5 -> imbalanced: the least loaded, w1, though w0
+    # holds 10 of this prompt's 12 pages.
+    assert router.route(job(p, 192), {}, 0.0) == 1
+    # 65 vs 1: 64 is not > 64 -> cache-aware again, and p follows its longest match, w1 (12
+    # pages against 10).
+    assert router.route(job(p, 192), {}, 0.0) == 1
 
 
 # ---- dynamo_like: logit = 1.0 x prefill_blocks + decode_blocks, lowest wins ----------------

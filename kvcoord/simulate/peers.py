@@ -3,9 +3,10 @@
 Written from the peers' source and documentation (facts, not code), each with its published
 defaults; neither is tuned here. Units: a *block* is one of our pages (``page_size`` tokens).
 
-``sglang_like`` -- SGLang router ``cache_aware`` policy (sgl-project/sglang,
-``sgl-router/src/policies/cache_aware.rs`` and the router's CLI defaults in
-``sgl-router/src/main.rs`` / ``rust/README.md``):
+``sglang_like`` -- SGLang's model gateway ``cache_aware`` policy as ``smg`` 0.3.2 (PyPI
+``sglang-router==0.3.2``) runs it (sgl-project/sglang ``sgl-router/src/policies/
+cache_aware.rs``; lightseekorg/smg ``docs/concepts/routing/cache-aware.md``; and checked
+against the real ``smg`` by ``kvcoord bench engines``, docs/ENGINES.md):
 
 - Load = requests the router sent to a worker that have not completed (its own count: it
   proxies the responses, so it sees each completion at once).
@@ -13,12 +14,16 @@ defaults; neither is tuned here. Units: a *block* is one of our pages (``page_si
   balance_rel_threshold`` the fleet is imbalanced: pick the least-loaded worker.
 - Otherwise find the worker whose *approximate tree* (the prompts the router itself sent
   there, not the worker's real cache) matches the longest prefix; if the match rate
-  (matched / prompt length) exceeds ``cache_threshold`` pick it, else pick the worker with
-  the smallest tree. Either way the prompt is inserted into the chosen worker's tree.
+  (matched / prompt length) exceeds ``cache_threshold`` pick it, else pick the least-loaded
+  worker (the older sgl-router picked the smallest tree here; ``smg`` 0.3.2 picks by load, as
+  the engines bench observed: one request at a time, every low-match prompt went to its
+  first worker). Either way the prompt is inserted into the chosen worker's tree.
 - Every ``eviction_interval`` seconds each tree over ``max_tree_size`` drops least recently
-  used leaves. Defaults: cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold
-  1.5, eviction_interval 120 s, max_tree_size 67,108,864 (characters there; tokens here).
-- Ties the Rust code leaves to hash-map order are broken with the seeded rng here.
+  used leaves. Defaults (``smg`` 0.3.2): cache_threshold 0.3, balance_abs_threshold 64,
+  balance_rel_threshold 1.5, eviction_interval 60 s, max_tree_size 67,108,864 (characters
+  there; tokens here).
+- Ties among equally long matches, which the Rust code leaves to hash-map order, are broken
+  with the seeded rng here; ties in load go to the first worker (``min_by_key`` keeps it).
 - **Tiers**: none. The approximate tree is the router's own record of what it sent, so it has
   no notion of where a worker keeps a page; with a host tier the worker simply serves more
   of what the router sent it (``acquire`` finds host hits), and the router does not know.
@@ -72,7 +77,7 @@ class SglangConfig:
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
-    eviction_interval_s: float = 120.0
+    eviction_interval_s: float = 60.0
     max_tree_size: int = 67_108_864
 
 
@@ -121,13 +126,9 @@ class SglangLikeRouter:
         best = max(depths.values(), default=0)
         tokens = job.request.input_length
         rate = best * ctx.page_size / tokens if tokens else 0.0
-        if rate > self.config.cache_threshold:
-            pool = [i for i, worker_id in enumerate(ctx.worker_ids)
-                    if depths.get(worker_id) == best]
-        else:
-            sizes = [len(lru) for lru in self._lru]
-            smallest = min(sizes)
-            pool = [i for i, size in enumerate(sizes) if size == smallest]
+        if rate <= self.config.cache_threshold:
+            return self._load.index(min(self._load))  # least loaded; min_by_key keeps the first
+        pool = [i for i, worker_id in enumerate(ctx.worker_ids) if depths.get(worker_id) == best]
         return pool[0] if len(pool) == 1 else ctx.rng.choice(pool)
 
     def _insert(self, worker: int, keys: Sequence[bytes]) -> None:
