@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
+from bench.bench_engines import TRACE_VAR
+from bench.engines_fleet import SMG_VAR, VLLM_PYTHON_VAR
 from coordinator.config import CoordinatorConfig
 from coordinator.core.accel import NO_ACCEL_VARIABLE
 from coordinator.server.metrics import CoordinatorMetrics
@@ -32,7 +34,9 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Read outside the two config dataclasses (see ARCHITECTURE.md §6).
 OTHER_VARIABLES = {"KVCOORD_COORDINATOR", "KVCOORD_HASH_KEY", "KVCOORD_HASH_ALGORITHM",
                    "KVCOORD_PAGE_SIZE", TOKEN_VARIABLE, NO_ACCEL_VARIABLE,
-                   *CLIENT_FILE_VARIABLES.values()}
+                   *CLIENT_FILE_VARIABLES.values(),
+                   # kvcoord bench engines: where the peers' venvs and its trace are
+                   VLLM_PYTHON_VAR, SMG_VAR, TRACE_VAR}
 
 
 def exposed_metric_names() -> set[str]:
