@@ -50,7 +50,7 @@ from bench.engines_load import replay, send_one
 from bench.engines_model import WORDS, ModelShape, check_words, template_tokens, write_model
 from bench.engines_procs import cpu_seconds, metric_sum
 from bench.engines_report import ROUTERS, ranges, summarize_turn, table, verdicts
-from bench.engines_routers import RouterRun, kvcoord_router, smg_router
+from bench.engines_routers import RouterRun, kvcoord_router, smg_router, smg_worker_order
 from bench.engines_stream import Stream, StreamRequest, StreamShape, build_stream
 from kvcoord.provenance import git_state, trace_identity
 from worker.text.tokenizer import TextTokenizer
@@ -215,8 +215,9 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
                                     log_dir)
         compared = stream.requests[:config.compare]
         with smg_router(smg, engines, "cache_aware", log_dir, "compare") as router:
+            order = smg_worker_order(router, engines)
             picks = smg_choices(router, engines, compared)
-        comparison = compare_sglang_like(engines, tokenizer, compared, picks)
+        comparison = compare_sglang_like(engines, tokenizer, compared, picks, order)
         _log(f"sglang_like agreed with smg on {comparison['agreed']} of {len(compared)}")
     routers = {name: ranges(runs[name]) for name in ROUTERS}
     print("\nengines: routers in front of two vLLM CPU engines (mean, min-max over "

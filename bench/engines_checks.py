@@ -182,13 +182,17 @@ class _TieToPeer(random.Random):
 
 def compare_sglang_like(engines: Sequence[Engine], tokenizer: TextTokenizer,
                         requests: Sequence[StreamRequest], smg_picks: Sequence[int],
+                        smg_order: Sequence[int],
                         cache_threshold: float = SglangConfig().cache_threshold,
                         ) -> dict[str, Any]:
     """Drive the simulator's ``SglangLikeRouter`` with ``requests`` (each finished before the
     next, as smg saw them) and compare its picks with ``smg_picks``, apart for prompts that
     match an earlier one by more than ``cache_threshold`` of their tokens (both rules then
-    follow the match) and for the rest (the rules' fallback)."""
-    worker_ids = [e.url for e in engines]
+    follow the match) and for the rest (the rules' fallback). The simulator gets the workers
+    in ``smg_order`` (smg's registry order, by which both break ties of load)."""
+    if sorted(smg_order) != list(range(len(engines))):
+        raise EnginesError(f"smg lists the engines as {smg_order}")
+    worker_ids = [engines[i].url for i in smg_order]
     rng = _TieToPeer()
     ctx = RouterContext(worker_ids=worker_ids, index=PrefixIndex(clock=lambda: 0.0),
                         page_size=PAGE_SIZE, rng=rng, weights=KvAwareWeights(),
@@ -208,10 +212,11 @@ def compare_sglang_like(engines: Sequence[Engine], tokenizer: TextTokenizer,
             else "low_match"
         job = Job(TraceRequest(position, 0.0, len(ids), 1, request.hash_ids),
                   hasher.page_keys(ids, namespace), 0.0)
-        rng.peer_pick, rng.tied = smg_pick, None
-        chosen = router.route(job, {}, 0.0)
-        router.on_prefill_done(chosen, job)
-        router.on_finished(chosen, job)
+        rng.peer_pick, rng.tied = smg_order.index(smg_pick), None
+        position = router.route(job, {}, 0.0)
+        router.on_prefill_done(position, job)
+        router.on_finished(position, job)
+        chosen = smg_order[position]
         ties += rng.tied is not None
         tally[path][1] += 1
         if chosen == smg_pick:
@@ -229,6 +234,7 @@ def compare_sglang_like(engines: Sequence[Engine], tokenizer: TextTokenizer,
             **{f"{path}.{what}": t[i] for path, t in tally.items()
                for i, what in enumerate(("agreed", "compared"))},
             "smg_picks": "".join(str(i) for i in smg_picks),
+            "smg_worker_order": [engines[i].worker_id for i in smg_order],
             "differences": differing}
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.engines_fleet import (
     ENGINE_BLOCK,
@@ -174,12 +175,26 @@ def smg_router(smg: Path, engines: Sequence[Engine], policy: str, log_dir: Path,
         stop([proc])
 
 
-def _smg_healthy(url: str) -> int:
+def _smg_workers(url: str) -> list[dict[str, Any]]:
+    """smg's ``GET /workers`` list, in its registry's order ([] when it does not answer)."""
     body = http_get(f"{url}/workers")
     if body is None:
-        return 0
+        return []
     try:
         workers = json.loads(body).get("workers", [])
-    except ValueError:
-        return 0
-    return sum(1 for w in workers if w.get("is_healthy"))
+    except (ValueError, AttributeError):
+        return []
+    return [w for w in workers if isinstance(w, dict)]
+
+
+def _smg_healthy(url: str) -> int:
+    return sum(1 for w in _smg_workers(url) if w.get("is_healthy"))
+
+
+def smg_worker_order(router: RouterRun, engines: Sequence[Engine]) -> list[int]:
+    """The engines (positions in ``engines``) in smg's registry order. smg breaks a tie
+    between workers of equal load by this order, which is the order its workers finished
+    registering, not the order of ``--worker-urls``."""
+    listed = [w.get("url") for w in _smg_workers(router.url.removesuffix("/v1"))]
+    urls = [e.url for e in engines]
+    return [urls.index(u) for u in listed if u in urls]
