@@ -87,7 +87,7 @@ test-vllm: $(STAMP) $(ACCEL) $(VLLM_STAMP) $(SMG_STAMP) ## a real vLLM (CPU) beh
 
 engines-peers: $(VLLM_STAMP) $(SMG_STAMP) ## install what `kvcoord bench engines` runs: vLLM's CPU build (.venv-vllm) and smg (.venv-smg)
 
-bench-engines: $(STAMP) $(ACCEL) $(VLLM_STAMP) $(SMG_STAMP) ## two vLLM engines behind kvcoord gateway and smg, 3 repeats (~15 min, 2 cores); bench/results/engines.json
+bench-engines: $(STAMP) $(ACCEL) $(VLLM_STAMP) $(SMG_STAMP) ## two vLLM engines behind kvcoord gateway and smg, 3 repeats (~11 min, 2 cores); bench/results/engines.json
 	$(VLLM_TEST_ENV) $(VENV)/bin/kvcoord bench engines
 
 # Every `kvcoord bench` suite at its quick sizes, then one chaos round of each fault, all writing
