@@ -1,0 +1,101 @@
+"""``EngineControl`` for vLLM 0.32 (its CPU build included), through the endpoints its OpenAI
+server adds with ``VLLM_SERVER_DEV_MODE=1`` (vllm/entrypoints/launchers/api_server/routers.py
+registers the RL routes, vllm/entrypoints/rl/online/api_router.py, and the dev routes,
+vllm/entrypoints/serve/dev/, only then):
+
+- ``POST /pause?mode=wait|abort&clear_cache=false``: the scheduler stops; ``wait`` returns once
+  running requests finished, ``abort`` aborts them. Requests added later are held until resume.
+  ``clear_cache`` defaults to true; the bridge drops the cache itself after the weights change,
+  where it can watch the clear arrive on the event stream. ``mode=keep`` is never used.
+- ``GET /metrics``: ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``.
+- ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": P}}``: every
+  model worker reloads the checkpoint in place (refused for an engine started with
+  ``--load-format dummy``).
+- ``POST /reset_prefix_cache``: ``{"success": false}`` while blocks are held; retried.
+- ``POST /update_weight_version {"new_version": V}``, ``GET /weight_info``.
+- ``POST /resume``.
+- ``GET /v1/models``: the first model's ``root``, the path the engine loaded at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from worker.bridge.engine_control import EngineControl, EngineStepFailed, MissingEndpoint
+
+DEV_MODE_FLAG = "VLLM_SERVER_DEV_MODE=1 in the engine's environment"
+_RESET_ATTEMPTS = 50
+_RESET_RETRY_S = 0.1
+_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+class VllmControl(EngineControl):
+    kind = "vllm"
+
+    async def check_endpoints(self) -> None:
+        for path in ("/is_paused", "/weight_info", "/reset_prefix_cache", "/collective_rpc",
+                     "/update_weight_version", "/pause", "/resume"):
+            if not await self._serves(path):
+                raise MissingEndpoint("vLLM", path, DEV_MODE_FLAG)
+
+    async def pause(self, *, abort: bool) -> None:
+        mode = "abort" if abort else "wait"
+        timeout = self.load_timeout_s  # "wait" lasts as long as the longest running request
+        await self._call("pause", "POST", "/pause",
+                         params={"mode": mode, "clear_cache": "false"}, timeout_s=timeout)
+        answer = await self._call("pause", "GET", "/is_paused")
+        if not (isinstance(answer, dict) and answer.get("is_paused") is True):
+            raise EngineStepFailed("pause", f"/is_paused answered {answer!r} after /pause")
+
+    async def running_requests(self) -> int:
+        return count_requests(await self._text("idle", "/metrics"))
+
+    async def load_weights(self, path: str) -> None:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        await self._call("load", "POST", "/collective_rpc", body=body,
+                         timeout_s=self.load_timeout_s)
+
+    async def reset_prefix_cache(self) -> None:
+        for _ in range(_RESET_ATTEMPTS):
+            answer = await self._call("reset", "POST", "/reset_prefix_cache")
+            if isinstance(answer, dict) and answer.get("success") is True:
+                return
+            await asyncio.sleep(_RESET_RETRY_S)  # blocks still held by a finishing request
+        raise EngineStepFailed("reset", f"/reset_prefix_cache kept answering success=false "
+                                        f"({_RESET_ATTEMPTS} tries)")
+
+    async def set_weight_version(self, version: str) -> None:
+        await self._call("version", "POST", "/update_weight_version",
+                         body={"new_version": version})
+
+    async def weight_version(self) -> str | None:
+        answer = await self._call("version", "GET", "/weight_info")
+        if not isinstance(answer, dict):
+            raise EngineStepFailed("version", f"/weight_info answered {answer!r}")
+        version = answer.get("weight_version")
+        return None if version is None else str(version)
+
+    async def resume(self) -> None:
+        await self._call("resume", "POST", "/resume")
+        answer = await self._call("resume", "GET", "/is_paused")
+        if not (isinstance(answer, dict) and answer.get("is_paused") is False):
+            raise EngineStepFailed("resume", f"/is_paused answered {answer!r} after /resume")
+
+    async def model_path(self) -> str | None:
+        answer = await self._call("check", "GET", "/v1/models")
+        models = answer.get("data") if isinstance(answer, dict) else None
+        if isinstance(models, list) and models and isinstance(models[0], dict):
+            root = models[0].get("root")
+            return root if isinstance(root, str) and root else None
+        return None
+
+
+def count_requests(metrics_text: str) -> int:
+    """Running plus waiting requests in vLLM's Prometheus text (summed over label sets)."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _METRICS:
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
