@@ -129,6 +129,8 @@ def policy_from(state: pb.PolicyState) -> PolicyState:
         mode="async" if state.mode == pb.POLICY_MODE_ASYNC else "sync",
         acked_workers=tuple(state.acked_workers),
         fenced_workers=tuple(state.fenced_workers),
+        failures={f.worker_id: f.reason for f in state.failures},
+        weights_uri=state.weights_uri,
     )
 
 

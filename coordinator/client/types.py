@@ -74,6 +74,9 @@ class PolicyState:
     mode: str = "sync"
     acked_workers: tuple[str, ...] = ()
     fenced_workers: tuple[str, ...] = ()
+    # Members of the update in progress (or just committed) that reported a failure -> reason.
+    failures: dict[str, str] = field(default_factory=dict)
+    weights_uri: str = ""  # where ``version``'s weights load from ("" = seeded / the engine's own)
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -30,7 +30,7 @@ from coordinator.control.sync_messages import Command
 from coordinator.control.worker_streams import WorkerStreams
 from coordinator.control.worker_sync import set_serving_version
 from coordinator.core import policy_state
-from coordinator.core.errors import Aborted
+from coordinator.core.errors import Aborted, FailedPrecondition
 from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
 from coordinator.core.policy_state import PolicyRecord
 from coordinator.store.protocol import MetadataStore, StoreUnavailable
@@ -42,21 +42,30 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class CommitResult:
+    """A committed update: who applied it, who was fenced, and why the members that reported
+    a failure failed (``failures``: worker -> reason, a subset of ``fenced``)."""
+
     record: PolicyRecord
     acked: tuple[str, ...]
     fenced: tuple[str, ...]
+    failures: dict[str, str] = field(default_factory=dict)
 
 
 def _latest(stored: dict[str, str], local: dict[str, str]) -> dict[str, str]:
-    """Per worker, the furthest stage either copy has seen."""
+    """Per worker, the furthest stage either copy has seen (a failure outranks every stage)."""
     merged = dict(stored)
     for worker, stage in local.items():
-        stages = policy_state.STAGES
-        if stages.index(stage) > stages.index(merged.get(worker, "member")):
+        if policy_state.stage_rank(stage) > policy_state.stage_rank(merged.get(worker, "member")):
             merged[worker] = stage
         else:
             merged.setdefault(worker, stage)
     return merged
+
+
+def failures_of(stages: dict[str, str]) -> dict[str, str]:
+    """Worker -> reason, for the members whose recorded stage is a failure."""
+    failed = {w: policy_state.failure_reason(stage) for w, stage in stages.items()}
+    return {w: reason for w, reason in sorted(failed.items()) if reason is not None}
 
 
 class PolicyUpdates:
@@ -168,13 +177,19 @@ class PolicyUpdates:
             while session.policy_version != target and self._clock() < deadline:
                 await self._view.wait_change(0.05)
 
-    async def ack(self, session: RegisteredWorker, stage: str, version: int) -> None:
-        """A worker's PolicyAck. DRAINED -> send it APPLY; APPLIED -> it now serves ``version``."""
+    async def ack(self, session: RegisteredWorker, stage: str, version: int,
+                  reason: str = "") -> None:
+        """A worker's PolicyAck. DRAINED -> send it APPLY; APPLIED -> it now serves ``version``;
+        FAILED -> it is fenced at once (unroutable at any version), and ``reason`` is kept in
+        the update's status."""
         record = self.record
         if version not in (record.target_version, record.version):
             log.warning("policy.stale_ack", worker=session.worker_id, stage=stage,
                         version=version, target=record.target_version)
             return
+        if stage == policy_state.FAILED:
+            self._failed(session, version, reason or "no reason given")
+            stage = policy_state.failed_stage(reason or "no reason given")
         if version == record.target_version:
             self._stages.setdefault(version, {})[session.worker_id] = stage
             try:
@@ -198,9 +213,27 @@ class PolicyUpdates:
                             version=version)
         self._view.notify()
 
+    def _failed(self, session: RegisteredWorker, version: int, reason: str) -> None:
+        """A member could not do a stage: unroutable now, not at the commit (it may be holding
+        weights of neither version)."""
+        session.fenced = True
+        session.draining = False
+        self._fleet.changed()
+        log.warning("worker.fenced", worker=session.worker_id, version=version, reason=reason,
+                    cause="failed")
+
+    async def failures(self, version: int) -> dict[str, str]:
+        """Members of the update to ``version`` that reported a failure, with their reasons
+        (acks taken by any replica)."""
+        return failures_of(_latest(await self._store.get_acks(version),
+                                   self._stages.get(version, {})))
+
     async def commit(self, version: int, timeout: float) -> CommitResult:
-        """Wait for APPLIED(version) from every member up to ``timeout`` seconds, fence the
-        missing, then SERVING(version) and RESUME to the rest."""
+        """Wait for APPLIED(version) from every member up to ``timeout`` seconds (less when
+        every member still missing reported a failure), fence the missing, then SERVING(version)
+        and RESUME to the rest. When members failed and none applied, the update is aborted
+        instead (SERVING at the current version, as ``abort``) and FailedPrecondition says why:
+        committing would leave nothing serving the new version."""
         record = await self._view.refresh()
         policy_state.commit(record, version)  # refuses a wrong target before any waiting
         members = await self._members(version)
@@ -212,17 +245,25 @@ class PolicyUpdates:
             if now >= next_read:  # acks taken by other replicas reach us through the store
                 stored, next_read = dict(await self._store.get_acks(version)), now + 0.1
             barrier = policy_state.barrier(members, _latest(stored, self._stages.get(version, {})))
-            if barrier.done or self._clock() >= deadline:
+            if barrier.done or barrier.settled or self._clock() >= deadline:
                 break
             await self._view.wait_change(min(0.05, max(0.0, deadline - self._clock())))
+        failures = failures_of(_latest(stored, self._stages.get(version, {})))
+        if failures and not barrier.acked:
+            await self.abort(version)
+            reasons = "; ".join(f"{w}: {r}" for w, r in failures.items())
+            raise FailedPrecondition(f"the update to version {version} was aborted: no member "
+                                     f"applied it and {len(failures)} failed ({reasons})")
         async with self._lock:
             record = await self._cas(lambda cur: policy_state.commit(cur, version))
             self._stages[version] = _latest(stored, self._stages.get(version, {}))
             self._finish(version, committed=True, acked=barrier.acked)
         self._replication.policy_changed(False)
-        result = CommitResult(record, tuple(sorted(barrier.acked)), tuple(sorted(barrier.missing)))
+        result = CommitResult(record, tuple(sorted(barrier.acked)), tuple(sorted(barrier.missing)),
+                              failures)
         self.last = result
-        log.info("policy_state.commit", version=version, acked=result.acked, fenced=result.fenced)
+        log.info("policy_state.commit", version=version, acked=result.acked, fenced=result.fenced,
+                 failed=sorted(failures))
         return result
 
     def _finish(self, target: int, *, committed: bool, acked: frozenset[str]) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from coordinator.core.errors import Aborted, InvalidArgument
 
 __all__ = [
+    "FAILED",
     "MODES",
     "STAGES",
     "Barrier",
@@ -35,8 +36,11 @@ __all__ = [
     "begin",
     "check_integrity",
     "commit",
+    "failed_stage",
+    "failure_reason",
     "routes_blocked",
     "servable_versions",
+    "stage_rank",
 ]
 
 class PolicyPhase(enum.StrEnum):
@@ -75,6 +79,29 @@ move one by one and routes continue within ``max_staleness`` (bounded-staleness 
 STAGES = ("member", "drained", "applied")
 """A worker's acknowledgements for a target version, in the order they happen; a later stage
 implies the earlier ones (a worker that APPLIED the new weights has drained)."""
+
+FAILED = "failed"
+"""A member that reported it could not do a stage. Recorded as ``failed:<reason>`` (one value in
+the store's acks hash, so every replica sees the reason); it outranks every stage of STAGES (a
+failure ends the worker's part in that update) and never counts as acked."""
+
+
+def failed_stage(reason: str) -> str:
+    """The recorded stage of a member that failed, with ``reason`` (one line)."""
+    return f"{FAILED}:{' '.join(reason.split())}"
+
+
+def failure_reason(stage: str) -> str | None:
+    """The reason of a ``failed_stage`` record; None for any other stage."""
+    name, sep, reason = stage.partition(":")
+    return reason if name == FAILED and sep else None
+
+
+def stage_rank(stage: str) -> int:
+    """Order of recorded stages: STAGES in order, then a failure; -1 for anything else."""
+    if failure_reason(stage) is not None:
+        return len(STAGES)
+    return STAGES.index(stage) if stage in STAGES else -1
 
 
 def _check_version(name: str, version: int) -> None:
@@ -184,12 +211,19 @@ def check_integrity(record: PolicyRecord) -> None:
 @dataclass(frozen=True, slots=True)
 class Barrier:
     """Who of ``members`` acknowledged a stage: ``acked | missing == members``, disjoint;
-    ``done`` when nobody is missing (an empty barrier is done)."""
+    ``done`` when nobody is missing (an empty barrier is done). ``failed`` (a subset of
+    ``missing``): members that reported a failure, whom waiting cannot bring; ``settled`` when
+    every missing member failed, so a commit need not wait out its deadline."""
 
     members: frozenset[str]
     acked: frozenset[str]
     missing: frozenset[str]
     done: bool
+    failed: frozenset[str] = frozenset()
+
+    @property
+    def settled(self) -> bool:
+        return self.missing <= self.failed
 
 
 def barrier(members: Iterable[str], acks: Mapping[str, str], stage: str = "applied") -> Barrier:
@@ -201,11 +235,12 @@ def barrier(members: Iterable[str], acks: Mapping[str, str], stage: str = "appli
     InvalidArgument for a ``stage`` not in STAGES."""
     if stage not in STAGES:
         raise InvalidArgument(f"unknown ack stage {stage!r}; expected one of {', '.join(STAGES)}")
-    rank = {name: i for i, name in enumerate(STAGES)}
     group = frozenset(members)
-    acked = frozenset(m for m in group if rank.get(acks.get(m, ""), -1) >= rank[stage])
+    wanted = STAGES.index(stage)
+    acked = frozenset(m for m in group if wanted <= stage_rank(acks.get(m, "")) < len(STAGES))
     missing = group - acked
-    return Barrier(members=group, acked=acked, missing=missing, done=not missing)
+    failed = frozenset(m for m in missing if failure_reason(acks.get(m, "")) is not None)
+    return Barrier(members=group, acked=acked, missing=missing, done=not missing, failed=failed)
 
 
 def servable_versions(current: PolicyRecord, max_staleness: int) -> range:

@@ -8,7 +8,7 @@ names the field and the limit.
 from __future__ import annotations
 
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from coordinator.config import CoordinatorConfig
 from coordinator.control.sync_messages import (
@@ -55,6 +55,7 @@ COMMAND_TO_PB = {
 }
 ACK_STAGE_FROM_PB = {
     pb.PolicyAck.STAGE_DRAINED: "drained", pb.PolicyAck.STAGE_APPLIED: "applied",
+    pb.PolicyAck.STAGE_FAILED: "failed",
 }
 PHASE_TO_PB = {
     PolicyPhase.SERVING: pb.POLICY_PHASE_SERVING, PolicyPhase.DRAINING: pb.POLICY_PHASE_DRAINING,
@@ -278,7 +279,14 @@ def policy_to_pb(policy: PolicyRecord) -> pb.PolicyState:
     )
     if policy.target_version is not None:
         state.target_version = policy.target_version
+    state.weights_uri = policy.weights_uri
     return state
+
+
+def add_failures(state: pb.PolicyState, failures: Mapping[str, str]) -> None:
+    """Append ``failures`` (worker -> reason) to ``state``, in worker order."""
+    for worker_id, reason in sorted(failures.items()):
+        state.failures.append(pb.PolicyFailure(worker_id=worker_id, reason=reason))
 
 
 def worker_to_pb(view: WorkerView) -> pb.WorkerInfo:

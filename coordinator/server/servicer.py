@@ -256,7 +256,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             stage = convert.ACK_STAGE_FROM_PB.get(request.policy_ack.stage)
             if stage is None:
                 raise InvalidArgument(f"unknown policy ack stage {request.policy_ack.stage}")
-            await self._service.updates.ack(session, stage, request.policy_ack.version)
+            await self._service.updates.ack(session, stage, request.policy_ack.version,
+                                            request.policy_ack.reason)
             return []
         raise InvalidArgument("empty Sync message: set one body")
 
@@ -281,7 +282,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     async def GetPolicy(self, request: pb.GetPolicyRequest, context: Context) -> pb.PolicyState:
         check_protocol(request.protocol_version)
-        return convert.policy_to_pb(await self._service.refresh_policy())
+        record = await self._service.refresh_policy()
+        state = convert.policy_to_pb(record)
+        if record.target_version is not None:
+            convert.add_failures(state, await self._service.updates.failures(
+                record.target_version))
+        return state
 
     async def BeginPolicyUpdate(
         self, request: pb.BeginPolicyUpdateRequest, context: Context
@@ -306,6 +312,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         state = convert.policy_to_pb(result.record)
         state.acked_workers.extend(result.acked)
         state.fenced_workers.extend(result.fenced)
+        convert.add_failures(state, result.failures)
         return state
 
     async def AbortPolicyUpdate(

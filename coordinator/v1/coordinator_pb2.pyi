@@ -326,20 +326,24 @@ class Heartbeat(_message.Message):
     def __init__(self, running_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., completed_routes: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class PolicyAck(_message.Message):
-    __slots__ = ("stage", "version")
+    __slots__ = ("stage", "version", "reason")
     class Stage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STAGE_UNSPECIFIED: _ClassVar[PolicyAck.Stage]
         STAGE_DRAINED: _ClassVar[PolicyAck.Stage]
         STAGE_APPLIED: _ClassVar[PolicyAck.Stage]
+        STAGE_FAILED: _ClassVar[PolicyAck.Stage]
     STAGE_UNSPECIFIED: PolicyAck.Stage
     STAGE_DRAINED: PolicyAck.Stage
     STAGE_APPLIED: PolicyAck.Stage
+    STAGE_FAILED: PolicyAck.Stage
     STAGE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     stage: PolicyAck.Stage
     version: int
-    def __init__(self, stage: _Optional[_Union[PolicyAck.Stage, str]] = ..., version: _Optional[int] = ...) -> None: ...
+    reason: str
+    def __init__(self, stage: _Optional[_Union[PolicyAck.Stage, str]] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class InventoryChunk(_message.Message):
     __slots__ = ("resync_id", "page_keys", "tier", "last", "seq")
@@ -428,7 +432,7 @@ class DeregisterResponse(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class PolicyState(_message.Message):
-    __slots__ = ("protocol_version", "version", "phase", "target_version", "mode", "acked_workers", "fenced_workers", "epoch")
+    __slots__ = ("protocol_version", "version", "phase", "target_version", "mode", "acked_workers", "fenced_workers", "epoch", "failures", "weights_uri")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -437,6 +441,8 @@ class PolicyState(_message.Message):
     ACKED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     FENCED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_URI_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     version: int
     phase: PolicyPhase
@@ -445,7 +451,17 @@ class PolicyState(_message.Message):
     acked_workers: _containers.RepeatedScalarFieldContainer[str]
     fenced_workers: _containers.RepeatedScalarFieldContainer[str]
     epoch: int
-    def __init__(self, protocol_version: _Optional[int] = ..., version: _Optional[int] = ..., phase: _Optional[_Union[PolicyPhase, str]] = ..., target_version: _Optional[int] = ..., mode: _Optional[_Union[PolicyMode, str]] = ..., acked_workers: _Optional[_Iterable[str]] = ..., fenced_workers: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    failures: _containers.RepeatedCompositeFieldContainer[PolicyFailure]
+    weights_uri: str
+    def __init__(self, protocol_version: _Optional[int] = ..., version: _Optional[int] = ..., phase: _Optional[_Union[PolicyPhase, str]] = ..., target_version: _Optional[int] = ..., mode: _Optional[_Union[PolicyMode, str]] = ..., acked_workers: _Optional[_Iterable[str]] = ..., fenced_workers: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[PolicyFailure, _Mapping]]] = ..., weights_uri: _Optional[str] = ...) -> None: ...
+
+class PolicyFailure(_message.Message):
+    __slots__ = ("worker_id", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GetPolicyRequest(_message.Message):
     __slots__ = ("protocol_version",)
