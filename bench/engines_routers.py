@@ -75,7 +75,8 @@ def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
             port = free_port()
             bridge_metrics.append(f"http://127.0.0.1:{port}/metrics")
             procs.append(start(f"{tag}-bridge-{engine.worker_id}", kvcoord_argv(
-                "bridge", "vllm", "--events", engine.events, "--replay", engine.replay,
+                "bridge", "vllm", "--no-policy-control", "--events", engine.events,
+                "--replay", engine.replay,
                 "--coordinator", coordinator, "--worker-id", engine.worker_id,
                 "--worker-address", engine.url.removeprefix("http://"),
                 "--engine-url", engine.url, "--model", MODEL, "--page-size", str(PAGE_SIZE),

@@ -107,7 +107,22 @@ def build_parser() -> argparse.ArgumentParser:
     bridge.add_argument("--engine-block-size", type=int,
                         help="the engine's KV block size (default: the page size)")
     bridge.add_argument("--policy-version", type=int, default=0,
-                        help="the weights version the engine serves (default 0)")
+                        help="the weights version the engine serves at start (default 0)")
+    bridge.add_argument("--no-policy-control", dest="policy_control", action="store_false",
+                        help="keep the engine out of policy updates (an external worker that "
+                        "serves only --policy-version)")
+    bridge.add_argument("--http-listen", metavar="HOST:PORT",
+                        help="policy control: serve the engine's OpenAI API here, each answer "
+                        "tagged with its weight version (registered as the worker's URL)")
+    bridge.add_argument("--weights", choices=("uri", "trainer"), default="uri",
+                        help="policy control: the engine loads each update's weights_uri "
+                        "(uri, default), or the trainer pushes them through the engine's "
+                        "weight-transfer API and finishes with the version (trainer)")
+    bridge.add_argument("--weights-root", metavar="DIR",
+                        help="a relative weights_uri is a path under this directory")
+    bridge.add_argument("--recover-interval-s", type=float, default=5.0,
+                        help="a fenced engine tries to catch up with the fleet this often "
+                        "(default 5)")
     bridge.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     bridge.add_argument("--log-level", help="debug, info (default), warning, error")
 

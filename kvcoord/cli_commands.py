@@ -124,6 +124,9 @@ def cmd_bridge(args: argparse.Namespace) -> int:
             engine_block_size=args.engine_block_size, replay=args.replay,
             policy_version=args.policy_version, hash_key=os.environ.get("KVCOORD_HASH_KEY"),
             engine=args.engine, engine_url=args.engine_url or "",
+            policy_control=args.policy_control, http_listen=args.http_listen,
+            weights=args.weights, weights_root=args.weights_root,
+            recover_interval_s=args.recover_interval_s,
         )
     except ValueError as exc:
         print(f"kvcoord bridge: {exc}", file=sys.stderr)

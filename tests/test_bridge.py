@@ -528,7 +528,7 @@ async def test_kvcoord_bridge_vllm_follows_an_engine_and_stops_on_sigterm() -> N
     metrics = free_port()
     try:
         async with running_coordinator(page_size=P) as coord:
-            process = spawn(["bridge", "vllm", "--events", engine.events, "--replay",
+            process = spawn(["bridge", "vllm", *EXTERNAL, "--events", engine.events, "--replay",
                              str(engine.replay), "--coordinator", target(coord), "--worker-id",
                              WORKER, "--worker-address", ADDRESS, "--model", MODEL,
                              "--page-size", str(P), "--metrics-port", str(metrics),
@@ -570,16 +570,23 @@ def _scrape(port: int) -> str:
 
 BRIDGE_ARGS = ["--events", "tcp://127.0.0.1:5557", "--coordinator", "127.0.0.1:1",
                "--worker-id", "w", "--worker-address", "10.0.0.1:8000", "--page-size", "16"]
+EXTERNAL = ["--no-policy-control"]
 
 
 @pytest.mark.parametrize(("extra", "env", "message"), [
-    (["--engine-block-size", "24"], {},
+    ([*EXTERNAL, "--engine-block-size", "24"], {},
      "kvcoord bridge: engine block size 24 is not a multiple of the page size 16"),
-    (["--worker-address", "nocolon"], {}, "HOST:PORT"),
-    (["--events", "127.0.0.1:5557"], {}, "tcp://"),
-    ([], {"KVCOORD_HASH_KEY": "not-hex"}, "hash key"),
-    (["--engine-url", "engine:8000"], {}, "--engine-url must be an http:// or https:// URL"),
-], ids=["block-size", "worker-address", "events-endpoint", "hash-key", "engine-url"])
+    ([*EXTERNAL, "--worker-address", "nocolon"], {}, "HOST:PORT"),
+    ([*EXTERNAL, "--events", "127.0.0.1:5557"], {}, "tcp://"),
+    (EXTERNAL, {"KVCOORD_HASH_KEY": "not-hex"}, "hash key"),
+    ([*EXTERNAL, "--engine-url", "engine:8000"], {},
+     "--engine-url must be an http:// or https:// URL"),
+    ([], {}, "policy control needs --engine-url"),
+    (["--engine-url", "http://127.0.0.1:8000"], {}, "policy control needs --http-listen"),
+    (["--engine-url", "http://127.0.0.1:8000", "--http-listen", "127.0.0.1:0"], {},
+     "policy control needs --http-listen HOST:PORT"),
+], ids=["block-size", "worker-address", "events-endpoint", "hash-key", "engine-url",
+        "no-engine-url", "no-http-listen", "http-listen-port-0"])
 def test_kvcoord_bridge_refuses_bad_config_with_one_line(
     extra: list[str], env: dict[str, str], message: str,
 ) -> None:

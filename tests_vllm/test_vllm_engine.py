@@ -197,7 +197,8 @@ def running_fleet(vllm_python: Path, workdir: Path, node: pytest.Item) -> Iterat
         except (RuntimeError, TimeoutError) as exc:
             pytest.fail(f"the coordinator did not come up: {exc}", pytrace=False)
         start("bridge", [
-            kvcoord, "bridge", "vllm", "--events", events, "--replay", replay,
+            kvcoord, "bridge", "vllm", "--no-policy-control", "--events", events,
+            "--replay", replay,
             "--coordinator", coordinator, "--worker-id", WORKER_ID,
             "--worker-address", f"127.0.0.1:{vllm_port}", "--engine-url", vllm_url,
             "--model", MODEL, "--page-size", str(PAGE_SIZE),

@@ -175,6 +175,17 @@ class SyncClient:
         self._outbox.put_nowait(request)
         return True
 
+    async def sent(self, timeout_s: float) -> bool:
+        """Wait until every queued message was handed to the stream (a last ack before the
+        owner stops the client), up to ``timeout_s``; False when it was not."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._outbox is not None and not self._outbox.empty():
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the writer took it; let the write itself complete
+        return self._outbox is not None
+
     def beat_soon(self) -> None:
         """Send the next heartbeat soon rather than after the full period (a finished
         generation: a route still counted as queued work would push the conversation's next

@@ -56,6 +56,13 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive
                 "content-encoding", "date", "server"}
 
 
+def served_version(upstream: aiohttp.ClientResponse, route: Route) -> int:
+    """The weight version that made an answer: what a bridged engine's proxy confirmed
+    (``x-kvcoord-policy-version``), else the version the route was chosen at."""
+    confirmed = upstream.headers.get("x-kvcoord-policy-version", "")
+    return int(confirmed) if confirmed.isdigit() else route.policy_version
+
+
 def _counted(metrics: GatewayMetrics) -> Any:
     """A middleware counting every answer by endpoint and status (a client gone: 499)."""
 
@@ -190,7 +197,8 @@ class GatewayServer:
                            prompt: list[int], token: str | None, request_id: str,
                            ledger: RouteLedger) -> web.StreamResponse:
         upstream, route = await self._open_upstream(path, raw, prompt, token, request_id, ledger)
-        self.metrics.policy_version.set(route.policy_version)
+        version = served_version(upstream, route)
+        self.metrics.policy_version.set(version)
         streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         seen = Observation(self.metrics, route.worker_id, request[STARTED], len(prompt),
                            streamed=streamed)
@@ -198,7 +206,7 @@ class GatewayServer:
             headers = {k: v for k, v in upstream.headers.items()
                        if k.lower() not in _HOP_HEADERS and not k.lower().startswith("x-kvcoord")}
             headers.update({"x-request-id": request_id, "x-kvcoord-worker": route.worker_id,
-                            "x-kvcoord-policy-version": str(route.policy_version),
+                            "x-kvcoord-policy-version": str(version),
                             "x-kvcoord-route-id": route.route_id})
             response = web.StreamResponse(status=upstream.status, headers=headers)
             await response.prepare(request)
@@ -217,7 +225,7 @@ class GatewayServer:
             await response.write_eof()
             seen.end(upstream.status)
             log.info("gateway.request", request_id=request_id, path=path,
-                     worker=route.worker_id, policy_version=route.policy_version,
+                     worker=route.worker_id, policy_version=version,
                      matched_tokens=route.matched_tokens, prompt_tokens=len(prompt),
                      status=upstream.status)
             return response
@@ -287,7 +295,7 @@ class GatewayServer:
             headers = {"x-request-id": request_id,
                        "x-kvcoord-worker": ",".join(r.worker_id for _, _, r in opened),
                        "x-kvcoord-policy-version": ",".join(sorted(
-                           {str(r.policy_version) for _, _, r in opened}))}
+                           {str(served_version(u, r)) for _, u, r in opened}))}
             failed = next((u for _, u, _ in opened if u.status != 200), None)
             if failed is not None:  # a refusal of one share is the answer to all
                 return web.Response(status=failed.status, body=await failed.read(),

@@ -53,6 +53,16 @@ class BlockMap:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        """Key blocks stored from now on under ``version`` (the engine's weights changed; its
+        cache was cleared, so no held block is keyed under the old one)."""
+        self._version = version
+
     def stored(self, event: BlockStored) -> tuple[list[PageEvent], list[MalformedInput]]:
         """Stored events for the event's blocks, and the blocks skipped: a hash already held
         with other tokens (an engine whose hash does not chain, e.g. early SGLang hashing a

@@ -3,7 +3,10 @@
 The bridge subscribes to the engine's ZMQ publisher (frames ``[topic, seq, payload]``), turns
 each batch into page events (``BlockMap``) and sends them through a ``SyncClient``
 (``worker.sync_client``: acks, resends, chunked inventories, heartbeats, failover), registered
-as an *external* worker: it stays out of policy barriers and serves the ``policy_version`` it is
+as a worker. With ``policy_control`` (the CLI's default) it takes part in policy updates through
+the engine's own RL endpoints (``worker.bridge.policy_member``) and serves the engine's OpenAI
+API through a proxy that tags each answer with the version that made it; without, it is an
+*external* worker that stays out of policy barriers and serves the ``policy_version`` it is
 given. Engine sequence numbers are checked: a gap, or a first number above 0, is filled by the
 engine's replay socket (``[b"", start_seq]`` to a DEALER; replies in either the current vLLM or
 the older vLLM/SGLang form, up to the end marker seq -1). Without replay, or when it fails, the
@@ -18,19 +21,18 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import zmq
 import zmq.asyncio
 
 from coordinator.client.channels import ClientTls
-from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig
 from coordinator.core.hashing import PageHasher
 from coordinator.core.page_events import PageEvent
-from coordinator.logs import warn_development_key
 from coordinator.v1 import coordinator_pb2 as pb
 from worker.bridge.block_map import BlockMap
+from worker.bridge.bridge_config import BridgeConfig
 from worker.bridge.engine_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -38,9 +40,12 @@ from worker.bridge.engine_events import (
     MalformedInput,
     decode_payload,
 )
+from worker.bridge.policy_member import PolicyMember, engine_control
 from worker.event_log import Holdings
 from worker.sync_client import SyncClient
 from worker.sync_protocol import TIER_PB, SyncSettings, WorkerIdentity
+
+__all__ = ["END_SEQ", "Bridge", "BridgeConfig"]
 
 log = structlog.get_logger(__name__)
 
@@ -52,56 +57,6 @@ _KIND_PB = {"stored": pb.PageEvent.KIND_STORED, "removed": pb.PageEvent.KIND_REM
 # settles them all, so the coordinator's in-flight count covers one heartbeat period.
 _SETTLE_ALL = 1 << 30
 _REPLAY_TIMEOUT_S = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class BridgeConfig:
-    events: str
-    coordinator: str
-    worker_id: str
-    worker_address: str
-    model: str = "default"
-    page_size: int = 16
-    engine_block_size: int | None = None
-    replay: str | None = None
-    policy_version: int = 0
-    hash_key: str | None = None
-    heartbeat_ms: int | None = None
-    engine: str = "vllm"
-    # The engine's OpenAI-compatible base URL ("" = none): what gateways forward to. The
-    # worker_address is what schedulers dial for anything else (it may be the same server).
-    engine_url: str = ""
-    # What Register reports: the coordinator caps what it indexes for one worker at
-    # min(max_pages_per_worker, 4x this).
-    total_pages: int = 1 << 20
-    event_flush_ms: int = 5
-
-    def __post_init__(self) -> None:
-        block = self.engine_block_size or self.page_size
-        if self.page_size <= 0 or block <= 0:
-            raise ValueError("page size and engine block size must be > 0")
-        if block % self.page_size:
-            raise ValueError(f"engine block size {block} is not a multiple of the page size "
-                             f"{self.page_size}")
-        if ":" not in self.worker_address:
-            raise ValueError(f"--worker-address must be HOST:PORT, got {self.worker_address!r}")
-        if not self.worker_id:
-            raise ValueError("--worker-id is required")
-        if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
-            raise ValueError(f"--engine-url must be an http:// or https:// URL, got "
-                             f"{self.engine_url!r}")
-        for name, endpoint in (("--events", self.events), ("--replay", self.replay)):
-            if endpoint is not None and "://" not in endpoint:
-                raise ValueError(f"{name} must be a ZMQ endpoint such as tcp://HOST:PORT, got "
-                                 f"{endpoint!r}")
-
-    def hash_config(self) -> HashConfig:
-        """The deployment hashing; an unset or empty key is the development key, as for the
-        coordinator and the worker (an empty KVCOORD_HASH_KEY means "unset" everywhere)."""
-        if not self.hash_key:
-            warn_development_key()
-            return HashConfig(key=DEV_HASH_KEY, page_size=self.page_size)
-        return HashConfig.from_hex_key(self.hash_key, page_size=self.page_size)
 
 
 class Bridge:
@@ -121,14 +76,17 @@ class Bridge:
         self.last_seq = -1
         self.replays = 0
         self.rebuilds = 0
-        identity = WorkerIdentity(
+        self.engine_clears = 0  # AllBlocksCleared seen on the engine's stream
+        self._identity = WorkerIdentity(
             worker_id=config.worker_id, address=config.worker_address, model=config.model,
-            total_pages=config.total_pages, hash_config=hash_config, external=True,
-            http_url=config.engine_url,
+            total_pages=config.total_pages, hash_config=hash_config,
+            external=not config.policy_control,
+            http_url=config.proxy_url() if config.policy_control else config.engine_url,
         )
-        settings = SyncSettings(targets=config.coordinator, heartbeat_ms=config.heartbeat_ms,
-                                event_flush_ms=config.event_flush_ms, token=token, tls=tls)
-        self.sync = SyncClient(identity, settings, self)
+        self._settings = SyncSettings(targets=config.coordinator, heartbeat_ms=config.heartbeat_ms,
+                                      event_flush_ms=config.event_flush_ms, token=token, tls=tls)
+        self.sync = SyncClient(self._identity, self._settings, self)
+        self.member = _policy_member(self, token, tls) if config.policy_control else None
         # Sockets are opened by start(): a Bridge built and never started (its metrics
         # collector, a test) holds nothing that needs a loop or a clean-up.
         self._zmq: zmq.asyncio.Context | None = None
@@ -153,6 +111,25 @@ class Bridge:
         self._sub = self._zmq.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(self.config.events)
+        self._engine = asyncio.create_task(self._follow_engine(), name="bridge-engine")
+        register = True
+        if self.member is not None:
+            assert self.config.http_listen is not None
+            host, _, port = self.config.http_listen.rpartition(":")
+            register = await self.member.start(host, int(port))
+        else:
+            log.warning("bridge.external", worker=self.config.worker_id,
+                        detail="--no-policy-control: this engine stays out of policy updates "
+                               "and serves only --policy-version")
+        if register:
+            await self.join_fleet()
+        log.info("bridge.started", worker=self.config.worker_id, engine=self.config.engine,
+                 events=self.config.events, replay=self.config.replay,
+                 incarnation=self.incarnation, policy_control=self.member is not None,
+                 version=self.policy_version())
+
+    async def join_fleet(self) -> None:
+        """Start the Sync client and wait until it is welcomed; raises ``RegistrationRefused``."""
         self.sync.start()
         synced = asyncio.create_task(self.sync.synced.wait())
         failed = asyncio.create_task(self.sync.failed.wait())
@@ -161,12 +138,16 @@ class Bridge:
         failed.cancel()
         if self.sync.error is not None:
             raise self.sync.error
-        self._engine = asyncio.create_task(self._follow_engine(), name="bridge-engine")
-        log.info("bridge.started", worker=self.config.worker_id, engine=self.config.engine,
-                 events=self.config.events, replay=self.config.replay,
-                 incarnation=self.incarnation)
+
+    async def leave_fleet(self) -> None:
+        """Out of the fleet (a fenced engine): the last ack sent, deregistered."""
+        await self.sync.sent(2.0)
+        await self.sync.stop(deregister=True)
+        self.sync = SyncClient(self._identity, self._settings, self, counters=self.sync.counters)
 
     async def stop(self) -> None:
+        if self.member is not None:
+            await self.member.stop()
         if self._engine is not None:
             self._engine.cancel()
             await asyncio.wait([self._engine], timeout=2.0)
@@ -181,21 +162,29 @@ class Bridge:
     # ------------------------------------------------------------------ SyncOwner
 
     def policy_version(self) -> int:
-        return self.config.policy_version
+        return self.config.policy_version if self.member is None else self.member.version
 
     async def holdings(self) -> Holdings:
         """What the engine holds now, by tier (taken on the loop, where the map changes)."""
         return {TIER_PB[tier]: keys for tier, keys in self.blocks.inventory().items()}
 
     def heartbeat(self) -> pb.Heartbeat:
-        return pb.Heartbeat(completed_routes=_SETTLE_ALL)
+        running = 0 if self.member is None else self.member.proxy.in_flight
+        return pb.Heartbeat(completed_routes=_SETTLE_ALL, running_requests=running)
 
     async def registered(self, response: pb.RegisterResponse) -> None:
-        """An external worker serves the version it is given: nothing to load."""
+        """Nothing to load here: an external worker serves the version it is given, and a
+        policy-controlled one registers only once its engine serves the fleet's version."""
 
     def command(self, command: pb.PolicyCommand) -> None:
+        if self.member is not None:
+            self.member.command(command)
+            return
         log.warning("bridge.unexpected_command", worker=self.config.worker_id,
                     kind=command.kind, version=command.version)
+
+    def confirm_version(self, version: int) -> None:
+        self.blocks.policy_version = version
 
     def _send(self, events: Sequence[PageEvent]) -> None:
         for event in events:
@@ -298,6 +287,7 @@ class Bridge:
                     if unknown:
                         self._skip("unknown_block", f"{unknown} removed block(s) never stored")
                 elif isinstance(event, AllBlocksCleared):
+                    self.engine_clears += 1
                     self.blocks.clear()
                     out = [PageEvent("cleared", ())]
                     self.applied["cleared"] += 1
@@ -309,6 +299,20 @@ class Bridge:
         count = self.malformed[kind] = self.malformed.get(kind, 0) + 1
         if count == 1:  # once per kind: a flood of bad frames must not flood the logs
             log.warning("bridge.malformed", kind=kind, detail=message[:300])
+
+
+def _policy_member(bridge: Bridge, token: str | None, tls: ClientTls | None) -> PolicyMember:
+    config = bridge.config
+    return PolicyMember(
+        engine_control(config.engine, config.engine_url), worker_id=config.worker_id,
+        coordinator=config.coordinator, version=config.policy_version, weights=config.weights,
+        weights_root=Path(config.weights_root) if config.weights_root else None,
+        recover_interval_s=config.recover_interval_s,
+        cleared=lambda: bridge.engine_clears, confirmed=bridge.confirm_version,
+        send=lambda request: bridge.sync.send(request), leave=bridge.leave_fleet,
+        rejoin=bridge.join_fleet,
+        stub=lambda: bridge.sync.stub() if bridge.sync.synced.is_set() else None,
+        token=token, tls=tls)
 
 
 def _published(frames: list[bytes]) -> tuple[int, bytes]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from collections.abc import Iterator
 
 import structlog
@@ -13,6 +14,8 @@ from prometheus_client.registry import Collector
 
 from coordinator.client.channels import ClientTls
 from worker.bridge.bridge import Bridge, BridgeConfig
+from worker.bridge.engine_control import EngineStepFailed, MissingEndpoint
+from worker.bridge.policy_member import PolicyMember
 from worker.sync_metrics import SyncCollector
 from worker.sync_protocol import RegistrationRefused
 
@@ -45,6 +48,37 @@ class BridgeCollector(Collector):
         yield GaugeMetricFamily("kvcoord_bridge_blocks", "Engine blocks held", value=len(b.blocks))
         yield GaugeMetricFamily("kvcoord_bridge_last_seq", "Last engine sequence number applied",
                                 value=b.last_seq)
+        if b.member is not None:
+            yield from _policy_metrics(b.member)
+
+
+def _policy_metrics(member: PolicyMember) -> Iterator[Metric]:
+    counters = member.driver.counters
+    stages = CounterMetricFamily("kvcoord_bridge_policy_stages",
+                                 "Policy stages the engine completed", labels=["stage"])
+    for stage, count in sorted(counters.stages.items()):
+        stages.add_metric([stage], count)
+    yield stages
+    failures = CounterMetricFamily("kvcoord_bridge_policy_failures",
+                                   "Policy stages the engine failed (each fenced it), by step",
+                                   labels=["step"])
+    for step, count in sorted(counters.failures.items()):
+        failures.add_metric([step], count)
+    yield failures
+    yield GaugeMetricFamily("kvcoord_bridge_fenced",
+                            "1 while the engine is fenced (never routed, at any version)",
+                            value=int(counters.fenced))
+    yield GaugeMetricFamily("kvcoord_bridge_policy_version",
+                            "The weight version the engine confirmed", value=member.version)
+    yield GaugeMetricFamily("kvcoord_bridge_last_pause_seconds",
+                            "The last update's pause, gate closed to gate open",
+                            value=counters.last_pause_s)
+    yield CounterMetricFamily("kvcoord_bridge_recoveries",
+                              "Times a fenced engine caught up with the fleet",
+                              value=member.recoveries)
+    yield CounterMetricFamily("kvcoord_bridge_rollouts_sent",
+                              "Rollout records of the engine's answers accepted",
+                              value=member.rollouts.sent)
 
 
 def bridge_registry(bridge: Bridge) -> CollectorRegistry:
@@ -72,6 +106,15 @@ async def serve_bridge(
         await bridge.start()
     except RegistrationRefused as exc:  # a hash key or protocol mismatch: retrying cannot help
         log.error("bridge.exit", worker=config.worker_id, reason=str(exc))
+        await bridge.stop()
+        return 1
+    except MissingEndpoint as exc:  # the engine was started without its RL endpoints
+        print(f"kvcoord bridge: {exc}", file=sys.stderr)
+        await bridge.stop()
+        return 2
+    except EngineStepFailed as exc:  # the engine cannot be reached or refused a first call
+        log.error("bridge.exit", worker=config.worker_id, reason=str(exc))
+        print(f"kvcoord bridge: the engine at {config.engine_url}: {exc}", file=sys.stderr)
         await bridge.stop()
         return 1
     await stop.wait()
