@@ -98,6 +98,9 @@ class EngineControl(abc.ABC):
     async def resume(self) -> None:
         """Generate again (requests that waited start now)."""
 
+    async def publish_events(self) -> None:  # noqa: B027 - an engine may hold none back
+        """Make the engine publish the KV events it holds back (the default: it holds none)."""
+
     async def model_path(self) -> str | None:
         """Where the engine loaded its weights from at start, when it says (else None)."""
         return None

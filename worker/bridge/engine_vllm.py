@@ -15,6 +15,11 @@ vllm/entrypoints/serve/dev/, only then):
 - ``POST /update_weight_version {"new_version": V}``, ``GET /weight_info``.
 - ``POST /resume``.
 - ``GET /v1/models``: the first model's ``root``, the path the engine loaded at start.
+
+NOTE: vLLM queues a reset's AllBlocksCleared until its next engine step with outputs, so after
+the reset the bridge resumes the engine and sends it one request of a single token for one
+token (``publish_events``): that step publishes the event and, shorter than a block, stores
+nothing. Requests of the gateway are still held by the bridge's proxy meanwhile.
 """
 
 from __future__ import annotations
@@ -80,6 +85,14 @@ class VllmControl(EngineControl):
         answer = await self._call("resume", "GET", "/is_paused")
         if not (isinstance(answer, dict) and answer.get("is_paused") is False):
             raise EngineStepFailed("resume", f"/is_paused answered {answer!r} after /resume")
+
+    async def publish_events(self) -> None:
+        models = await self._call("publish", "GET", "/v1/models")
+        data = models.get("data") if isinstance(models, dict) else None
+        if not (isinstance(data, list) and data and isinstance(data[0], dict)):
+            raise EngineStepFailed("publish", f"/v1/models answered {models!r}")
+        body = {"model": data[0].get("id"), "prompt": [0], "max_tokens": 1, "temperature": 0}
+        await self._call("publish", "POST", "/v1/completions", body=body)
 
     async def model_path(self) -> str | None:
         answer = await self._call("check", "GET", "/v1/models")

@@ -10,10 +10,10 @@ acknowledged only once the engine has done it (docs/BRIDGE.md "RL with vLLM / SG
   ``weights="uri"`` asks the engine to load ``uri`` in place (relative to ``weights_root`` when
   relative), ``weights="trainer"`` waits for the trainer's signal, the engine's own weight
   version reaching ``v`` (vLLM: ``/finish_weight_update {"weight_version": "v"}`` after the
-  trainer's transfer); the prefix cache is reset and the bridge waits to see AllBlocksCleared
-  on the event stream; the version is set to ``v`` and read back; the engine resumes; only then
-  is APPLIED(v) sent. An APPLY of the version already confirmed (an aborted update) only
-  resumes.
+  trainer's transfer); the prefix cache is reset; the version is set to ``v`` and read back;
+  the engine resumes and the bridge waits to see AllBlocksCleared on the event stream; only
+  then does the proxy forward again and APPLIED(v) go out. An APPLY of the version already
+  confirmed (an aborted update) only resumes.
 - **RESUME**: resume and reopen (an update aborted after DRAIN).
 - **Any failure** (``EngineStepFailed``, or a version read back other than asked) fences the
   engine: the proxy answers 503, the engine is left paused, FAILED(v, reason) is acked (the
@@ -162,7 +162,6 @@ class PolicyDriver:
             await self.drain(abort=False)
         await self.load(version, weights_uri)
         await self.confirm(version)
-        await self.engine.resume()
         self._reopen()
         self._count("applied")
 
@@ -181,21 +180,25 @@ class PolicyDriver:
         self.known_paths[version] = path
 
     async def confirm(self, version: int) -> None:
-        """Steps 2 and 3: the cache dropped (seen on the event stream), the version set and read
-        back; the bridge keys blocks under ``version`` from here."""
+        """Steps 2 to 4: the cache dropped, the version set and read back, the engine resumed
+        and the clear seen on the event stream (vLLM publishes it only with a later step:
+        ``publish_events``); from here the bridge keys blocks under ``version``. The proxy's
+        gate stays closed throughout: nothing of the gateway's runs before the clear is seen."""
         before = self._cleared()
         await self.engine.reset_prefix_cache()
+        await self.engine.set_weight_version(str(version))
+        reported = await self.engine.weight_version()
+        if reported != str(version):
+            raise EngineStepFailed("version", f"the engine reports weight version {reported!r} "
+                                              f"after it was set to {version}")
+        await self.engine.resume()
+        await self.engine.publish_events()
         deadline = time.monotonic() + self._clear_timeout_s
         while self._cleared() == before:
             if time.monotonic() > deadline:
                 raise EngineStepFailed("reset", f"no AllBlocksCleared on the event stream "
                                                 f"{self._clear_timeout_s:.0f} s after the reset")
             await asyncio.sleep(_POLL_S)
-        await self.engine.set_weight_version(str(version))
-        reported = await self.engine.weight_version()
-        if reported != str(version):
-            raise EngineStepFailed("version", f"the engine reports weight version {reported!r} "
-                                              f"after it was set to {version}")
         self.version = version
         self._confirmed(version)
 

@@ -148,7 +148,6 @@ class PolicyMember:
                     continue
                 await self._catch_up(serving.version, serving.weights_uri)
                 await self._rejoin()
-                await self.engine.resume()
             except EngineStepFailed as failed:
                 log.warning("bridge.recovery_failed", worker=self.worker_id, step=failed.step,
                             reason=failed.reason)
