@@ -98,7 +98,7 @@ def _vllm_argv(python: Path, model_dir: Path, port: int, events: str, replay: st
     ]
 
 
-def _vllm_env(scratch: Path, core: int) -> dict[str, str]:
+def vllm_env(scratch: Path, core: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in RUNNER_PYTHON_VARS}
     env.update({
         "TMPDIR": str(scratch),  # its inter-process Unix sockets: removed after
@@ -124,7 +124,7 @@ def running_engines(python: Path, model_dir: Path, config: EngineConfig, log_dir
             port = free_port()
             events, replay = f"ipc://{scratch}/events-{i}", f"ipc://{scratch}/replay-{i}"
             proc = start(f"vllm-{i}", _vllm_argv(python, model_dir, port, events, replay, config),
-                         env=_vllm_env(scratch, core), log_dir=log_dir, core=core)
+                         env=vllm_env(scratch, core), log_dir=log_dir, core=core)
             engines.append(Engine(f"vllm-{i}", core, f"http://127.0.0.1:{port}", events, replay,
                                   proc))
         procs = [e.proc for e in engines]
