@@ -73,12 +73,12 @@ def vllm_argv(python: Path, checkpoint: Path, port: int, events: str, replay: st
     ]
 
 
-def start_engines(python: Path, checkpoint: Path, count: int, scratch: Path, log_dir: Path,
+def start_engines(python: Path, checkpoints: Sequence[Path], scratch: Path, log_dir: Path,
                   tag: str = "vllm") -> list[tuple[str, Proc, str, str]]:
-    """``count`` engines on ``checkpoint``, one per core, healthy: ``(url, proc, events,
-    replay)`` each."""
+    """One engine per checkpoint, started together, one per core, healthy: ``(url, proc,
+    events, replay)`` each."""
     started = []
-    for i in range(count):
+    for i, checkpoint in enumerate(checkpoints):
         port = free_port()
         events, replay = f"ipc://{scratch}/{tag}-events-{i}", f"ipc://{scratch}/{tag}-replay-{i}"
         proc = start(f"{tag}-{i}", vllm_argv(python, checkpoint, port, events, replay),
@@ -102,7 +102,7 @@ def running_rl_fleet(
     procs: list[Proc] = []
     env = kvcoord_env(HASH_KEY)
     try:
-        started = start_engines(python, checkpoint, len(weights_roots), scratch, log_dir)
+        started = start_engines(python, [checkpoint] * len(weights_roots), scratch, log_dir)
         procs += [p for _, p, _, _ in started]
         coordinator = f"127.0.0.1:{free_port()}"
         procs.append(start("coordinator", kvcoord_argv(
