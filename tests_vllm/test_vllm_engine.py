@@ -24,6 +24,7 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -91,6 +92,8 @@ class EngineFleet:
     gateway_url: str
     model_dir: Path
     services: tuple[Service, ...]
+    engine_url: str
+    """vLLM's own server, started without ``VLLM_SERVER_DEV_MODE``: no RL endpoints."""
 
     def wait_for(self, condition: Callable[[], bool], *, timeout_s: float, what: str) -> None:
         """``services.wait_for`` over every process of the fleet."""
@@ -207,7 +210,7 @@ def running_fleet(vllm_python: Path, workdir: Path, node: pytest.Item) -> Iterat
             kvcoord, "gateway", "--coordinator", coordinator,
             "--listen", f"127.0.0.1:{gateway_port}", "--model", MODEL,
             "--tokenizer", str(model_dir), "--max-context", str(MAX_MODEL_LEN)], env)
-        fleet = EngineFleet(coordinator, gateway_url, model_dir, tuple(started))
+        fleet = EngineFleet(coordinator, gateway_url, model_dir, tuple(started), vllm_url)
         fleet.wait_for(lambda: http_ok(f"{vllm_url}/health"), timeout_s=VLLM_START_S,
                        what="vLLM's /health (it starts three processes, each importing torch "
                             "and vLLM: 25-45 s on 2 cores)")
@@ -293,6 +296,23 @@ def test_the_next_turn_is_routed_to_vllm_and_hits_the_blocks_the_bridge_indexed(
         assert matched == cached, "the coordinator's view of vLLM's cache is not vLLM's"
         assert second.usage.prompt_tokens == gateway_counted == len(second_ids), \
             "tokenizer drift on the second turn"
+
+        # Policy control needs the engine's RL endpoints, which this engine does not serve.
+        refused = subprocess.run(
+            [sys.executable, "-m", "kvcoord.cli", "bridge", "vllm", "--events", "ipc:///none",
+             "--coordinator", fleet.coordinator, "--worker-id", "vllm-rl",
+             "--worker-address", fleet.engine_url.removeprefix("http://"),
+             "--engine-url", fleet.engine_url, "--http-listen", f"127.0.0.1:{free_port()}",
+             "--model", MODEL, "--page-size", str(PAGE_SIZE),
+             "--engine-block-size", str(ENGINE_BLOCK)],
+            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+            env={**os.environ, "KVCOORD_LOG_LEVEL": "error"})
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert refused.stderr.strip().splitlines() == [
+            "kvcoord bridge: the vLLM engine does not serve /is_paused: start it with "
+            "VLLM_SERVER_DEV_MODE=1 in the engine's environment, or run the bridge with "
+            "--no-policy-control"], refused.stderr[-2000:]
+        assert "vllm-rl" not in {w.worker_id for w in coordinator.workers()}
 
     bridge_log = fleet.log("bridge")
     assert "bridge.malformed" not in bridge_log, "the bridge skipped some of vLLM's input"
