@@ -18,7 +18,16 @@ Sizes, and why:
   ``--dtype auto`` computes in what the CPU build supports (on x86 it logs "Downcasting
   torch.float32 to torch.bfloat16").
 
-Usage: ``python -m tests_vllm.tiny_model DIR`` (prints DIR), or ``write_tiny_model(DIR)``.
+``write_checkpoint(DIR, seed)`` adds real weights (``model.safetensors``, float32, every tensor
+of ``LlamaForCausalLM`` by its Hugging Face name, drawn from ``seed``), for engines that must
+reload weights in place (vLLM refuses ``reload_weights`` for ``--load-format dummy``). Two seeds
+are two policies. The output projection is scaled so logits spread several units wide (the
+final norm's output has unit RMS; ``lm_head`` std 0.5 over 128 dims gives logits of std ~5.7):
+the top two logits of a greedy step are rarely within rounding of each other, so a sample
+regenerated alone equals the same sample generated in a batch, token for token.
+
+Usage: ``python -m tests_vllm.tiny_model DIR [--seed N]`` (prints DIR), or
+``write_tiny_model(DIR)`` / ``write_checkpoint(DIR, seed)``.
 """
 
 from __future__ import annotations
@@ -77,12 +86,63 @@ def write_tiny_model(directory: Path, tokenizer: Path = REFERENCE_TOKENIZER) -> 
     return directory
 
 
+LM_HEAD_STD = 0.5
+
+
+def checkpoint_tensors(config: dict[str, Any], seed: int) -> dict[str, Any]:
+    """Every weight of ``config``'s ``LlamaForCausalLM``, float32, drawn from ``seed``."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    vocab, layers = config["vocab_size"], config["num_hidden_layers"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+
+    def normal(rows: int, cols: int, std: float) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=generator) * std
+
+    tensors = {"model.embed_tokens.weight": normal(vocab, hidden, 1.0),
+               "model.norm.weight": torch.ones(hidden),
+               "lm_head.weight": normal(vocab, hidden, LM_HEAD_STD)}
+    width = hidden ** -0.5
+    for i in range(layers):
+        prefix = f"model.layers.{i}"
+        tensors |= {
+            f"{prefix}.self_attn.q_proj.weight": normal(hidden, hidden, width),
+            f"{prefix}.self_attn.k_proj.weight": normal(kv, hidden, width),
+            f"{prefix}.self_attn.v_proj.weight": normal(kv, hidden, width),
+            f"{prefix}.self_attn.o_proj.weight": normal(hidden, hidden, width),
+            f"{prefix}.mlp.gate_proj.weight": normal(inter, hidden, width),
+            f"{prefix}.mlp.up_proj.weight": normal(inter, hidden, width),
+            f"{prefix}.mlp.down_proj.weight": normal(hidden, inter, inter ** -0.5),
+            f"{prefix}.input_layernorm.weight": torch.ones(hidden),
+            f"{prefix}.post_attention_layernorm.weight": torch.ones(hidden),
+        }
+    return tensors
+
+
+def write_checkpoint(directory: Path, seed: int, tokenizer: Path = REFERENCE_TOKENIZER) -> Path:
+    """``write_tiny_model`` plus ``model.safetensors`` drawn from ``seed``; returns
+    ``directory``."""
+    from safetensors.torch import save_file
+
+    write_tiny_model(directory, tokenizer)
+    config = json.loads((directory / "config.json").read_text())
+    save_file(checkpoint_tensors(config, seed), str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    return directory
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests_vllm.tiny_model",
                                      description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("directory", type=Path, help="where to write the model")
+    parser.add_argument("--seed", type=int, help="also write weights drawn from this seed")
     args = parser.parse_args(argv)
-    print(write_tiny_model(args.directory))
+    if args.seed is None:
+        print(write_tiny_model(args.directory))
+    else:
+        print(write_checkpoint(args.directory, args.seed))
     return 0
 
 
