@@ -10,7 +10,7 @@ LISTEN ?= 127.0.0.1:50051
 GEN_DIRS := coordinator/v1 $(wildcard worker/v1)
 
 .DEFAULT_GOAL := help
-.PHONY: help install proto proto-check lint test test-vllm smoke bench bench-peers engines-peers bench-engines chaos run demo clean
+.PHONY: help install proto proto-check lint test test-vllm smoke bench bench-peers engines-peers bench-engines bench-rl chaos run demo clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -89,6 +89,9 @@ engines-peers: $(VLLM_STAMP) $(SMG_STAMP) ## install what `kvcoord bench engines
 
 bench-engines: $(STAMP) $(ACCEL) $(VLLM_STAMP) $(SMG_STAMP) ## two vLLM engines behind kvcoord gateway and smg, 3 repeats (~11 min, 2 cores); bench/results/engines.json
 	$(VLLM_TEST_ENV) $(VENV)/bin/kvcoord bench engines
+
+bench-rl: $(STAMP) $(ACCEL) $(VLLM_STAMP) ## RL updates on two vLLM engines under GRPO load: kvcoord's sync update against reload + reset with no barrier (~8 min, 2 cores); bench/results/rl.json
+	KVCOORD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/kvcoord bench rl
 
 # Every `kvcoord bench` suite at its quick sizes, then one chaos round of each fault, all writing
 # under a temporary directory (bench/results/ is for full runs). Fails when a suite crashes or an

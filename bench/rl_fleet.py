@@ -8,7 +8,9 @@ and ``kvcoord bench rl`` run updates on.
 - ``kvcoord coordinator`` (embedded store) with the timings a test passes;
 - one ``kvcoord bridge vllm`` per engine: with ``policy_control`` it takes part in updates and
   serves the engine's API on a port of its own (``RlEngine.proxy_url``), loading a relative
-  ``weights_uri`` under its own ``weights_root``; without, an external worker as before;
+  ``weights_uri`` under its own ``weights_root``; without, an external worker as before; either
+  way its Prometheus ``/metrics`` on another (``RlEngine.metrics_url``: the last update's
+  pause, ``kvcoord_bridge_last_pause_seconds``, and the version it confirmed);
 - ``kvcoord gateway``, which waits out a drain for up to two minutes.
 """
 
@@ -38,7 +40,8 @@ DRAIN_WAIT_MS = 120_000
 @dataclass(frozen=True, slots=True)
 class RlEngine:
     """One engine and its bridge: ``url`` the engine itself, ``proxy_url`` what the gateway
-    reaches it through (the engine's own URL without policy control)."""
+    reaches it through (the engine's own URL without policy control), ``metrics_url`` the
+    bridge's ``/metrics``."""
 
     worker_id: str
     url: str
@@ -47,6 +50,7 @@ class RlEngine:
     replay: str
     engine: Proc
     bridge: Proc
+    metrics_url: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +116,7 @@ def running_rl_fleet(
         for i, ((url, engine, events, replay), root) in enumerate(
                 zip(started, weights_roots, strict=True)):
             worker_id = f"vllm-{i}"
-            proxy_port = free_port()
+            proxy_port, metrics_port = free_port(), free_port()
             control = ["--http-listen", f"127.0.0.1:{proxy_port}", "--weights-root", str(root),
                        "--recover-interval-s", "1"] if policy_control else \
                 ["--no-policy-control"]
@@ -121,10 +125,12 @@ def running_rl_fleet(
                 "--coordinator", coordinator, "--worker-id", worker_id,
                 "--worker-address", url.removeprefix("http://"), "--engine-url", url,
                 "--model", MODEL, "--page-size", str(PAGE_SIZE),
-                "--engine-block-size", str(ENGINE_BLOCK), *control), env=env, log_dir=log_dir)
+                "--engine-block-size", str(ENGINE_BLOCK), "--metrics-port", str(metrics_port),
+                *control), env=env, log_dir=log_dir)
             procs.append(bridge)
             proxy = f"http://127.0.0.1:{proxy_port}" if policy_control else url
-            engines.append(RlEngine(worker_id, url, proxy, events, replay, engine, bridge))
+            engines.append(RlEngine(worker_id, url, proxy, events, replay, engine, bridge,
+                                    f"http://127.0.0.1:{metrics_port}/metrics"))
         gateway_url = f"http://127.0.0.1:{free_port()}"
         procs.append(start("gateway", kvcoord_argv(
             "gateway", "--coordinator", coordinator, "--listen",

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bench import engines_report, invariants, targets
+from bench import engines_report, invariants, rl_report, targets
 
 Step = tuple[str, Callable[[], Any]]
 Results = dict[str, Any]
@@ -132,6 +132,18 @@ def engines_preflight(quick: bool) -> str | None:
     return preflight(quick)
 
 
+def rl_steps(quick: bool) -> list[Step]:
+    from bench.bench_rl import full_config, quick_config, run_rl
+
+    return [("rl", lambda: run_rl(quick_config() if quick else full_config()))]
+
+
+def rl_preflight(quick: bool) -> str | None:
+    from bench.bench_rl import preflight
+
+    return preflight(quick)
+
+
 def fleet_steps(quick: bool) -> list[Step]:
     from bench.bench_fleet import fleet_steps as steps
 
@@ -170,4 +182,7 @@ SUITES: dict[str, Suite] = {
     # runs its quick form; never part of `all`.
     "engines": Suite(engines_steps, engines_report.targets, engines_report.invariants,
                      in_all=False, preflight=engines_preflight),
+    # RL policy updates on two real vLLM engines (.venv-vllm): run by name, never in `all`.
+    "rl": Suite(rl_steps, rl_report.targets, rl_report.invariants, in_all=False,
+                preflight=rl_preflight),
 }
