@@ -90,7 +90,7 @@ engines-peers: $(VLLM_STAMP) $(SMG_STAMP) ## install what `kvcoord bench engines
 bench-engines: $(STAMP) $(ACCEL) $(VLLM_STAMP) $(SMG_STAMP) ## two vLLM engines behind kvcoord gateway and smg, 3 repeats (~11 min, 2 cores); bench/results/engines.json
 	$(VLLM_TEST_ENV) $(VENV)/bin/kvcoord bench engines
 
-bench-rl: $(STAMP) $(ACCEL) $(VLLM_STAMP) ## RL updates on two vLLM engines under GRPO load: kvcoord's sync update against reload + reset with no barrier (~8 min, 2 cores); bench/results/rl.json
+bench-rl: $(STAMP) $(ACCEL) $(VLLM_STAMP) ## RL updates on two vLLM engines under GRPO load: kvcoord's sync update against reload + reset with no barrier (~9 min, 2 cores); bench/results/rl.json
 	KVCOORD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/kvcoord bench rl
 
 # Every `kvcoord bench` suite at its quick sizes, then one chaos round of each fault, all writing

@@ -95,16 +95,20 @@ def _cells(arm: dict[str, Any]) -> list[str]:
 
 ROWS = ("samples attributed (200 answers)", "failed requests", "wrong samples (regenerated)",
         "  made wholly by the next version", "  mixed (partly old weights)",
-        "stale reuse (probes after an update)", "updates",
-        "update pause p50 / p99, ms (trainer)", "pause p50 / p99, ms (bridges' gate)",
+        "stale reuse (probe after each update)", "updates",
+        "update: trainer waits p50 / p99, ms", "gate closed at the bridges p50 / p99, ms",
         "samples/s without updates", "samples/s with updates", "with / without",
         "latency p99 without / with, ms", "rollout records matching")
 
 
 def table(results: dict[str, Any]) -> str:
-    """The arms side by side, one measure a row."""
+    """The arms side by side, one measure a row, every value right-aligned."""
     arms = results["arms"]
-    columns = [_cells(arms[name]) for name in ARMS]
+    columns = []
+    for name, title in ARMS.items():
+        cells = _cells(arms[name])
+        width = max(len(title), *(len(c) for c in cells))
+        columns.append([c.rjust(width) for c in cells])
     rows = [[what, *(column[i] for column in columns)] for i, what in enumerate(ROWS)]
     return render_table(["measure", *ARMS.values()], rows)
 

@@ -14,7 +14,9 @@ looks for KV reused across them.
   attribute the samples they send from then on to.
 - ``probe``: a prompt of its own sent to each engine (twice before an update, so it is cached;
   once after). Any cached token on the send after the update is KV of the old weights reused
-  under the new ones.
+  under the new ones. In the no-barrier arm the probe comes after the reset, so it finds none:
+  the old KV that practice reuses is reused by the requests that reach an engine between its
+  reload and its reset, and those show among its wrong samples.
 """
 
 from __future__ import annotations
