@@ -77,10 +77,10 @@ def vllm_argv(python: Path, checkpoint: Path, port: int, events: str, replay: st
     ]
 
 
-def start_engines(python: Path, checkpoints: Sequence[Path], scratch: Path, log_dir: Path,
-                  tag: str = "vllm") -> list[tuple[str, Proc, str, str]]:
-    """One engine per checkpoint, started together, one per core, healthy: ``(url, proc,
-    events, replay)`` each."""
+def launch_engines(python: Path, checkpoints: Sequence[Path], scratch: Path, log_dir: Path,
+                   tag: str = "vllm") -> list[tuple[str, Proc, str, str]]:
+    """One engine per checkpoint, started (not yet healthy), alternating cores: ``(url, proc,
+    events, replay)`` each. ``await_engines`` waits for them."""
     started = []
     for i, checkpoint in enumerate(checkpoints):
         port = free_port()
@@ -88,10 +88,23 @@ def start_engines(python: Path, checkpoints: Sequence[Path], scratch: Path, log_
         proc = start(f"{tag}-{i}", vllm_argv(python, checkpoint, port, events, replay),
                      env=vllm_env(scratch, i % 2), log_dir=log_dir, core=i % 2)
         started.append((f"http://127.0.0.1:{port}", proc, events, replay))
+    return started
+
+
+def await_engines(started: Sequence[tuple[str, Proc, str, str]]) -> None:
+    """Until every one of ``launch_engines``' engines answers /health (EnginesError when one
+    exits or the start takes too long)."""
     procs = [p for _, p, _, _ in started]
     for url, proc, _, _ in started:
         wait_until(lambda u=url: http_get(f"{u}/health") is not None,
                    timeout_s=VLLM_START_S, what=f"{proc.name}'s /health", procs=procs)
+
+
+def start_engines(python: Path, checkpoints: Sequence[Path], scratch: Path, log_dir: Path,
+                  tag: str = "vllm") -> list[tuple[str, Proc, str, str]]:
+    """``launch_engines`` then ``await_engines``."""
+    started = launch_engines(python, checkpoints, scratch, log_dir, tag)
+    await_engines(started)
     return started
 
 

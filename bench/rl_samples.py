@@ -17,8 +17,9 @@ import shutil
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,35 +75,53 @@ def complete(url: str, model: str, prompt: Sequence[int], max_tokens: int, *,
                               worker, int(cached)))
 
 
-def regenerate(python: Path, checkpoints: Mapping[int, Path], samples: Iterable[Sample],
-               log_dir: Path, model: str) -> list[Sample]:
-    """The samples a fresh engine on their version's checkpoint does not reproduce exactly
-    (every version among ``samples`` must be in ``checkpoints``). Starts the engines, one per
-    version, together, and stops them."""
-    from bench.rl_fleet import start_engines
-
+def mismatches(urls: Mapping[int, str], samples: Iterable[Sample], model: str) -> list[Sample]:
+    """The samples that the engine at ``urls[sample.version]`` (a fresh engine loaded with that
+    version's checkpoint) does not reproduce exactly. ValueError when a version has no URL."""
     by_version: dict[int, list[Sample]] = {}
     for sample in samples:
         by_version.setdefault(sample.version, []).append(sample)
-    missing = set(by_version) - set(checkpoints)
+    missing = set(by_version) - set(urls)
     if missing:
-        raise ValueError(f"no checkpoint for version(s) {sorted(missing)}")
-    scratch = Path(tempfile.mkdtemp(prefix="kvcoord-regen-"))
-    procs: list[Proc] = []
+        raise ValueError(f"no reference engine for version(s) {sorted(missing)}")
+    wrong: list[Sample] = []
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for version, group in by_version.items():
+            again = pool.map(lambda s, u=urls[version]: complete(u, model, s.prompt,
+                                                                 s.max_tokens), group)
+            wrong += [s for s, a in zip(group, again, strict=True)
+                      if a.sample is None or a.sample.tokens != s.tokens]
+    return wrong
+
+
+@contextmanager
+def reference_engines(python: Path, checkpoints: Mapping[int, Path], log_dir: Path, *,
+                      wait: bool = True) -> Iterator[tuple[dict[int, str], Callable[[], None]]]:
+    """Fresh engines, one per version of ``checkpoints``, launched at once: yields ``(urls by
+    version, ready)``, where ``ready()`` waits until they answer (called already when
+    ``wait``); stops them. Launch them early and call ``ready`` late to overlap their start
+    with other work."""
+    from bench.rl_fleet import await_engines, launch_engines
+
+    scratch = Path(tempfile.mkdtemp(prefix="kvcoord-fresh-"))
+    versions = sorted(checkpoints)
+    started: list[tuple[str, Proc, str, str]] = []
     try:
-        versions = sorted(by_version)
-        started = start_engines(python, [checkpoints[v] for v in versions], scratch, log_dir,
-                                tag="fresh")
-        procs = [proc for _, proc, _, _ in started]
+        started = launch_engines(python, [checkpoints[v] for v in versions], scratch, log_dir,
+                                 tag="fresh")
         urls = {v: url for v, (url, _, _, _) in zip(versions, started, strict=True)}
-        wrong: list[Sample] = []
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            for version, group in by_version.items():
-                again = pool.map(lambda s, u=urls[version]: complete(
-                    u, model, s.prompt, s.max_tokens), group)
-                wrong += [s for s, a in zip(group, again, strict=True)
-                          if a.sample is None or a.sample.tokens != s.tokens]
-        return wrong
+        if wait:
+            await_engines(started)
+        yield urls, lambda: await_engines(started)
     finally:
-        stop(procs)
+        stop([proc for _, proc, _, _ in started])
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def regenerate(python: Path, checkpoints: Mapping[int, Path], samples: Iterable[Sample],
+               log_dir: Path, model: str) -> list[Sample]:
+    """``mismatches`` on fresh engines of the samples' versions, started for it and stopped."""
+    samples = list(samples)
+    wanted = {v: checkpoints[v] for v in {s.version for s in samples} if v in checkpoints}
+    with reference_engines(python, wanted, log_dir) as (urls, _):
+        return mismatches(urls, samples, model)

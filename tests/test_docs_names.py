@@ -60,6 +60,15 @@ def exposed_metric_names() -> set[str]:
                                  worker_id="engine", worker_address="127.0.0.1:2"))
     bridge.malformed["frame"] = 1
     text += generate_latest(bridge_registry(bridge)).decode()
+    # A bridge with policy control (the CLI's default) exposes its policy metrics too.
+    controlling = Bridge(BridgeConfig(
+        events="tcp://127.0.0.1:1", coordinator="127.0.0.1:1", worker_id="engine",
+        worker_address="127.0.0.1:2", engine_url="http://127.0.0.1:3", policy_control=True,
+        http_listen="127.0.0.1:4"))
+    assert controlling.member is not None
+    controlling.member.driver.counters.failures["apply"] = 1
+    controlling.member.driver.counters.stages["drain"] = 1
+    text += generate_latest(bridge_registry(controlling)).decode()
     gateway = GatewayMetrics()
     gateway.requests.labels("/v1/completions", "200").inc()
     for histogram in (gateway.ttft, gateway.inter_token, gateway.latency):

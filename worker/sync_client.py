@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 from collections.abc import Awaitable
 from typing import Any
 
@@ -230,7 +229,7 @@ class SyncClient:
             finally:
                 self._disconnected()
             attempt += 1
-            await asyncio.sleep(self._backoff(attempt))
+            await asyncio.sleep(self.settings.reconnect_delay_s(attempt))
 
     def _stream_ended(self, end: StreamEnd, exc: grpc.RpcError) -> bool:
         """Act on why the stream or registration ended; True when the client must stop."""
@@ -249,12 +248,6 @@ class SyncClient:
         log.warning("sync.stream_failed", worker=self.identity.worker_id, code=exc.code().name,
                     details=details, reregister=not self.incarnation)
         return False
-
-    def _backoff(self, attempt: int) -> float:
-        """Exponential in ``attempt`` (1-based), capped, with equal jitter."""
-        cfg = self.settings
-        ceiling: float = min(cfg.backoff_max_ms, cfg.backoff_initial_ms << min(attempt - 1, 16))
-        return (ceiling / 2 + random.uniform(0, ceiling / 2)) / 1000
 
     def _disconnected(self) -> None:
         self.synced.clear()

@@ -8,6 +8,7 @@ step at a time.
 from __future__ import annotations
 
 import enum
+import random
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,6 +94,12 @@ class SyncSettings:
     backoff_max_ms: int = 5_000
     token: str | None = None
     tls: ClientTls | None = None
+
+    def reconnect_delay_s(self, attempt: int) -> float:
+        """Before the ``attempt``-th reconnect (1-based): exponential, capped at
+        ``backoff_max_ms``, with equal jitter (so a fleet cut off together comes back spread)."""
+        ceiling = min(self.backoff_max_ms, self.backoff_initial_ms << min(attempt - 1, 16))
+        return (ceiling / 2 + random.uniform(0, ceiling / 2)) / 1000
 
 
 @dataclass(slots=True)

@@ -19,11 +19,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import structlog
 
 from coordinator.config import CoordinatorConfig
+from coordinator.control.policy_acks import CommitResult, await_barrier, failures_of, latest_stages
 from coordinator.control.policy_view import READ_ATTEMPTS, PolicyView
 from coordinator.control.replication_sink import ReplicationSink
 from coordinator.control.sync_messages import Command
@@ -37,35 +38,6 @@ from coordinator.store.protocol import MetadataStore, StoreUnavailable
 from coordinator.wire import Reason
 
 log = structlog.get_logger(__name__)
-
-
-
-@dataclass(frozen=True, slots=True)
-class CommitResult:
-    """A committed update: who applied it, who was fenced, and why the members that reported
-    a failure failed (``failures``: worker -> reason, a subset of ``fenced``)."""
-
-    record: PolicyRecord
-    acked: tuple[str, ...]
-    fenced: tuple[str, ...]
-    failures: dict[str, str] = field(default_factory=dict)
-
-
-def _latest(stored: dict[str, str], local: dict[str, str]) -> dict[str, str]:
-    """Per worker, the furthest stage either copy has seen (a failure outranks every stage)."""
-    merged = dict(stored)
-    for worker, stage in local.items():
-        if policy_state.stage_rank(stage) > policy_state.stage_rank(merged.get(worker, "member")):
-            merged[worker] = stage
-        else:
-            merged.setdefault(worker, stage)
-    return merged
-
-
-def failures_of(stages: dict[str, str]) -> dict[str, str]:
-    """Worker -> reason, for the members whose recorded stage is a failure."""
-    failed = {w: policy_state.failure_reason(stage) for w, stage in stages.items()}
-    return {w: reason for w, reason in sorted(failed.items()) if reason is not None}
 
 
 class PolicyUpdates:
@@ -225,7 +197,7 @@ class PolicyUpdates:
     async def failures(self, version: int) -> dict[str, str]:
         """Members of the update to ``version`` that reported a failure, with their reasons
         (acks taken by any replica)."""
-        return failures_of(_latest(await self._store.get_acks(version),
+        return failures_of(latest_stages(await self._store.get_acks(version),
                                    self._stages.get(version, {})))
 
     async def commit(self, version: int, timeout: float) -> CommitResult:
@@ -237,18 +209,10 @@ class PolicyUpdates:
         record = await self._view.refresh()
         policy_state.commit(record, version)  # refuses a wrong target before any waiting
         members = await self._members(version)
-        deadline = self._clock() + timeout
-        stored: dict[str, str] = {}
-        next_read = 0.0
-        while True:
-            now = self._clock()
-            if now >= next_read:  # acks taken by other replicas reach us through the store
-                stored, next_read = dict(await self._store.get_acks(version)), now + 0.1
-            barrier = policy_state.barrier(members, _latest(stored, self._stages.get(version, {})))
-            if barrier.done or barrier.settled or self._clock() >= deadline:
-                break
-            await self._view.wait_change(min(0.05, max(0.0, deadline - self._clock())))
-        failures = failures_of(_latest(stored, self._stages.get(version, {})))
+        barrier, stages = await await_barrier(
+            self._store, self._view, lambda: self._stages.get(version, {}), version, members,
+            self._clock() + timeout, self._clock)
+        failures = failures_of(stages)
         if failures and not barrier.acked:
             await self.abort(version)
             reasons = "; ".join(f"{w}: {r}" for w, r in failures.items())
@@ -256,7 +220,7 @@ class PolicyUpdates:
                                      f"applied it and {len(failures)} failed ({reasons})")
         async with self._lock:
             record = await self._cas(lambda cur: policy_state.commit(cur, version))
-            self._stages[version] = _latest(stored, self._stages.get(version, {}))
+            self._stages[version] = latest_stages(stages, self._stages.get(version, {}))
             self._finish(version, committed=True, acked=barrier.acked)
         self._replication.policy_changed(False)
         result = CommitResult(record, tuple(sorted(barrier.acked)), tuple(sorted(barrier.missing)),
@@ -345,7 +309,7 @@ class PolicyUpdates:
     async def _load_members(self, target: int) -> dict[str, str]:
         """Every member of the update to ``target`` with its furthest stage, from the store
         (acks taken by any replica) merged with what this replica saw."""
-        merged = _latest(await self._store.get_acks(target), self._stages.get(target, {}))
+        merged = latest_stages(await self._store.get_acks(target), self._stages.get(target, {}))
         self._stages[target] = merged
         return merged
 
