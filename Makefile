@@ -82,7 +82,7 @@ $(SMG_STAMP):
 VLLM_TEST_ENV = KVCOORD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
 	KVCOORD_SMG=$(abspath $(SMG_VENV))/bin/smg
 
-test-vllm: $(STAMP) $(ACCEL) $(VLLM_STAMP) $(SMG_STAMP) ## a real vLLM (CPU) behind the bridge and gateway, and the engines bench's quick form (~3 min; first builds .venv-vllm, 3.4 GB, and .venv-smg)
+test-vllm: $(STAMP) $(ACCEL) $(VLLM_STAMP) $(SMG_STAMP) ## a real vLLM (CPU) behind the bridge and gateway, the engines bench's quick form, the RL test on two engines and the rl bench's quick form (~8 min on 2 cores; first builds .venv-vllm, 3.4 GB, and .venv-smg)
 	$(VLLM_TEST_ENV) $(VENV)/bin/pytest tests_vllm --durations=5
 
 engines-peers: $(VLLM_STAMP) $(SMG_STAMP) ## install what `kvcoord bench engines` runs: vLLM's CPU build (.venv-vllm) and smg (.venv-smg)
