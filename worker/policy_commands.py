@@ -16,13 +16,13 @@ requests before they start): their callers get ABORTED and route again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 
 import structlog
 
 from coordinator.v1 import coordinator_pb2 as pb
 from worker.gate import GenerationGate
+from worker.in_order import InOrder
 from worker.metrics import WorkerMetrics
 from worker.runtime import WorkerRuntime
 
@@ -48,38 +48,27 @@ class PolicyCommandHandler:
         self._runtime = runtime
         self._metrics = metrics
         self._send = send
-        self._queue: asyncio.Queue[pb.PolicyCommand] = asyncio.Queue()
-        self._task: asyncio.Task[None] | None = None
+        self._commands = InOrder(self._run, "policy-commands")
 
     def handle(self, command: pb.PolicyCommand) -> None:
         """Queue ``command``; it runs after every command received before it."""
-        self._queue.put_nowait(command)
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="policy-commands")
+        self._commands.handle(command)
 
     async def idle(self) -> None:
         """Return once every queued command has run (for tests and shutdown)."""
-        await self._queue.join()
+        await self._commands.idle()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._commands.stop()
 
-    async def _run(self) -> None:
-        while True:
-            command = await self._queue.get()
-            try:
-                await self._execute(command)
-            except Exception:
-                # A failed APPLY leaves the old weights serving and sends no ack: the
-                # coordinator's barrier times out and fences this worker, which is the point.
-                log.exception("policy.command_failed", kind=KIND_NAMES.get(command.kind),
-                              version=command.version)
-            finally:
-                self._queue.task_done()
+    async def _run(self, command: pb.PolicyCommand) -> None:
+        try:
+            await self._execute(command)
+        except Exception:
+            # A failed APPLY leaves the old weights serving and sends no ack: the
+            # coordinator's barrier times out and fences this worker, which is the point.
+            log.exception("policy.command_failed", kind=KIND_NAMES.get(command.kind),
+                          version=command.version)
 
     async def _execute(self, command: pb.PolicyCommand) -> None:
         kind = KIND_NAMES.get(command.kind)

@@ -24,7 +24,6 @@ acknowledged only once the engine has done it (docs/BRIDGE.md "RL with vLLM / SG
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ import structlog
 from coordinator.v1 import coordinator_pb2 as pb
 from worker.bridge.engine_control import EngineControl, EngineStepFailed
 from worker.bridge.engine_proxy import EngineProxy
+from worker.in_order import InOrder
 
 log = structlog.get_logger(__name__)
 
@@ -85,42 +85,31 @@ class PolicyDriver:
         self._on_fenced = on_fenced
         self._clear_timeout_s = clear_timeout_s
         self._trainer_timeout_s = trainer_timeout_s
-        self._queue: asyncio.Queue[pb.PolicyCommand] = asyncio.Queue()
-        self._task: asyncio.Task[None] | None = None
+        self._commands = InOrder(self._run, "bridge-policy")
         self._paused_at: float | None = None
 
     def handle(self, command: pb.PolicyCommand) -> None:
         """Queue ``command``; it runs after every command received before it."""
-        self._queue.put_nowait(command)
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="bridge-policy")
+        self._commands.handle(command)
 
     async def idle(self) -> None:
-        await self._queue.join()
+        await self._commands.idle()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._commands.stop()
 
-    async def _run(self) -> None:
-        while True:
-            command = await self._queue.get()
-            try:
-                if self.counters.fenced:
-                    log.warning("bridge.command_while_fenced", kind=int(command.kind),
-                                version=command.version)
-                else:
-                    await self._execute(command)
-            except EngineStepFailed as failed:
-                await self._fail(command.version, failed)
-            except Exception as exc:  # a bug must fence, never leave old weights serving
-                log.exception("bridge.policy_bug", version=command.version)
-                await self._fail(command.version, EngineStepFailed("bridge", repr(exc)))
-            finally:
-                self._queue.task_done()
+    async def _run(self, command: pb.PolicyCommand) -> None:
+        try:
+            if self.counters.fenced:
+                log.warning("bridge.command_while_fenced", kind=int(command.kind),
+                            version=command.version)
+            else:
+                await self._execute(command)
+        except EngineStepFailed as failed:
+            await self._fail(command.version, failed)
+        except Exception as exc:  # a bug must fence, never leave old weights serving
+            log.exception("bridge.policy_bug", version=command.version)
+            await self._fail(command.version, EngineStepFailed("bridge", repr(exc)))
 
     async def _execute(self, command: pb.PolicyCommand) -> None:
         if command.kind == pb.PolicyCommand.KIND_DRAIN:
