@@ -25,12 +25,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -48,7 +45,7 @@ from bench.engines_fleet import (
 )
 from bench.engines_load import replay, send_one
 from bench.engines_model import WORDS, ModelShape, check_words, template_tokens, write_model
-from bench.engines_procs import cpu_seconds, metric_sum
+from bench.engines_procs import cpu_seconds, metric_sum, run_in_scratch
 from bench.engines_report import ROUTERS, ranges, summarize_turn, table, verdicts
 from bench.engines_routers import RouterRun, kvcoord_router, smg_router, smg_worker_order
 from bench.engines_stream import Stream, StreamRequest, StreamShape, build_stream
@@ -165,22 +162,7 @@ def run_turn(router: RouterRun, engines: list[Engine], stream: Stream) -> dict[s
 
 def run_engines(config: EnginesConfig) -> dict[str, Any]:
     """The whole run (module docstring): the results ``engines.json`` holds."""
-    work = Path(tempfile.mkdtemp(prefix="kvcoord-bench-engines-"))
-    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the engines stop in order.
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        results = _run(config, work)
-    except BaseException:
-        print(f"engines: the processes' logs are kept in {work / 'logs'}", file=sys.stderr)
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    shutil.rmtree(work, ignore_errors=True)
-    return results
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    return run_in_scratch("engines", lambda work: _run(config, work))
 
 
 def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:

@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -36,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.engines_fleet import vllm_python
+from bench.engines_procs import run_in_scratch
 from bench.rl_fleet import KV_CACHE_BYTES, MAX_MODEL_LEN, running_rl_fleet
 from bench.rl_load import GrpoLoad, LoadShape, Sent, window
 from bench.rl_report import summarize_arm, table
@@ -174,22 +172,7 @@ def no_barrier_arm(python: Path, config: RlConfig, checkpoints: dict[int, Path],
 
 def run_rl(config: RlConfig) -> dict[str, Any]:
     """The whole run (module docstring): the results ``rl.json`` holds."""
-    work = Path(tempfile.mkdtemp(prefix="kvcoord-bench-rl-"))
-    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the engines stop in order.
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        results = _run(config, work)
-    except BaseException:
-        print(f"rl: the processes' logs are kept in {work / 'logs'}", file=sys.stderr)
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    shutil.rmtree(work, ignore_errors=True)
-    return results
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    return run_in_scratch("rl", lambda work: _run(config, work))
 
 
 def _run(config: RlConfig, work: Path) -> dict[str, Any]:

@@ -14,18 +14,23 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 
 from kvcoord.fleet_procs import stop_processes
+
+Result = TypeVar("Result")
 
 POLL_S = 0.2
 STOP_GRACE_S = 20.0  # vLLM stops its engine core and model worker before it exits
@@ -161,3 +166,24 @@ def kvcoord_env(hash_key: str) -> dict[str, str]:
 def kvcoord_argv(*args: str) -> list[str]:
     """``kvcoord ARGS`` from this interpreter."""
     return [sys.executable, "-m", "kvcoord.cli", *args]
+
+
+def run_in_scratch(prefix: str, run: Callable[[Path], Result]) -> Result:
+    """``run(work)`` in a new temporary directory, removed when it returns. When it raises,
+    the directory is kept and its logs' path printed. Meanwhile SIGTERM (a CI timeout, `kill`)
+    unwinds like Ctrl-C, so the engines ``run`` started stop in order."""
+    work = Path(tempfile.mkdtemp(prefix=f"kvcoord-bench-{prefix}-"))
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        result = run(work)
+    except BaseException:
+        print(f"{prefix}: the processes' logs are kept in {work / 'logs'}", file=sys.stderr)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
