@@ -1,15 +1,17 @@
 """kvcoord in front of a real vLLM engine (its CPU build), every piece a real process:
 
 - ``kvcoord coordinator`` (embedded store);
-- vLLM's OpenAI server on a tiny Llama-shaped model (``tiny_model``; dummy weights), with
+- two vLLM OpenAI servers on a tiny Llama-shaped model (``tiny_model``; dummy weights), with
   prefix caching, 32-token blocks and KV-cache events published on ZMQ;
-- ``kvcoord bridge vllm``, feeding the coordinator from those events as worker ``vllm-0``;
-- ``kvcoord gateway``, routing OpenAI requests with the engine's own tokenizer.
+- one ``kvcoord bridge vllm`` per engine, feeding the coordinator from its events as worker
+  ``vllm-0`` or ``vllm-1``;
+- ``kvcoord gateway``, routing OpenAI requests with the engines' own tokenizer.
 
-Through the gateway, with the official ``openai`` client: a chat reaches vLLM; its prompt's
-blocks reach the coordinator's index through the bridge; the next turn of the conversation is
-routed back to ``vllm-0`` matching exactly the tokens vLLM then reports as cached; and the
-gateway counts every prompt as vLLM does (no tokenizer drift).
+Through the gateway, with the official ``openai`` client: a chat reaches one engine; its
+prompt's blocks reach the coordinator's index through that engine's bridge; the next turn of the
+conversation is routed back to that engine, not the other, matching exactly the tokens vLLM then
+reports as cached; prompts that share no prefix with anything cached are spread over both
+engines; and the gateway counts every prompt as vLLM does (no tokenizer drift).
 
 Run by ``make test-vllm``, not by ``make test``: the vLLM interpreter is named by
 ``KVCOORD_VLLM_PYTHON`` (default ``.venv-vllm/bin/python``), and the test fails when there is
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +56,8 @@ VLLM_PYTHON_VAR = "KVCOORD_VLLM_PYTHON"
 DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
 MODEL = "tiny-llama"
-WORKER_ID = "vllm-0"
+WORKER_IDS = ("vllm-0", "vllm-1")
+FRESH_PROMPTS = 6  # sent at once, sharing no prefix: the coordinator's load spreads them
 PAGE_SIZE = 16  # the coordinator's
 ENGINE_BLOCK = 32  # vLLM's: its CPU attention wants a multiple of 32
 MAX_MODEL_LEN = 1024  # vLLM's context, and the gateway's --max-context to match
@@ -93,7 +97,7 @@ class EngineFleet:
     model_dir: Path
     services: tuple[Service, ...]
     engine_url: str
-    """vLLM's own server, started without ``VLLM_SERVER_DEV_MODE``: no RL endpoints."""
+    """vllm-0's own server, started without ``VLLM_SERVER_DEV_MODE``: no RL endpoints."""
 
     def wait_for(self, condition: Callable[[], bool], *, timeout_s: float, what: str) -> None:
         """``services.wait_for`` over every process of the fleet."""
@@ -166,18 +170,17 @@ def vllm_argv(python: Path, model_dir: Path, port: int, events: str, replay: str
 
 @contextmanager
 def running_fleet(vllm_python: Path, workdir: Path, node: pytest.Item) -> Iterator[EngineFleet]:
-    """Start the fleet; yield it once the gateway can route to ``vllm-0``; stop everything
-    (gateway, bridge and vLLM first, the coordinator last, so the bridge can deregister).
+    """Start the fleet; yield it once the gateway can route to both engines; stop everything
+    (gateway, bridges and vLLM first, the coordinator last, so the bridges can deregister).
     Every process's log is registered on ``node`` for its failure report."""
     model_dir = write_tiny_model(workdir / "model")
     log_dir = workdir / "logs"
     log_dir.mkdir()
     # The Unix sockets' directory. Not under tmp_path: a socket's path is at most 107 bytes.
     scratch = Path(tempfile.mkdtemp(prefix="kvcoord-vllm-"))
-    events, replay = f"ipc://{scratch}/events", f"ipc://{scratch}/replay"
-    coordinator_port, vllm_port, gateway_port = free_port(), free_port(), free_port()
+    coordinator_port, gateway_port = free_port(), free_port()
+    vllm_ports = [free_port() for _ in WORKER_IDS]
     coordinator = f"127.0.0.1:{coordinator_port}"
-    vllm_url = f"http://127.0.0.1:{vllm_port}"
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     kvcoord = str(Path(sys.executable).parent / "kvcoord")
     env = kvcoord_env(secrets.token_hex(32))
@@ -191,32 +194,44 @@ def running_fleet(vllm_python: Path, workdir: Path, node: pytest.Item) -> Iterat
 
     try:
         # vLLM first: it takes longest to come up, the others start meanwhile.
-        start("vllm", vllm_argv(vllm_python, model_dir, vllm_port, events, replay),
-              vllm_env(scratch, workdir / "vllm-cache"))
+        for i, port in enumerate(vllm_ports):
+            (scratch / str(i)).mkdir()
+            start(f"vllm-{i}", vllm_argv(vllm_python, model_dir, port,
+                                         f"ipc://{scratch}/{i}/events",
+                                         f"ipc://{scratch}/{i}/replay"),
+                  vllm_env(scratch / str(i), workdir / f"vllm-cache-{i}"))
         start("coordinator", [kvcoord, "coordinator", "--listen", coordinator,
                               "--page-size", str(PAGE_SIZE)], env)
         try:
             wait_healthy(coordinator, started[-1].process, timeout=COORDINATOR_START_S)
         except (RuntimeError, TimeoutError) as exc:
             pytest.fail(f"the coordinator did not come up: {exc}", pytrace=False)
-        start("bridge", [
-            kvcoord, "bridge", "vllm", "--no-policy-control", "--events", events,
-            "--replay", replay,
-            "--coordinator", coordinator, "--worker-id", WORKER_ID,
-            "--worker-address", f"127.0.0.1:{vllm_port}", "--engine-url", vllm_url,
-            "--model", MODEL, "--page-size", str(PAGE_SIZE),
-            "--engine-block-size", str(ENGINE_BLOCK)], env)
+        for i, (worker_id, port) in enumerate(zip(WORKER_IDS, vllm_ports, strict=True)):
+            start(f"bridge-{i}", [
+                kvcoord, "bridge", "vllm", "--no-policy-control",
+                "--events", f"ipc://{scratch}/{i}/events",
+                "--replay", f"ipc://{scratch}/{i}/replay",
+                "--coordinator", coordinator, "--worker-id", worker_id,
+                "--worker-address", f"127.0.0.1:{port}",
+                "--engine-url", f"http://127.0.0.1:{port}",
+                "--model", MODEL, "--page-size", str(PAGE_SIZE),
+                "--engine-block-size", str(ENGINE_BLOCK)], env)
         start("gateway", [
             kvcoord, "gateway", "--coordinator", coordinator,
             "--listen", f"127.0.0.1:{gateway_port}", "--model", MODEL,
             "--tokenizer", str(model_dir), "--max-context", str(MAX_MODEL_LEN)], env)
-        fleet = EngineFleet(coordinator, gateway_url, model_dir, tuple(started), vllm_url)
-        fleet.wait_for(lambda: http_ok(f"{vllm_url}/health"), timeout_s=VLLM_START_S,
-                       what="vLLM's /health (it starts three processes, each importing torch "
-                            "and vLLM: 25-45 s on 2 cores)")
+        fleet = EngineFleet(coordinator, gateway_url, model_dir, tuple(started),
+                            f"http://127.0.0.1:{vllm_ports[0]}")
+        for port in vllm_ports:
+            fleet.wait_for(lambda p=port: http_ok(f"http://127.0.0.1:{p}/health"),
+                           timeout_s=VLLM_START_S,
+                           what="vLLM's /health (it starts three processes, each importing "
+                                "torch and vLLM: 25-45 s on 2 cores, twice as long for two)")
         with CoordinatorClient(coordinator, timeout=5.0) as client:
-            fleet.wait_for(lambda: _engine_worker(client) is not None, timeout_s=READY_S,
-                           what=f"the bridge to register {WORKER_ID} at the coordinator")
+            for worker_id in WORKER_IDS:
+                fleet.wait_for(lambda w=worker_id: _engine_worker(client, w) is not None,
+                               timeout_s=READY_S,
+                               what=f"the bridge to register {worker_id} at the coordinator")
         fleet.wait_for(lambda: http_ok(f"{gateway_url}/readyz"), timeout_s=READY_S,
                        what="the gateway's /readyz")
         yield fleet
@@ -226,20 +241,25 @@ def running_fleet(vllm_python: Path, workdir: Path, node: pytest.Item) -> Iterat
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _engine_worker(client: CoordinatorClient) -> WorkerInfo | None:
-    """``vllm-0`` as the coordinator lists it, when it is ready."""
-    return next((w for w in client.workers() if w.worker_id == WORKER_ID and w.state == "ready"),
+def _engine_worker(client: CoordinatorClient, worker_id: str) -> WorkerInfo | None:
+    """``worker_id`` as the coordinator lists it, when it is ready."""
+    return next((w for w in client.workers() if w.worker_id == worker_id and w.state == "ready"),
                 None)
 
 
-def _ready_engine_worker(client: CoordinatorClient) -> WorkerInfo:
-    worker = _engine_worker(client)
-    assert worker is not None, f"{WORKER_ID} is no longer ready at the coordinator"
+def _ready_engine_worker(client: CoordinatorClient, worker_id: str) -> WorkerInfo:
+    worker = _engine_worker(client, worker_id)
+    assert worker is not None, f"{worker_id} is no longer ready at the coordinator"
     return worker
 
 
+def _fresh_prompt(i: int) -> str:
+    """A prompt whose first block shares nothing with the others' or the conversation's."""
+    return f"{i}-{secrets.token_hex(8)} " + "count the pages of a fresh prompt " * 6
+
+
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_the_next_turn_is_routed_to_vllm_and_hits_the_blocks_the_bridge_indexed(
+def test_the_next_turn_is_routed_to_its_engine_and_hits_the_blocks_the_bridge_indexed(
     request: pytest.FixtureRequest, tmp_path: Path,
 ) -> None:
     vllm_python = vllm_interpreter()
@@ -256,7 +276,9 @@ def test_the_next_turn_is_routed_to_vllm_and_hits_the_blocks_the_bridge_indexed(
             model=MODEL, messages=FIRST_TURN, max_tokens=ANSWER_TOKENS, temperature=0)
         first = raw.parse()
         assert raw.http_response.status_code == 200
-        assert raw.headers["x-kvcoord-worker"] == WORKER_ID
+        holder = raw.headers["x-kvcoord-worker"]
+        assert holder in WORKER_IDS
+        other = next(w for w in WORKER_IDS if w != holder)
         assert first.choices[0].finish_reason in ("length", "stop")
         assert first.usage is not None and first.usage.prompt_tokens_details is not None, \
             "vLLM reported no usage.prompt_tokens_details (--enable-prompt-tokens-details?)"
@@ -266,11 +288,12 @@ def test_the_next_turn_is_routed_to_vllm_and_hits_the_blocks_the_bridge_indexed(
 
         def first_turn_indexed() -> bool:
             found = coordinator.lookup(first_ids, model=MODEL)
-            return found.matches.get(WORKER_ID, 0) >= full_blocks
+            return found.matches.get(holder, 0) >= full_blocks
 
         fleet.wait_for(first_turn_indexed, timeout_s=INDEXED_S,
                        what=f"the coordinator to index the first turn's {full_blocks} tokens "
-                            f"on {WORKER_ID} (vLLM's BlockStored events, through the bridge)")
+                            f"on {holder} (vLLM's BlockStored events, through the bridge)")
+        assert other not in coordinator.lookup(first_ids, model=MODEL).matches
 
         second_turn: list[ChatCompletionMessageParam] = [
             *FIRST_TURN,
@@ -278,15 +301,15 @@ def test_the_next_turn_is_routed_to_vllm_and_hits_the_blocks_the_bridge_indexed(
             {"role": "user", "content": NEXT_QUESTION},
         ]
         second_ids = tokenizer.encode_chat(second_turn)
-        before = _ready_engine_worker(coordinator)
+        before = _ready_engine_worker(coordinator, holder)
         raw = api.chat.completions.with_raw_response.create(
             model=MODEL, messages=second_turn, max_tokens=ANSWER_TOKENS, temperature=0)
-        after = _ready_engine_worker(coordinator)
+        after = _ready_engine_worker(coordinator, holder)
         second = raw.parse()
-        assert raw.headers["x-kvcoord-worker"] == WORKER_ID
+        assert raw.headers["x-kvcoord-worker"] == holder, "the next turn left its cache"
         assert after.routed_requests - before.routed_requests == 1
         # The route's bookkeeping at the coordinator: the prompt as the gateway counted it,
-        # and the tokens it matched on vllm-0.
+        # and the tokens it matched on the engine holding the first turn.
         gateway_counted = after.routed_tokens - before.routed_tokens
         matched = after.routed_cached_tokens - before.routed_cached_tokens
         assert second.usage is not None and second.usage.prompt_tokens_details is not None
@@ -296,6 +319,17 @@ def test_the_next_turn_is_routed_to_vllm_and_hits_the_blocks_the_bridge_indexed(
         assert matched == cached, "the coordinator's view of vLLM's cache is not vLLM's"
         assert second.usage.prompt_tokens == gateway_counted == len(second_ids), \
             "tokenizer drift on the second turn"
+
+        # Prompts with no prefix anywhere, sent at once: routed by load, so both engines work.
+        def fresh(i: int) -> str:
+            answer = api.completions.with_raw_response.create(
+                model=MODEL, prompt=_fresh_prompt(i), max_tokens=ANSWER_TOKENS, temperature=0)
+            return answer.headers["x-kvcoord-worker"]
+
+        with ThreadPoolExecutor(FRESH_PROMPTS) as pool:
+            landed = list(pool.map(fresh, range(FRESH_PROMPTS)))
+        counts = {w: landed.count(w) for w in WORKER_IDS}
+        assert min(counts.values()) >= FRESH_PROMPTS // 3, f"unbalanced: {counts}"
 
         # Policy control needs the engine's RL endpoints, which this engine does not serve.
         refused = subprocess.run(
@@ -314,5 +348,6 @@ def test_the_next_turn_is_routed_to_vllm_and_hits_the_blocks_the_bridge_indexed(
             "--no-policy-control"], refused.stderr[-2000:]
         assert "vllm-rl" not in {w.worker_id for w in coordinator.workers()}
 
-    bridge_log = fleet.log("bridge")
-    assert "bridge.malformed" not in bridge_log, "the bridge skipped some of vLLM's input"
+    for i in range(len(WORKER_IDS)):
+        assert "bridge.malformed" not in fleet.log(f"bridge-{i}"), \
+            f"bridge-{i} skipped some of vLLM's input"
