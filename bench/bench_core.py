@@ -27,6 +27,9 @@ from coordinator.core.holdings import compiled_available
 from coordinator.core.index import PrefixIndex
 
 PAGE = 16
+# Routes in flight while match_detail is timed, each with its prompt's pages pending on a
+# worker (the router marks what it sends there): a router under load walks these too.
+PENDING_ROUTES = 256
 PROMPT_TOKENS = 4096
 SYSTEM_TOKENS = 1024
 SYSTEM_PROMPTS = 16
@@ -133,7 +136,10 @@ def _sync_batches(keys: list[list[bytes]]) -> list[bytes]:
 def _bench_prefix_index(load: Workload, keys: list[list[bytes]], repeats: int,
                         accelerated: bool | None = None) -> dict[str, float]:
     """Store from serialized ``Sync`` batches (parsed, converted and applied as the servicer
-    does: the same start as Dynamo's JSON events), then match."""
+    does: the same start as Dynamo's JSON events), then match. ``match_detail`` is timed with
+    ``PENDING_ROUTES`` routes' pages pending on workers that do not hold them (the index's
+    clock stands still meanwhile, so none expires): ``pending_matches`` is how many timed
+    queries met a pending entry (0 would mean the pending walk never ran)."""
     from coordinator.core.page_events import apply_page_events
     from coordinator.server.convert import events_from
     from coordinator.v1 import coordinator_pb2 as pb
@@ -142,17 +148,25 @@ def _bench_prefix_index(load: Workload, keys: list[list[bytes]], repeats: int,
     pages = sum(map(len, keys))
     batches = _sync_batches(keys)
     store_s: list[float] = []
-    index = PrefixIndex(clock=time.monotonic, accelerated=accelerated)
+    still = time.monotonic()  # pending entries added below stay live while they are timed
+    index = PrefixIndex(clock=lambda: still, accelerated=accelerated)
     parse = pb.EventBatch.FromString
     for _ in range(repeats):
-        index = PrefixIndex(clock=time.monotonic, accelerated=accelerated)
+        index = PrefixIndex(clock=lambda: still, accelerated=accelerated)
         start = time.perf_counter_ns()
         for owner, batch in zip(load.owners, batches, strict=True):
             apply_page_events(index, names[owner], events_from(parse(batch)))
         store_s.append((time.perf_counter_ns() - start) / 1e9)
     queries = random.Random(3).choices(keys, k=2000)
     match = _latencies_us(index.match, queries, repeats)
+    # Routes in flight: a timed query's pages pending on the next worker after its holder's.
+    pending = 0
+    for i, routed in enumerate(queries[:PENDING_ROUTES]):
+        holder = next(iter(index.match(routed)), names[0])
+        pending += index.add_pending(names[(names.index(holder) + 1 + i) % len(names)], routed)
     detail = _latencies_us(lambda q: index.match_detail(q, include_pending=True), queries, repeats)
+    pending_matches = sum(any(d.pending_pages for d in index.match_detail(
+        q, include_pending=True).values()) for q in queries)
     # Every stored prompt must match in full on the worker that stored it.
     owner_misses = sum(index.match(k).get(names[owner], 0) != len(k)
                        for owner, k in zip(load.owners, keys, strict=True))
@@ -163,6 +177,8 @@ def _bench_prefix_index(load: Workload, keys: list[list[bytes]], repeats: int,
         "match_p50_us": match[0],
         "match_mean_us": match[1],
         "match_detail_p50_us": detail[0],
+        "pending_keys": pending,
+        "pending_matches": pending_matches,
         "holders_of_first_page": len(index.match(queries[0][:1])),
     }
 

@@ -28,6 +28,9 @@ def coordinator(results: Results) -> list[str]:
                  "index_1024_workers_pure"):
         broken += [f"{name}.{line}" for line in _nonzero(
             results[name], "owner_misses", "stored prompts not matched in full on their owner")]
+        if not results[name].get("pending_matches"):
+            broken.append(f"{name}.pending_matches = 0: match_detail was timed without meeting "
+                          f"a pending entry, so its pending walk never ran")
     for name in ("route_work_64_workers", "route_work_1024_workers"):
         broken += [f"{name}.{line}" for line in _nonzero(
             results[name], "wrong_routes",

@@ -72,6 +72,17 @@ class Differential(RuleBasedStateMachine):
         assert self.c.runs(prompt, None) == self.py.runs(prompt, None)
         assert self.c.runs(prompt, pending) == self.py.runs(prompt, pending)
 
+    @rule(first=st.integers(0, 299), length=st.integers(1, 60), tail=st.integers(0, 60),
+          masks=st.lists(st.integers(1, 2**70), min_size=1, max_size=3))
+    def runs_with_routed_tails(self, first: int, length: int, tail: int,
+                               masks: list[int]) -> None:
+        """As a router leaves them: a prompt's tail pending under a few masks, each repeated
+        over neighbouring keys (the compiled walk decodes a mask once for its neighbours)."""
+        prompt = KEYS[first:first + length]
+        pending = {k: masks[i * len(masks) // len(prompt)]
+                   for i, k in enumerate(prompt) if i >= len(prompt) - tail}
+        assert self.c.runs(prompt, pending) == self.py.runs(prompt, pending)
+
     @invariant()
     def agree(self) -> None:
         assert len(self.c) == len(self.py)

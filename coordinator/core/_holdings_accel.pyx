@@ -79,6 +79,8 @@ cdef class CHoldings:
     cdef int scratch_cap
     cdef uint16_t *merge_buf    # a key's holders with its pending slots, for ``runs``
     cdef int merge_cap
+    cdef uint16_t *pend_buf     # the slots of the last pending mask ``runs`` met, sorted
+    cdef int pend_cap
 
     def __cinit__(self):
         self.mask_bits = 63
@@ -91,8 +93,10 @@ cdef class CHoldings:
         self.scratch = <uint16_t *>PyMem_Malloc(self.scratch_cap * sizeof(uint16_t))
         self.merge_cap = 64
         self.merge_buf = <uint16_t *>PyMem_Malloc(self.merge_cap * sizeof(uint16_t))
+        self.pend_cap = 64
+        self.pend_buf = <uint16_t *>PyMem_Malloc(self.pend_cap * sizeof(uint16_t))
         if (self.table is NULL or self.per_slot is NULL or self.scratch is NULL
-                or self.merge_buf is NULL):
+                or self.merge_buf is NULL or self.pend_buf is NULL):
             raise MemoryError()
 
     def __dealloc__(self):
@@ -105,6 +109,7 @@ cdef class CHoldings:
         PyMem_Free(self.per_slot)
         PyMem_Free(self.scratch)
         PyMem_Free(self.merge_buf)
+        PyMem_Free(self.pend_buf)
 
     def __len__(self):
         return self.used
@@ -355,11 +360,12 @@ cdef class CHoldings:
         None)."""
         cdef list out = []
         cdef Py_ssize_t end = 0
-        cdef int r = -1, n, i, j, kept
+        cdef int r = -1, n, i, j, kept, pn = 0, hn
         cdef Entry *e
         cdef const uint16_t *arr
+        cdef const uint16_t *held
         cdef uint16_t *run
-        cdef object extra
+        cdef object extra, last_extra = None
         for key in keys:
             if type(key) is not bytes:
                 raise ValueError("page keys must be bytes")
@@ -368,16 +374,23 @@ cdef class CHoldings:
                 e = self._lookup(PyBytes_AS_STRING(key))
             extra = pending.get(key) if pending else None
             if extra is not None:
-                # A pending mask joins the holders: merge both, sorted, into merge_buf.
-                merged = set(_slots_of_mask(extra))
-                if e is not NULL:
-                    arr = _slots(e)
-                    merged.update([arr[i] for i in range(e.n)])
-                n = len(merged)
-                self.merge_buf = _reserved(self.merge_buf, &self.merge_cap, n)
-                for i, slot in enumerate(sorted(merged)):
-                    self.merge_buf[i] = slot
-                arr = self.merge_buf
+                # A pending mask joins the holders. A route marks a whole tail pending, so
+                # neighbouring keys share one mask: decode it to sorted slots once per mask,
+                # then merge with the key's (sorted, distinct) holders in C.
+                if extra is not last_extra and extra != last_extra:
+                    slots = _slots_of_mask(extra)
+                    pn = len(slots)
+                    self.pend_buf = _reserved(self.pend_buf, &self.pend_cap, pn)
+                    for i in range(pn):
+                        self.pend_buf[i] = slots[i]
+                    last_extra = extra
+                if e is NULL:
+                    arr, n = self.pend_buf, pn
+                else:
+                    held, hn = _slots(e), e.n
+                    self.merge_buf = _reserved(self.merge_buf, &self.merge_cap, pn + hn)
+                    n = _merge_sorted(self.pend_buf, pn, held, hn, self.merge_buf)
+                    arr = self.merge_buf
             elif e is NULL:
                 break
             else:
@@ -491,6 +504,34 @@ cdef object _mask_of(const uint16_t *arr, int n):
         return int.from_bytes(PyBytes_FromStringAndSize(<char *>buf, nbytes), "little")
     finally:
         PyMem_Free(buf)
+
+
+cdef int _merge_sorted(const uint16_t *a, int an, const uint16_t *b, int bn,
+                       uint16_t *out) noexcept:
+    """The union of two sorted, distinct slot arrays into ``out`` (room for ``an + bn``),
+    sorted and distinct; returns its length."""
+    cdef int i = 0, j = 0, n = 0
+    while i < an and j < bn:
+        if a[i] < b[j]:
+            out[n] = a[i]
+            i += 1
+        elif b[j] < a[i]:
+            out[n] = b[j]
+            j += 1
+        else:
+            out[n] = a[i]
+            i += 1
+            j += 1
+        n += 1
+    while i < an:
+        out[n] = a[i]
+        i += 1
+        n += 1
+    while j < bn:
+        out[n] = b[j]
+        j += 1
+        n += 1
+    return n
 
 
 cdef list _slots_of_mask(object mask):
