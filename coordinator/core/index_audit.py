@@ -6,6 +6,10 @@ tests, operators and replicas, never on a hot path. Both read the index's privat
   per-worker records, the holdings, the two mask dicts and the pending queue all agree.
 - :func:`digest`: 16 bytes naming the confirmed ``(worker, key, tier)`` entries as a set.
 
+They take an :class:`AuditedIndex`, the structures they read, rather than importing
+``PrefixIndex``: the index imports this module, so the import runs one way only, and mypy
+checks at the index's call sites that it still has what is read here.
+
 Pure core: no I/O.
 """
 
@@ -13,17 +17,55 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 from coordinator.core.hash_config import PAGE_KEY_BYTES
+from coordinator.core.holdings import Holdings
 from coordinator.core.index_types import IndexIntegrityError, Tier
 
-if TYPE_CHECKING:
-    from coordinator.core.index import PrefixIndex
+
+class AuditedWorker(Protocol):
+    """What the audits read of one worker's record (``index._Worker``)."""
+
+    @property
+    def slot(self) -> int: ...
+    @property
+    def bit(self) -> int: ...
+    @property
+    def spilled(self) -> Mapping[bytes, Tier]: ...
+    @property
+    def spilled_by_tier(self) -> Counter[Tier]: ...
+    @property
+    def pending(self) -> Mapping[bytes, float]: ...
 
 
-def check_integrity(index: PrefixIndex) -> None:
+class AuditedIndex(Protocol):
+    """What the audits read of a ``PrefixIndex``: its private structures, read-only."""
+
+    @property
+    def _workers(self) -> Mapping[str, AuditedWorker]: ...
+    @property
+    def _slots(self) -> Sequence[str | None]: ...
+    @property
+    def _free_slots(self) -> Sequence[int]: ...
+    @property
+    def _holdings(self) -> Holdings: ...
+    @property
+    def _lower(self) -> Mapping[bytes, int]: ...
+    @property
+    def _pending(self) -> Mapping[bytes, int]: ...
+    @property
+    def _pending_count(self) -> int: ...
+    @property
+    def _queue(self) -> Iterable[tuple[float, str, tuple[bytes, ...]]]: ...
+    @property
+    def _queued(self) -> int: ...
+    @property
+    def _max_pending(self) -> int: ...
+
+
+def check_integrity(index: AuditedIndex) -> None:
     """What :meth:`PrefixIndex.check_integrity` checks."""
     occupied = {w.slot: name for name, w in index._workers.items()}
     _require(
@@ -76,7 +118,7 @@ def check_integrity(index: PrefixIndex) -> None:
     _require(index._queued <= index._max_pending, "pending bound exceeded")
 
 
-def digest(index: PrefixIndex) -> bytes:
+def digest(index: AuditedIndex) -> bytes:
     """The sum mod 2**128 of each confirmed entry's BLAKE2b: see :meth:`PrefixIndex.digest`."""
     total = 0
     by_slot = index._holdings.keys_by_slot([w.slot for w in index._workers.values()])
