@@ -6,8 +6,7 @@ run; publisher, bridge and coordinator share this process; and the bridge's own 
 or extra in, what the bridge mapped (and what the index holds for its engine) against our own
 keys of the same tokens.
 
-Run alone: ``python -m bench.bench_bridge``; ``kvcoord bench bridge`` prints the table and
-writes bench/results/bridge.json.
+Run: ``kvcoord bench bridge``; it prints the table and writes bench/results/bridge.json.
 """
 
 from __future__ import annotations
@@ -129,9 +128,3 @@ async def _end_to_end(n_batches: int) -> dict[str, float]:
 
 def bench_end_to_end(n_batches: int = 300) -> dict[str, Any]:
     return asyncio.run(_end_to_end(n_batches))
-
-
-if __name__ == "__main__":
-    from bench.runner import run_suite
-
-    raise SystemExit(run_suite("bridge"))

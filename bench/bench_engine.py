@@ -88,8 +88,3 @@ def _device_name(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
-
-
-if __name__ == "__main__":
-    for key, value in bench_engine().items():
-        print(f"{key:48} {value:,.2f}" if isinstance(value, float) else f"{key:48} {value}")

@@ -17,19 +17,19 @@ One run (docs/ENGINES.md says more):
    ``cache_aware``, compared with the simulator's ``SglangLikeRouter``.
 
 Needs ``.venv-vllm`` (``make test-vllm`` builds it) and ``smg`` (``make engines-peers``);
-``preflight`` says what is missing. ``python -m bench.bench_engines`` runs it with other sizes.
+``preflight`` says what is missing. Run: ``kvcoord bench engines [--quick]``; other sizes are
+``full_config()``'s fields.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -281,30 +281,3 @@ def _setup(config: EnginesConfig, stream: Stream, paced: Stream, engines: Engine
                    "offered_requests_per_s": len(stream.requests) / paced.duration_s
                    if paced.duration_s else 0.0},
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.bench_engines``: the bench with other sizes, JSON to ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_engines",
-                                     description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--requests", type=int)
-    parser.add_argument("--repeats", type=int)
-    parser.add_argument("--load", type=float)
-    parser.add_argument("--out", type=Path, default=CHECKOUT / "bench" / "results")
-    args = parser.parse_args(argv)
-    config = quick_config() if args.quick else full_config()
-    if args.requests:
-        config = replace(config, stream=replace(config.stream, requests=args.requests))
-    config = replace(config, repeats=args.repeats or config.repeats,
-                     load=args.load or config.load)
-    from bench.runner import run_suite
-    from bench.suites import SUITES, Suite
-
-    single = Suite(lambda quick: [("engines", lambda: run_engines(config))],
-                   SUITES["engines"].targets, SUITES["engines"].invariants)
-    return run_suite("engines", quick=args.quick, out=args.out, suites={"engines": single})
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -141,13 +141,3 @@ def largest_n_under_bound(results: dict[str, Any]) -> int | None:
     under = [c["workers"] for k, c in results.items() if k.startswith("1r_")
              and (c["ingest_and_routes"]["lag_owner_p99_ms"] or 1e9) < LAG_BOUND_MS]
     return max(under, default=None)
-
-
-def main() -> None:
-    quick = "--quick" in sys.argv
-    results = {name: step() for name, step in fleet_steps(quick)}
-    print(json.dumps(results, indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -123,8 +123,3 @@ def _median_s(fn: Callable[[], object], repeats: int) -> float:
 
 def _params(model: ModelConfig) -> int:
     return sum(math.prod(shape) for shape in model.weight_shapes().values())
-
-
-if __name__ == "__main__":
-    for key, value in bench_host_tier().items():
-        print(f"{key:40} {value:,.2f}" if isinstance(value, float) else f"{key:40} {value}")

@@ -15,7 +15,7 @@ waiting when the acks arrive, as it is in a real update).
   ``stale_routes`` (must be 0): answers during the updates naming a version other than the old
   or the new one, or the new one from a worker that had not applied it yet.
 
-Run alone: ``python -m bench.bench_policy`` (= ``kvcoord bench policy``).
+Run: ``kvcoord bench policy``.
 """
 
 from __future__ import annotations
@@ -230,9 +230,3 @@ def bench_routes_during_async(
         for key, value in asyncio.run(_routes(workers, seconds, staleness)).items():
             out[f"{key}.s{staleness}"] = value
     return out
-
-
-if __name__ == "__main__":
-    from bench.runner import run_suite
-
-    raise SystemExit(run_suite("policy"))

@@ -21,8 +21,8 @@ Invariants (must hold, bench/invariants.py): no acked page missing from the owne
 - ``bench_bootstrap``: time for a new replica to report SERVING (snapshots of every worker
   taken) while the others hold 16 workers x 4,096 pages.
 
-Run alone: ``python -m bench.bench_replication``; ``kvcoord bench replication`` prints the table
-and writes bench/results/replication.json.
+Run: ``kvcoord bench replication``; it prints the table and writes
+bench/results/replication.json.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from typing import Any
 from bench.scripted_worker import ScriptedWorker
 from coordinator.config import CoordinatorConfig
 from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig
-from coordinator.logs import configure_logging
 from coordinator.server.main import RunningCoordinator, start_coordinator
 from coordinator.store.redis_store import RedisStore
 from tests.redis_server import RedisServer
@@ -210,14 +209,3 @@ def bench_bootstrap(workers: int = 16, pages: int = 4096) -> dict[str, float]:
                         "serving_after_ms": elapsed * 1000, "index_complete": float(same)}
 
     return asyncio.run(run())
-
-
-def main() -> None:
-    from bench.runner import run_suite
-
-    raise SystemExit(run_suite("replication"))
-
-
-if __name__ == "__main__":
-    configure_logging(os.environ.get("KVCOORD_LOG_LEVEL", "warning"))
-    main()

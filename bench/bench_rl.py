@@ -17,18 +17,17 @@ One run:
 4. Every sample of both arms regenerated on fresh engines of its version (``rl_verify``).
 
 Both arms compare throughput with updates against the baseline window of the same fleet in the
-same run. Needs ``.venv-vllm`` (``make test-vllm`` builds it). ``python -m bench.bench_rl``
-runs it with other sizes.
+same run. Needs ``.venv-vllm`` (``make test-vllm`` builds it). Run: ``kvcoord bench rl
+[--quick]``; other sizes are ``full_config()``'s fields.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,6 @@ from coordinator.client import CoordinatorClient
 from kvcoord.provenance import git_state
 from tests_vllm.tiny_model import write_checkpoint
 
-CHECKOUT = Path(__file__).resolve().parent.parent
 COMMIT_S = 120.0
 ROLLOUTS_WAIT_S = 30.0
 # The coordinator waits up to COMMIT_S for a commit; routes wait out a drain.
@@ -237,29 +235,3 @@ def _setup(config: RlConfig, started_at: str | None, dirty: bool | None) -> dict
                         "write_checkpoint (2 layers, 128 wide, float32), seed = version"},
             "load_average_1m": os.getloadavg()[0],
             "started_at": {"commit": started_at, "dirty": dirty}}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.bench_rl``: the bench with other sizes, JSON to ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_rl",
-                                     description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--updates", type=int)
-    parser.add_argument("--interval-s", type=float)
-    parser.add_argument("--baseline-s", type=float)
-    parser.add_argument("--out", type=Path, default=CHECKOUT / "bench" / "results")
-    args = parser.parse_args(argv)
-    config = quick_config() if args.quick else full_config()
-    config = replace(config, updates=args.updates or config.updates,
-                     interval_s=args.interval_s or config.interval_s,
-                     baseline_s=args.baseline_s or config.baseline_s)
-    from bench.runner import run_suite
-    from bench.suites import SUITES, Suite
-
-    single = Suite(lambda quick: [("rl", lambda: run_rl(config))],
-                   SUITES["rl"].targets, SUITES["rl"].invariants)
-    return int(run_suite("rl", quick=args.quick, out=args.out, suites={"rl": single}))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,13 +12,12 @@
   method: anything but UNAUTHENTICATED / PERMISSION_DENIED (grpcio's parse failures aside) is
   counted as a leak through the guard.
 
-Run alone: ``python -m bench.bench_security [--quick]``; ``kvcoord bench security`` prints the
-tables and writes bench/results/security.json.
+Run: ``kvcoord bench security [--quick]``; it prints the tables and writes
+bench/results/security.json.
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -158,9 +157,3 @@ def _auth_leaks(fleet: FuzzFleet, role: str | None, examples: int) -> dict[str, 
         leaks += sum(n for code, n in codes.items() if code not in {expected, *PARSE_FAILURES})
     return {"cases": report.cases, "refused": refused, "leaks": leaks,
             "bugs": report.total("internal") + report.total("unknown")}
-
-
-if __name__ == "__main__":
-    from bench.runner import run_suite
-
-    raise SystemExit(run_suite("security", quick="--quick" in sys.argv[1:]))
