@@ -1,6 +1,7 @@
 """The layers are checked: the import contracts in pyproject.toml (run by `make lint`) hold on
-this tree and break on a tree that crosses each of them; the import paths DESIGN names stay
-importable; no hand-written module outgrows 400 lines."""
+this tree and break on a tree that crosses each of them, an import under `if TYPE_CHECKING:`
+included; the import paths DESIGN names stay importable; no hand-written module outgrows 400
+lines, compiled ones (.pyx) included, but for the exemptions named with their reason."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("coordinator", "worker", "kvcoord")
+LINTED = (*PACKAGES, "bench")  # pyproject's root_packages: bench/ is checked for cycles too
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 CONTRACT_PATHS = [
@@ -43,11 +45,20 @@ def test_the_tree_keeps_every_import_contract() -> None:
     assert "6 kept, 0 broken" in result.stdout
 
 
-def test_each_contract_breaks_on_an_import_that_crosses_it(tmp_path: Path) -> None:
-    for package in PACKAGES:
+def copy_with(tmp_path: Path, crossings: dict[str, str]) -> Path:
+    """The linted packages and pyproject.toml in ``tmp_path``, each file of ``crossings`` with
+    its text appended."""
+    for package in LINTED:
         shutil.copytree(ROOT / package, tmp_path / package,
-                        ignore=shutil.ignore_patterns("__pycache__"))
+                        ignore=shutil.ignore_patterns("__pycache__", "results"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    for path, text in crossings.items():
+        with (tmp_path / path).open("a") as source:
+            source.write(f"\n{text}\n")
+    return tmp_path
+
+
+def test_each_contract_breaks_on_an_import_that_crosses_it(tmp_path: Path) -> None:
     crossings = {
         "coordinator/core/routing.py": "import asyncio",  # a pure core on the event loop
         "worker/allocator.py": "import socket",  # the worker's pure core on the network
@@ -56,10 +67,7 @@ def test_each_contract_breaks_on_an_import_that_crosses_it(tmp_path: Path) -> No
         "coordinator/core/hashing.py": "import coordinator.core.router",  # a cycle
         "kvcoord/gateway/routing.py": "import worker.runtime",  # the gateway needing torch
     }
-    for path, line in crossings.items():
-        with (tmp_path / path).open("a") as source:
-            source.write(f"\n{line}\n")
-    result = lint_imports(tmp_path)
+    result = lint_imports(copy_with(tmp_path, crossings))
     assert result.returncode != 0
     out = result.stdout
     assert "0 kept, 6 broken" in out, out[-3000:]
@@ -72,13 +80,47 @@ def test_each_contract_breaks_on_an_import_that_crosses_it(tmp_path: Path) -> No
     assert "No cycles are allowed in coordinator.core" in out
 
 
+def test_a_cycle_under_type_checking_or_in_bench_breaks_the_acyclic_contract(
+    tmp_path: Path,
+) -> None:
+    # Each pair was a real cycle: index_audit typed its argument as a PrefixIndex imported under
+    # TYPE_CHECKING, and bench modules ran their suite through bench.runner when run as
+    # `python -m bench.X`. An annotation-only import still ties the two modules together.
+    crossings = {
+        "coordinator/core/index_audit.py": "from typing import TYPE_CHECKING\n"
+                                           "if TYPE_CHECKING:\n    import coordinator.core.index",
+        "bench/bench_policy.py": "import bench.runner",
+    }
+    result = lint_imports(copy_with(tmp_path, crossings))
+    out = result.stdout
+    assert result.returncode != 0
+    assert "5 kept, 1 broken" in out, out[-3000:]
+    assert "No cycles are allowed in coordinator.core" in out
+    assert "No cycles are allowed in bench" in out
+
+
+# A module past 400 lines is split, unless splitting would cost what the module exists for.
+# Each exemption names its ceiling and its reason (docs/ARCHITECTURE.md, the module map).
+OVER_400_EXEMPT = {
+    "coordinator/core/_holdings_accel.pyx": (
+        600,
+        "one compiled translation unit: the cdef class CHoldings (~390 lines) must be defined in "
+        "one .pyx, and the hot loops' helpers are inlined only within it; moved to another "
+        "module they would be called through a function-pointer table",
+    ),
+}
+
+
 def test_no_hand_written_module_is_over_400_lines() -> None:
     long = {}
     for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
+        for path in [*(ROOT / package).rglob("*.py"), *(ROOT / package).rglob("*.pyx")]:
             if "_pb2" in path.name:
                 continue  # generated stubs
             lines = len(path.read_text().splitlines())
-            if lines > 400:
-                long[str(path.relative_to(ROOT))] = lines
+            name = str(path.relative_to(ROOT))
+            ceiling = OVER_400_EXEMPT.get(name, (400, ""))[0]
+            if lines > ceiling:
+                long[name] = lines
     assert long == {}
+    assert all((ROOT / name).exists() for name in OVER_400_EXEMPT)
