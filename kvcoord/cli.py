@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a fenced engine tries to catch up with the fleet this often "
                         "(default 5)")
     bridge.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    bridge.add_argument("--metrics-host", metavar="HOST", help="the host /metrics binds "
+                        "(default: --http-listen's host, else 127.0.0.1; 0.0.0.0 for every "
+                        "interface)")
     bridge.add_argument("--log-level", help="debug, info (default), warning, error")
 
     dereg = sub.add_parser("deregister", help="take a worker out of the index now (a worker "

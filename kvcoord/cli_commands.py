@@ -127,13 +127,14 @@ def cmd_bridge(args: argparse.Namespace) -> int:
             policy_control=args.policy_control, http_listen=args.http_listen,
             weights=args.weights, weights_root=args.weights_root,
             recover_interval_s=args.recover_interval_s,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
         )
     except ValueError as exc:
         print(f"kvcoord bridge: {exc}", file=sys.stderr)
         return 2
     credentials = client_credentials(args)
     configure_logging(args.log_level or os.environ.get("KVCOORD_LOG_LEVEL", "info"))
-    return asyncio.run(serve_bridge(config, metrics_port=args.metrics_port, **credentials))
+    return asyncio.run(serve_bridge(config, **credentials))
 
 
 def cmd_deregister(args: argparse.Namespace) -> int:

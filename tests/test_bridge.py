@@ -12,6 +12,7 @@ import hashlib
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -549,6 +550,8 @@ async def test_kvcoord_bridge_vllm_follows_an_engine_and_stops_on_sigterm() -> N
                     engine.publish(Removed([h("c-2")]))
                     await shows(coord, PROMPT, {WORKER: 8})
                     body = await asyncio.to_thread(_scrape, metrics)
+                    # No --http-listen, no --metrics-host: /metrics is on loopback only.
+                    assert not await asyncio.to_thread(_answers, "127.0.0.2", metrics)
                     for line in ('kvcoord_bridge_malformed_total{kind="frame"} 1.0',
                                  "kvcoord_bridge_replays_total 1.0",
                                  "kvcoord_bridge_rebuilds_total 0.0",
@@ -563,9 +566,54 @@ async def test_kvcoord_bridge_vllm_follows_an_engine_and_stops_on_sigterm() -> N
         engine.close()
 
 
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+def _scrape(port: int, host: str = "127.0.0.1") -> str:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as response:
         return str(response.read().decode())
+
+
+def _answers(host: str, port: int) -> bool:
+    """Whether ``host:port`` serves the bridge's ``/metrics`` (False: connection refused)."""
+    try:
+        return "kvcoord_bridge_last_seq" in _scrape(port, host)
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ConnectionRefusedError):
+            return False
+        raise
+
+
+async def test_kvcoord_bridge_serves_metrics_on_the_metrics_host_alone() -> None:
+    """127.0.0.2 is this machine's loopback too (Linux routes 127/8 to lo), but a socket bound
+    to it does not answer on 127.0.0.1. No coordinator answers: /metrics is up before the
+    bridge registers."""
+    metrics = free_port()
+    process = spawn(["bridge", "vllm", *BRIDGE_ARGS, *EXTERNAL, "--metrics-port", str(metrics),
+                     "--metrics-host", "127.0.0.2", "--log-level", "error"])
+    try:
+        async def serving() -> bool:
+            assert process.poll() is None, process.stderr and process.stderr.read()
+            return await asyncio.to_thread(_answers, "127.0.0.2", metrics)
+
+        await eventually(serving, timeout=20, what="the bridge's /metrics on 127.0.0.2")
+        assert not await asyncio.to_thread(_answers, "127.0.0.1", metrics)
+    finally:
+        stop_process(process)
+
+
+@pytest.mark.parametrize(("settings", "host"), [
+    ({}, "127.0.0.1"),
+    ({"policy_control": False, "http_listen": "0.0.0.0:8100"}, "0.0.0.0"),
+    ({"policy_control": True, "engine_url": "http://127.0.0.1:8000",
+      "http_listen": "10.0.0.7:8100"}, "10.0.0.7"),
+    ({"policy_control": True, "engine_url": "http://127.0.0.1:8000",
+      "http_listen": "[::1]:8100"}, "::1"),
+    ({"http_listen": "0.0.0.0:8100", "metrics_host": "127.0.0.1"}, "127.0.0.1"),
+], ids=["loopback", "http-listen", "policy-control", "ipv6", "metrics-host"])
+def test_bridge_metrics_bind_http_listens_host_else_loopback(
+    settings: dict[str, Any], host: str,
+) -> None:
+    config = BridgeConfig(events="tcp://127.0.0.1:1", coordinator="127.0.0.1:1",
+                          worker_id=WORKER, worker_address=ADDRESS, **settings)
+    assert config.metrics_bind_host() == host
 
 
 BRIDGE_ARGS = ["--events", "tcp://127.0.0.1:5557", "--coordinator", "127.0.0.1:1",
@@ -585,8 +633,14 @@ EXTERNAL = ["--no-policy-control"]
     (["--engine-url", "http://127.0.0.1:8000"], {}, "policy control needs --http-listen"),
     (["--engine-url", "http://127.0.0.1:8000", "--http-listen", "127.0.0.1:0"], {},
      "policy control needs --http-listen HOST:PORT"),
+    ([*EXTERNAL, "--metrics-port", "70000"], {}, "--metrics-port must be 0..65535, got 70000"),
+    ([*EXTERNAL, "--metrics-host", ""], {}, "--metrics-host must not be empty"),
+    ([*EXTERNAL, "--metrics-port", "0", "--metrics-host", "203.0.113.5"], {},
+     "kvcoord bridge: cannot serve /metrics on 203.0.113.5:0 (--metrics-host, --metrics-port): "
+     "Cannot assign requested address"),
 ], ids=["block-size", "worker-address", "events-endpoint", "hash-key", "engine-url",
-        "no-engine-url", "no-http-listen", "http-listen-port-0"])
+        "no-engine-url", "no-http-listen", "http-listen-port-0", "metrics-port",
+        "empty-metrics-host", "metrics-host-not-here"])
 def test_kvcoord_bridge_refuses_bad_config_with_one_line(
     extra: list[str], env: dict[str, str], message: str,
 ) -> None:

@@ -13,6 +13,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -316,6 +318,10 @@ async def test_kvcoord_gateway_serves_a_fleet_and_stops_on_sigterm(fleet: Fleet)
     (["--drain-wait-ms", "0"], "drain_wait_ms must be > 0"),
     (["--metrics-port", "70000"], "metrics_port out of range"),
     (["--model", ""], "model must not be empty"),
+    (["--metrics-host", ""], "metrics_host must not be empty"),
+    (["--metrics-port", "0", "--metrics-host", "203.0.113.5"],
+     "cannot serve /metrics on 203.0.113.5:0 (--metrics-host, --metrics-port): "
+     "Cannot assign requested address"),
 ])
 def test_kvcoord_gateway_refuses_bad_settings_in_one_line(flags: list[str], says: str) -> None:
     result = subprocess.run([str(Path(sys.executable).parent / "kvcoord"), "gateway", *flags],
@@ -324,6 +330,38 @@ def test_kvcoord_gateway_refuses_bad_settings_in_one_line(flags: list[str], says
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("kvcoord gateway: ") and says in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def answers_metrics(host: str, port: int) -> bool:
+    """Whether ``host:port`` serves the gateway's ``/metrics`` (False: connection refused)."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as response:
+            return b"kvcoord_gateway_requests_total" in response.read()
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ConnectionRefusedError):
+            return False
+        raise
+
+
+# 127.0.0.2 is this machine's loopback too (Linux routes 127/8 to lo), but a socket bound to
+# 127.0.0.1 does not answer on it: one bound to 0.0.0.0 does.
+@pytest.mark.parametrize(("settings", "served", "refused"), [
+    ({"listen": "127.0.0.1:0"}, "127.0.0.1", "127.0.0.2"),
+    ({"listen": "127.0.0.2:0"}, "127.0.0.2", "127.0.0.1"),
+    ({"listen": "127.0.0.1:0", "metrics_host": "127.0.0.2"}, "127.0.0.2", "127.0.0.1"),
+], ids=["listen-host", "other-listen-host", "metrics-host"])
+async def test_metrics_bind_the_listen_host_unless_metrics_host_names_another(
+    settings: dict[str, str], served: str, refused: str,
+) -> None:
+    gateway, client = await start_gateway(GatewayConfig(
+        coordinator="127.0.0.1:1", metrics_port=0, **settings))
+    try:
+        assert gateway.metrics_port is not None
+        assert await asyncio.to_thread(answers_metrics, served, gateway.metrics_port)
+        assert not await asyncio.to_thread(answers_metrics, refused, gateway.metrics_port)
+    finally:
+        await gateway.stop()
+        await client.close()
 
 
 async def test_with_auth_on_each_client_is_itself_everywhere(tmp_path: Path) -> None:

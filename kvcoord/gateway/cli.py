@@ -22,6 +22,8 @@ def add_gateway_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     gateway.add_argument("--max-context", type=int, metavar="TOKENS",
                          help="context length (default: the tokenizer's model_max_length)")
     gateway.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
+    gateway.add_argument("--metrics-host", metavar="HOST", help="the host /metrics binds "
+                         "(default: --listen's host; 0.0.0.0 for every interface)")
     gateway.add_argument("--route-retries", type=int,
                          help="re-routes when a worker fails before its first byte (default 2)")
     gateway.add_argument("--drain-wait-ms", type=int,
@@ -39,7 +41,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     flags = {name: getattr(args, name) for name in (
         "coordinator", "listen", "tokenizer", "model", "max_context", "metrics_port",
-        "route_retries", "drain_wait_ms", "token_file", "tls_ca", "log_level")}
+        "metrics_host", "route_retries", "drain_wait_ms", "token_file", "tls_ca", "log_level")}
     try:
         config = GatewayConfig.from_sources(flags, os.environ)
         load_tokenizer(config)  # a bad directory is refused before anything starts

@@ -9,6 +9,7 @@ from typing import Any
 
 from coordinator.client.targets import Targets
 from coordinator.config import ConfigError, build_config, read_token_setting
+from coordinator.metrics_http import host_of
 
 __all__ = ["ConfigError", "GatewayConfig"]
 
@@ -27,6 +28,9 @@ class GatewayConfig:
     """Tokens of context; unset = the tokenizer config's ``model_max_length``."""
     metrics_port: int | None = None
     """Serve Prometheus ``/metrics`` (``kvcoord_gateway_*``) on this port; unset = none."""
+    metrics_host: str | None = None
+    """The host ``/metrics`` binds; unset = ``listen``'s host, so a gateway on loopback keeps
+    its metrics there too (``0.0.0.0`` for every interface)."""
     max_body_bytes: int = 8 * 1024 * 1024
     """A request body over this is refused with 413."""
     route_retries: int = 2
@@ -67,6 +71,12 @@ class GatewayConfig:
             raise ConfigError(f"metrics_port out of range: {self.metrics_port}")
         if not self.model:
             raise ConfigError("model must not be empty")
+        if self.metrics_host == "":
+            raise ConfigError("metrics_host must not be empty (leave it unset for listen's host)")
+
+    def metrics_bind_host(self) -> str:
+        """Where ``/metrics`` listens: ``metrics_host``, or else ``listen``'s host."""
+        return self.metrics_host if self.metrics_host is not None else host_of(self.listen)
 
     def own_token(self) -> str | None:
         """The gateway's own bearer token, read from ``token_file`` now (None without one).

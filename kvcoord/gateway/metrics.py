@@ -21,7 +21,6 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    start_http_server,
 )
 
 _LATENCY = (5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
@@ -62,11 +61,6 @@ class GatewayMetrics:
         self.policy_version = Gauge(
             "kvcoord_gateway_policy_version", "The policy version that served the latest "
             "request", registry=r)
-
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Expose ``/metrics``; returns the bound port (0 picks a free one)."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        return int(server.server_port)
 
 
 class Observation:

@@ -9,6 +9,7 @@ import signal
 import structlog
 
 from coordinator.client import AsyncCoordinatorClient, ClientTls, KvcoordError
+from coordinator.metrics_http import serve_metrics
 from kvcoord.gateway.config import ConfigError, GatewayConfig
 from kvcoord.gateway.routing import RouteFinder
 from kvcoord.gateway.server import GatewayServer
@@ -32,7 +33,9 @@ def load_tokenizer(config: GatewayConfig) -> TextTokenizer:
 async def start_gateway(config: GatewayConfig, *, token: str | None = None
                         ) -> tuple[GatewayServer, AsyncCoordinatorClient]:
     """A started gateway and its coordinator client (close both: ``server.stop()``, then the
-    client). ``token``: the gateway's own identity, used only to ask whether it is ready."""
+    client). ``token``: the gateway's own identity, used only to ask whether it is ready.
+    ``/metrics`` (with ``metrics_port``) is bound before the gateway listens; a host or port it
+    cannot bind raises ConfigError with nothing left running."""
     tokenizer = load_tokenizer(config)
     tls = None if config.tls_ca is None else ClientTls.from_files(config.tls_ca)
     client = AsyncCoordinatorClient(config.coordinator, tls=tls)
@@ -52,9 +55,14 @@ async def start_gateway(config: GatewayConfig, *, token: str | None = None
 
     routes = RouteFinder(client, model=config.model, drain_wait_s=config.drain_wait_ms / 1000)
     server = GatewayServer(config, routes, tokenizer, readiness)
+    if config.metrics_port is not None:  # first: a host that cannot be bound starts nothing
+        try:
+            server.metrics_port = serve_metrics(
+                server.metrics.registry, config.metrics_bind_host(), config.metrics_port)
+        except ConfigError:
+            await client.close()
+            raise
     await server.start()
-    if config.metrics_port is not None:
-        server.metrics_port = server.metrics.serve(config.metrics_port)
     return server, client
 
 

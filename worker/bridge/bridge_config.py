@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig
 from coordinator.logs import warn_development_key
+from coordinator.metrics_http import host_of
 from worker.bridge.policy_driver import WEIGHT_SOURCES
 
 
@@ -39,6 +40,8 @@ class BridgeConfig:
     weights: str = "uri"  # "uri": the engine loads APPLY's weights_uri; "trainer": pushed
     weights_root: str | None = None  # a relative weights_uri is under this directory
     recover_interval_s: float = 5.0
+    metrics_port: int | None = None  # serve Prometheus /metrics here (unset: none)
+    metrics_host: str | None = None  # where /metrics binds (unset: metrics_bind_host())
 
     def __post_init__(self) -> None:
         block = self.engine_block_size or self.page_size
@@ -56,6 +59,10 @@ class BridgeConfig:
                              f"{self.engine_url!r}")
         if self.policy_control:
             _check_policy_control(self)
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
+        if self.metrics_host == "":
+            raise ValueError("--metrics-host must not be empty")
         for name, endpoint in (("--events", self.events), ("--replay", self.replay)):
             if endpoint is not None and "://" not in endpoint:
                 raise ValueError(f"{name} must be a ZMQ endpoint such as tcp://HOST:PORT, got "
@@ -69,6 +76,15 @@ class BridgeConfig:
         if host in ("0.0.0.0", "::", "[::]", ""):
             host = self.worker_address.rpartition(":")[0]
         return f"http://{host}:{port}"
+
+    def metrics_bind_host(self) -> str:
+        """Where ``/metrics`` listens: ``metrics_host``; else ``http_listen``'s host (the
+        bridge's own listen address, under policy control); else loopback, ``127.0.0.1``: a
+        bridge without policy control listens nowhere, and its metrics are not published on
+        every interface unless ``--metrics-host 0.0.0.0`` asks."""
+        if self.metrics_host is not None:
+            return self.metrics_host
+        return host_of(self.http_listen) if self.http_listen else "127.0.0.1"
 
     def hash_config(self) -> HashConfig:
         """The deployment hashing; an unset or empty key is the development key, as for the

@@ -8,11 +8,12 @@ import sys
 from collections.abc import Iterator
 
 import structlog
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from coordinator.client.channels import ClientTls
+from coordinator.metrics_http import serve_metrics
 from worker.bridge.bridge import Bridge, BridgeConfig
 from worker.bridge.engine_control import EngineStepFailed, MissingEndpoint
 from worker.bridge.policy_member import PolicyMember
@@ -81,23 +82,28 @@ def _policy_metrics(member: PolicyMember) -> Iterator[Metric]:
                               value=member.rollouts.sent)
 
 
-def bridge_registry(bridge: Bridge) -> CollectorRegistry:
-    """What ``/metrics`` serves: the bridge's counters and its Sync client's."""
-    registry = CollectorRegistry()
+def bridge_registry(bridge: Bridge, registry: CollectorRegistry | None = None
+                    ) -> CollectorRegistry:
+    """What ``/metrics`` serves: the bridge's counters and its Sync client's, added to
+    ``registry`` (a new one by default)."""
+    registry = CollectorRegistry() if registry is None else registry
     registry.register(BridgeCollector(bridge))
     registry.register(SyncCollector(bridge.sync.counters, "kvcoord_bridge_sync"))
     return registry
 
 
 async def serve_bridge(
-    config: BridgeConfig, *, metrics_port: int | None = None, token: str | None = None,
-    tls: ClientTls | None = None,
+    config: BridgeConfig, *, token: str | None = None, tls: ClientTls | None = None,
 ) -> int:
     """``token``/``tls``: how the bridge authenticates to the coordinator (a worker identity
-    whose worker_id is ``config.worker_id``)."""
+    whose worker_id is ``config.worker_id``). ``/metrics`` (with ``config.metrics_port``) is
+    bound first, on ``config.metrics_bind_host()``: a host or port it cannot bind raises
+    ConfigError (exit 2) before the bridge is built."""
+    registry = CollectorRegistry()
+    if config.metrics_port is not None:
+        serve_metrics(registry, config.metrics_bind_host(), config.metrics_port)
     bridge = Bridge(config, token=token, tls=tls)
-    if metrics_port is not None:
-        start_http_server(metrics_port, registry=bridge_registry(bridge))
+    bridge_registry(bridge, registry)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
