@@ -40,6 +40,7 @@ GENERATE_TIMEOUT_S = 3.0
 UNREPORTED_S = 1.0  # a worker reports its records every ~100 ms; retries back off further
 ANSWER_SLACK_S = 0.5  # an answer sent before the drain ack, read late by a busy client thread
 FAMILIES = 4  # prompt prefixes (two pages each) shared by generations
+LOAD_PREFIX = "chaos-"  # every generation's rollout id starts so
 _Dialed = tuple[grpc.Channel, wpb_grpc.WorkerStub]  # a worker's channel and stub, by address
 
 
@@ -106,7 +107,7 @@ class Load:
                     client = client or self.cluster.client(replica, timeout=GENERATE_TIMEOUT_S)
                     prompt = rng.choice(families) + [rng.randrange(500) for _ in range(PAGE + 1)]
                     self.generations.append(self._one(client, workers, replica, prompt,
-                                                      f"chaos-{replica}-{n}"))
+                                                      f"{LOAD_PREFIX}{replica}-{n}"))
                     n += 1
                 finally:
                     with self._idle:

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from bench.chaos_load import Load
+from bench.chaos_load import LOAD_PREFIX, Load
 from bench.chaos_watch import Commit, Watch
 from coordinator.client import CoordinatorClient, KvcoordError, PolicyState, RolloutRecord
 from coordinator.v1 import coordinator_pb2 as pb
@@ -71,6 +71,16 @@ class Round:
                                     else self.repaired_at)
 
 
+def own_records(earlier: dict[str, RolloutRecord],
+                now: dict[str, RolloutRecord]) -> dict[str, RolloutRecord]:
+    """The records in ``now`` that ``earlier`` lacks, less generations' (``LOAD_PREFIX`` ids,
+    reconciled by the round that made them): the probe prompts' records this round's serving
+    added. ReadRollouts returns every record ever kept; checking all of them each round would
+    count earlier rounds' records again and again."""
+    return {k: r for k, r in now.items()
+            if k not in earlier and not k.startswith(LOAD_PREFIX)}
+
+
 def index_digest(target: str, timeout: float = 5.0) -> str:
     """The replica's ``Stats.index_digest`` (hex), asked for explicitly."""
     with grpc.insecure_channel(target) as channel:
@@ -101,11 +111,12 @@ class Chaos:
 
     def prepare(self) -> tuple[int, Holdings, dict[str, RolloutRecord]]:
         """Every worker serves its probe prompt; returns the policy version, the holdings the
-        serving replicas agree on, and the rollout records once the round's are in."""
+        serving replicas agree on, and the round's own probe records (``own_records``)."""
         with self.client() as client:
             version = client.policy().version
+            earlier = rollouts(client)
             agreed, records = serve(self.cluster, client, *WORKERS)
-            return version, agreed, records
+            return version, agreed, own_records(earlier, records)
 
     def update(self, version: int, replica: str | None = None,
                deadline_s: float = 2.0) -> PolicyState:

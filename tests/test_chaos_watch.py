@@ -18,9 +18,13 @@ from bench.chaos_watch import (
     Commit,
     RouteSample,
     Window,
-    at_stake,
     availability,
+    critical_samples,
+    failover_spell,
+    lapse_spells,
+    policy_stake,
     stale_routes,
+    stale_stake,
     version_violations,
 )
 from coordinator.client import RolloutRecord
@@ -41,7 +45,7 @@ def test_a_route_is_stale_only_past_the_lease_and_before_the_repair() -> None:
         RouteSample(15.0, "c1", "w1", 0),  # repaired
     ]
     assert stale_routes(routes, down, 0.0, 100.0) == routes[1:3]
-    assert at_stake(routes, down, [], STALE, 0.0, 100.0) == routes[1:4]
+    assert stale_stake(routes, down, 0.0, 100.0) == routes[1:4]
     assert stale_routes(routes, down, 0.0, 10.0 + LATE + 0.1) == routes[1:2]  # the round's own
 
 
@@ -50,6 +54,31 @@ def test_an_unrepaired_worker_stays_stale_and_each_spell_counts_from_its_own_fau
     routes = [RouteSample(10.9, "c1", "w1"), RouteSample(12.5, "c1", "w1"),
               RouteSample(20.0 + LATE - 0.01, "c1", "w1"), RouteSample(99.0, "c1", "w1")]
     assert stale_routes(routes, down, 0.0, 100.0) == [routes[3]]
+
+
+def test_a_lapsed_lease_is_a_spell_from_the_lapse_to_the_last_poll_before_ready_again() -> None:
+    """Packet loss: seen not READY at 12.0 (its lease ran out by then), READY again at 12.9."""
+    polls = [(11.8, True), (12.0, False), (12.4, False), (12.8, False), (12.9, True),
+             (13.0, False), (13.1, False)]
+    spells = lapse_spells(polls, healed=14.0)
+    assert spells == [Window(12.0 - LEASE_S, 12.8), Window(13.0 - LEASE_S, 14.0)]
+    routes = [RouteSample(12.0 + STALE_SLACK_S - 0.01, "c1", "w1"),  # the lapse just seen
+              RouteSample(12.0 + STALE_SLACK_S, "c1", "w1"),  # stale
+              RouteSample(12.85, "c1", "w1"),  # between the polls: it may be READY, not judged
+              RouteSample(13.0 + STALE_SLACK_S, "c2", "w1"),  # the second lapse: stale
+              RouteSample(14.0, "c2", "w1")]  # healed
+    down = {"w1": spells}
+    assert stale_routes(routes, down, 0.0, 100.0) == [routes[1], routes[3]]
+    assert lapse_spells([(t, True) for t in (1.0, 2.0)], healed=3.0) == []  # nothing at stake
+
+
+def test_a_worker_cut_from_its_owner_is_unreachable_until_ready_on_the_other_replica() -> None:
+    polls = [(10.1, False), (10.9, False), (11.0, True)]
+    assert failover_spell(polls, fault_at=10.0, healed=12.5) == Window(10.0, 10.9)
+    assert failover_spell(polls[:2], fault_at=10.0, healed=12.5) == Window(10.0, 12.5)
+    late = RouteSample(10.0 + LATE + 0.1, "c1", "w1")  # past the lease, never failed over
+    assert stale_routes([late], {"w1": [Window(10.0, 12.5)]}, 0.0, 100.0) == [late]
+    assert stale_routes([late], {"w1": [Window(10.0, 10.9)]}, 0.0, 100.0) == []
 
 
 def test_a_route_under_the_old_version_past_policy_stale_after_the_commit_violates() -> None:
@@ -62,8 +91,36 @@ def test_a_route_under_the_old_version_past_policy_stale_after_the_commit_violat
     ]
     assert version_violations(routes, commits, STALE, 0.0, 100.0) == routes[1:2]
     # Both answered routes past policy_stale were at stake; the one before it was not.
-    assert at_stake(routes, {}, commits, STALE, 0.0, 100.0) == routes[1:3]
-    assert at_stake(routes, {}, [], STALE, 0.0, 100.0) == []
+    assert policy_stake(routes, commits, STALE, 0.0, 100.0) == routes[1:3]
+    assert policy_stake(routes, [], STALE, 0.0, 100.0) == []
+
+
+def test_each_rule_has_its_own_stake_and_a_commit_puts_nothing_at_stake_for_stale_routes(
+) -> None:
+    """After the warm-up update every route is at stake for the version rule; only a worker
+    past its lease unreachable puts a route at stake for the stale-route rule."""
+    commits = [Commit(version=1, begun=0.5, returned=1.0)]  # the warm-up update
+    routes = [RouteSample(t, "c1", "w2", 1) for t in (20.0, 21.0, 22.0, 23.0)]
+    assert stale_stake(routes, {}, 0.0, 100.0) == []  # no worker unreachable: nothing
+    assert policy_stake(routes, commits, STALE, 0.0, 100.0) == routes
+    down = {"w1": [Window(20.5, 22.5)]}  # w1 down; stale from 20.5 + LATE to its repair
+    assert stale_stake(routes, down, 0.0, 100.0) == [
+        r for r in routes if 20.5 + LATE <= r.sent < 22.5]
+    assert policy_stake(routes, commits, STALE, 0.0, 21.5) == routes[:2]  # the round's own
+
+
+def test_the_critical_window_holds_every_route_from_policy_stale_after_the_commit_to_the_end(
+) -> None:
+    commits = [Commit(version=1, begun=0.5, returned=1.0),  # an earlier round's
+               Commit(version=2, begun=9.0, returned=10.0)]
+    routes = [
+        RouteSample(10.0 + STALE - 0.01, "c2", "w1", 1),  # not yet judged
+        RouteSample(10.0 + STALE + 0.01, "c2", None, None, "DEADLINE_EXCEEDED"),  # refused
+        RouteSample(10.0 + STALE + 0.02, "c1", "w2", 2),
+        RouteSample(13.0, "c2", "w1", 2),  # after the fault ended
+    ]
+    assert critical_samples(routes, commits, STALE, 5.0, 13.0) == routes[1:3]
+    assert critical_samples(routes, commits, STALE, 11.0, 13.0) == []  # no commit in the round
 
 
 def test_availability_counts_errors_and_stretches_without_any_replicas_answer() -> None:
