@@ -35,6 +35,8 @@ class CoordinatorConfig:
     """Redis URL; unset = the embedded in-memory store (one coordinator process only)."""
     store_namespace: str = "default"
     metrics_port: int | None = None
+    metrics_host: str | None = None
+    """Where ``/metrics`` listens; unset = the host of ``listen`` (loopback stays loopback)."""
     page_size: int = 16
     hash_key: str | None = None
     """Hex deployment secret for keyed hashing; unset = a fixed development key (warned)."""

@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:50051)")
     coord.add_argument("--redis", metavar="URL", help="Redis URL; omit for the embedded store")
     coord.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    coord.add_argument("--metrics-host", help="the host /metrics binds (default: --listen's)")
     coord.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
     coord.add_argument("--routing-policy", help="kv_aware (default), round_robin, least_loaded")
     coord.add_argument("--replica-id", help="this replica's name among the replicas sharing "
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--device", help="cpu, cuda or auto (default: cuda when present)")
     work.add_argument("--worker-id", help="default <hostname>-<port>")
     work.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    work.add_argument("--metrics-host", help="the host /metrics binds (default: --listen's)")
     work.add_argument("--http-listen", metavar="HOST:PORT",
                       help="serve the OpenAI-compatible /v1 endpoint here (default: none)")
     work.add_argument("--tokenizer", metavar="DIR", help="Hugging Face tokenizer directory for "

@@ -41,6 +41,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     flags = {
         "listen": args.listen, "redis": args.redis, "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host,
         "page_size": args.page_size, "routing_policy": args.routing_policy,
         "replica_id": args.replica_id,
         "log_level": args.log_level, **server_flags(args),
@@ -56,6 +57,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     except StoreUnavailable as exc:  # Redis not up (yet): one line, and a restart will retry
         print(f"kvcoord coordinator: {exc}", file=sys.stderr)
         return 1
+    except ConfigError as exc:  # found at start: a --metrics-host that cannot be bound
+        print(f"kvcoord coordinator: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -68,8 +72,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "coordinator": args.coordinator, "listen": args.listen, "advertise": args.advertise,
         "pages": args.pages, "host_pages": args.host_pages, "device": args.device,
         "worker_id": args.worker_id,
-        "metrics_port": args.metrics_port, "page_size": args.page_size,
-        "http_listen": args.http_listen, "tokenizer": args.tokenizer,
+        "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
+        "page_size": args.page_size, "http_listen": args.http_listen, "tokenizer": args.tokenizer,
         "model_name": args.model, "model_size": args.model_size, "weights": args.weights,
         "log_level": args.log_level,
         "token_file": args.token_file, "tls_ca": args.tls_ca, **server_flags(args),
@@ -82,7 +86,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     configure_logging(config.log_level)
     try:
         return asyncio.run(serve_forever(config))
-    except ConfigError as exc:  # found at start: the tokenizer of --http-listen
+    except ConfigError as exc:  # found at start: the tokenizer of --http-listen, --metrics-host
         print(f"kvcoord worker: {exc}", file=sys.stderr)
         return 2
 

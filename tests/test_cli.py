@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -138,3 +139,59 @@ def test_a_coordinator_without_its_redis_exits_with_one_line() -> None:
     assert down.returncode == 1
     assert down.stderr.startswith("kvcoord coordinator: metadata store unavailable")
     assert "Traceback" not in down.stderr
+
+
+def _answers_metrics(host: str, port: int) -> bool:
+    """Whether ``host:port`` serves ``/metrics`` (False: connection refused). 127.0.0.2 is this
+    machine's loopback too (Linux routes 127/8 to lo), but a socket bound to 127.0.0.1 does not
+    answer on it, and one bound to 0.0.0.0 does."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as response:
+            return b"kvcoord_" in response.read()
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ConnectionRefusedError):
+            return False
+        raise
+
+
+@pytest.mark.parametrize(("extra", "served", "refused"), [
+    ((), "127.0.0.1", "127.0.0.2"),
+    (("--metrics-host", "127.0.0.2"), "127.0.0.2", "127.0.0.1"),
+], ids=["listen-host", "metrics-host"])
+def test_coordinator_and_worker_metrics_bind_the_listen_host_unless_told_otherwise(
+    extra: tuple[str, ...], served: str, refused: str,
+) -> None:
+    port, metrics_port, worker_port, worker_metrics = (free_port() for _ in range(4))
+    coordinator = subprocess.Popen(
+        [*KVCOORD, "coordinator", "--listen", f"127.0.0.1:{port}", "--metrics-port",
+         str(metrics_port), *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+    worker = None
+    try:
+        wait_healthy(f"127.0.0.1:{port}", coordinator)
+        assert _answers_metrics(served, metrics_port)
+        assert not _answers_metrics(refused, metrics_port)
+        worker = subprocess.Popen(
+            [*KVCOORD, "worker", "--coordinator", f"127.0.0.1:{port}", "--listen",
+             f"127.0.0.1:{worker_port}", "--device", "cpu", "--pages", "64",
+             "--metrics-port", str(worker_metrics), *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+        wait_healthy(f"127.0.0.1:{worker_port}", worker, timeout=60)
+        assert _answers_metrics(served, worker_metrics)
+        assert not _answers_metrics(refused, worker_metrics)
+    finally:
+        for process in (worker, coordinator):
+            if process is not None:
+                stop_process(process)
+
+
+def test_a_metrics_host_that_cannot_be_bound_exits_2_with_one_line() -> None:
+    refused = run_cli("coordinator", "--listen", f"127.0.0.1:{free_port()}", "--metrics-port",
+                      str(free_port()), "--metrics-host", "203.0.113.5")
+    assert refused.returncode == 2, refused.stderr
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("kvcoord")]
+    assert len(lines) == 1 and lines[0].startswith(
+        "kvcoord coordinator: cannot serve /metrics on 203.0.113.5:"), refused.stderr
+    assert "(--metrics-host, --metrics-port)" in lines[0]

@@ -77,6 +77,8 @@ class WorkerConfig:
     """Hex deployment secret, the coordinator's ``KVCOORD_HASH_KEY``; unset = the dev key."""
     hash_algorithm: str = "blake2b-128"
     metrics_port: int | None = None
+    metrics_host: str | None = None
+    """Where ``/metrics`` listens; unset = the host of ``listen``."""
     max_message_bytes: int = 16 * 1024 * 1024
     heartbeat_ms: int | None = None
     """Override the heartbeat period the coordinator asks for (unset = the coordinator's)."""

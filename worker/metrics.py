@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -51,11 +51,6 @@ class WorkerMetrics:
             r.register(_RuntimeCollector(stats))
         if sync is not None:
             r.register(SyncCollector(sync, "kvcoord_worker_sync"))
-
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Expose ``/metrics`` over HTTP; returns the bound port (``port=0`` picks a free one)."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        return int(server.server_port)
 
 
 class _RuntimeCollector(Collector):

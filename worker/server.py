@@ -17,6 +17,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2
 
 from coordinator.client.channels import channel_options
+from coordinator.metrics_http import host_of, serve_metrics
 from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.health import add_health_and_reflection, warn_if_open
 from coordinator.rpc.identities import WORKER_PERMISSIONS
@@ -143,8 +144,11 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         http = OpenAIServer(generations, _http_tokenizer(config, runtime.model), Guard(security),
                             model=config.model_name, ssl_context=_http_tls(config))
         await http.start(http_socket)
+    metrics_port = None
+    if config.metrics_port is not None:
+        metrics_port = serve_metrics(metrics.registry, config.metrics_host
+                                     or host_of(config.listen), config.metrics_port)
     await server.start()
-    metrics_port = metrics.serve(config.metrics_port) if config.metrics_port is not None else None
     serving = health_pb2.HealthCheckResponse.SERVING
     await health.set("", serving)
     await health.set(SERVICE_NAME, serving)

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2
 from coordinator.client.channels import channel_options
 from coordinator.config import CoordinatorConfig
 from coordinator.core import accel
+from coordinator.metrics_http import host_of, serve_metrics
 from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.health import add_health_and_reflection, warn_if_open
 from coordinator.rpc.identities import COORDINATOR_PERMISSIONS
@@ -81,11 +82,12 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     await health.set("", not_serving)
     await health.set(SERVICE_NAME, not_serving)
+    metrics_port = None
+    if config.metrics_port is not None:  # before serving: a bad host exits with nothing up
+        metrics_port = serve_metrics(metrics.registry, config.metrics_host
+                                     or host_of(config.listen), config.metrics_port)
     await service.start()
     await server.start()
-    metrics_port = None
-    if config.metrics_port is not None:
-        metrics_port = metrics.serve(config.metrics_port)
     await service.wait_ready()
     serving = health_pb2.HealthCheckResponse.SERVING
     await health.set("", serving)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -38,11 +38,6 @@ class CoordinatorMetrics:
             registry=self.registry,
             buckets=(1e-3, 5e-3, 2.5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
         service.ingest.on_wait = self.ingest_wait.observe
-
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Expose ``/metrics`` over HTTP; returns the bound port (``port=0`` picks a free one)."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        return int(server.server_port)
 
 
 class _StateCollector(Collector):
