@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e ".[worker,text,gateway,bridge,dev,plot,accel]"
 	touch $(STAMP)
 
-# The index's optional compiled core (Cython + the C compiler; coordinator/core/holdings.py).
+# The index's optional compiled core (Cython + the C compiler; coordinator/core/index/holdings.py).
 # Where it cannot build, the pure-Python holdings serve; either way this says which.
 ACCEL := $(VENV)/.accel
 $(ACCEL): $(STAMP) setup.py coordinator/core/_holdings_accel.pyx coordinator/core/_chain_accel.pyx

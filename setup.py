@@ -3,7 +3,7 @@ the page-key chain (coordinator/core/_chain_accel.pyx).
 
 Everything else is declared in pyproject.toml. The extension is built when Cython and a C
 compiler are present and skipped otherwise (``optional=True``): the pure-Python holdings then
-serve (``coordinator.core.holdings.accel_status()`` says which). ``make install`` builds it in
+serve (``coordinator.core.index.holdings.accel_status()`` says which). ``make install`` builds it in
 place with ``python setup.py build_ext --inplace``.
 """
 

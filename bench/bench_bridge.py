@@ -22,8 +22,7 @@ import zmq.asyncio
 
 from bench.scripted_worker import ScriptedWorker
 from coordinator.config import CoordinatorConfig
-from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
 from coordinator.server.main import start_coordinator
 from worker.bridge.block_map import BlockMap
 from worker.bridge.bridge import Bridge, BridgeConfig

@@ -21,10 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.core.hash_config import HashAlgorithm, HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
-from coordinator.core.holdings import compiled_available
+from coordinator.core.hashing import HashAlgorithm, HashConfig, Namespace, PageHasher
 from coordinator.core.index import PrefixIndex
+from coordinator.core.index.holdings import compiled_available
 
 PAGE = 16
 # Routes in flight while match_detail is timed, each with its prompt's pages pending on a

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from coordinator.core.hash_config import HashConfig
-from worker.engine import ModelConfig
-from worker.runtime import WorkerRuntime
+from coordinator.core.hashing import HashConfig
+from worker.runtime.engine import ModelConfig
+from worker.runtime.runtime import WorkerRuntime
 
 PROMPT_TOKENS = 2048
 CACHED_TOKENS = 1792

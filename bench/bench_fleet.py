@@ -31,7 +31,7 @@ from typing import Any
 
 from bench.fleet_shared_routes import shared_routes_case
 from coordinator.core.accel import NO_ACCEL_VARIABLE
-from coordinator.core.holdings import compiled_available
+from coordinator.core.index.holdings import compiled_available
 from kvcoord.fleet_procs import free_port, start_coordinator_process, stop_processes, wait_healthy
 from tests.redis_server import RedisServer
 

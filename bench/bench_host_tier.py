@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from coordinator.core.hash_config import HashConfig
-from worker.engine import ModelConfig
-from worker.runtime import Generation, WorkerRuntime
+from coordinator.core.hashing import HashConfig
+from worker.runtime import Generation
+from worker.runtime.engine import ModelConfig
+from worker.runtime.runtime import WorkerRuntime
 
 BENCH_MODEL = ModelConfig(hidden=512, layers=8, heads=8, kv_heads=2, head_dim=64,
                           intermediate=1408)

@@ -30,7 +30,7 @@ from typing import Any
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.config import CoordinatorConfig
-from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
 from coordinator.logs import configure_logging
 from coordinator.server.main import RunningCoordinator, start_coordinator
 from coordinator.v1 import coordinator_pb2 as pb

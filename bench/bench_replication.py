@@ -40,7 +40,7 @@ from typing import Any
 
 from bench.scripted_worker import ScriptedWorker
 from coordinator.config import CoordinatorConfig
-from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
 from coordinator.server.main import RunningCoordinator, start_coordinator
 from coordinator.store.redis_store import RedisStore
 from tests.redis_server import RedisServer

@@ -13,11 +13,11 @@ from typing import Any
 from bench.workload import conversation_pool, fresh_prompts, populate
 from coordinator.config import CoordinatorConfig
 from coordinator.core.fleet import WorkerStatus
-from coordinator.core.hash_config import Namespace
-from coordinator.core.hashing import tokens_to_bytes
-from coordinator.core.router import Scope
+from coordinator.core.hashing import Namespace
+from coordinator.core.hashing.page_hasher import tokens_to_bytes
+from coordinator.core.routing import Scope
+from coordinator.replica import CoordinatorReplica
 from coordinator.server.convert import prompt_from
-from coordinator.service import CoordinatorService
 from coordinator.store.memory import MemoryStore
 from coordinator.v1 import coordinator_pb2 as pb
 
@@ -35,7 +35,7 @@ def _per_call_us(calls: list[Callable[[], object]], repeats: int = 3) -> float:
 
 def bench_route_work(workers: int, quick: bool = False) -> dict[str, Any]:
     config = CoordinatorConfig(log_level="error")
-    service = CoordinatorService(config, MemoryStore(namespace="bench"))
+    service = CoordinatorReplica(config, MemoryStore(namespace="bench"))
     populate(service, workers, conversations=32 if quick else 256)
     scheduler = service.router
     pool = conversation_pool(32 if quick else 256)
@@ -69,7 +69,7 @@ def bench_route_work(workers: int, quick: bool = False) -> dict[str, Any]:
     return {**timed, "routes_checked": len(pool), "wrong_routes": _wrong_routes(service, pool)}
 
 
-def _wrong_routes(service: CoordinatorService, pool: list[list[int]]) -> int:
+def _wrong_routes(service: CoordinatorReplica, pool: list[list[int]]) -> int:
     """Route every prompt once more and count the answers that are wrong: a worker that is not
     READY in the fleet, or ``matched_pages`` that is not that worker's confirmed depth in the
     index (the route claims a cache hit the worker does not hold, or misses one it does)."""

@@ -25,8 +25,8 @@ import grpc
 
 from bench.rpc_server import BENCH_TOKEN
 from bench.workload import conversation_pool, fresh_prompts
-from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig, Namespace
-from coordinator.core.hashing import PageHasher, tokens_to_bytes
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
+from coordinator.core.hashing.page_hasher import tokens_to_bytes
 from coordinator.v1 import coordinator_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent

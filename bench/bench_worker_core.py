@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from bench.seed_baseline import SeedBitmaskAllocator, seed_write_indices
-from worker.allocator import PageAllocator
-from worker.strategy import PagedStrategy, ReqToTokenPool, TaskCacheState
+from worker.kv import PageAllocator
+from worker.runtime.strategy import PagedStrategy, ReqToTokenPool, TaskCacheState
 
 BATCH_PAGES = 4096
 PROMPT_TOKENS = 4096

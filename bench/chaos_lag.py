@@ -22,7 +22,7 @@ import grpc
 
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
-from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
 from coordinator.v1 import coordinator_pb2 as pb
 
 LAG_KEYS = 4  # pages per batch

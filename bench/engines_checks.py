@@ -36,8 +36,7 @@ from bench.engines_procs import EnginesError, http_get, metric_samples
 from bench.engines_routers import RouterRun
 from bench.engines_stream import StreamRequest
 from coordinator.client import CoordinatorClient
-from coordinator.core.hash_config import HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from coordinator.core.index import PrefixIndex
 from coordinator.core.routing import KvAwareWeights
 from kvcoord.simulate.peers import SglangConfig, SglangLikeRouter

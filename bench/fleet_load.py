@@ -39,8 +39,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.scripted_worker import ScriptedWorker
-from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from kvcoord.simulate.trace import load_trace, trace_page_keys

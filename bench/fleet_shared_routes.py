@@ -26,7 +26,7 @@ from typing import Any
 
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
-from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
 from kvcoord.fleet_procs import free_port, start_coordinator_process, stop_processes, wait_healthy
 from tests.redis_server import RedisServer
 

@@ -1,5 +1,7 @@
-"""A scripted worker for tests and benches: the Sync protocol's messages as ``worker.sync_client``
-and ``worker.event_log`` build them (Register, hello, inventory chunks), sent one step at a time
+"""A scripted worker for tests and benches: the Sync protocol's messages as
+``worker.sync.sync_client``
+and ``worker.sync.event_log`` build them (Register, hello, inventory chunks), sent one step at a
+time
 under the caller's control, holding the pages it is told to hold. It owns no KV memory; tests and
 benches use it to drive a real coordinator exactly as a worker would, including the protocol
 violations a real worker never commits (forced sequence numbers). Workers that keep themselves in
@@ -15,12 +17,12 @@ from collections.abc import Sequence
 import grpc
 
 from coordinator.client.channels import call_metadata
-from coordinator.core.hash_config import HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from worker.event_log import inventory_chunks
-from worker.sync_protocol import WorkerIdentity, hello_request, register_request
+from worker.sync import WorkerIdentity
+from worker.sync.event_log import inventory_chunks
+from worker.sync.sync_protocol import hello_request, register_request
 
 
 class ScriptedWorker:

@@ -6,8 +6,8 @@ import math
 import random
 
 from coordinator.core.fleet import RegisteredWorker
-from coordinator.core.hash_config import Namespace
-from coordinator.service import CoordinatorService
+from coordinator.core.hashing import Namespace
+from coordinator.replica import CoordinatorReplica
 
 PROMPT_TOKENS = 4096
 SYSTEM_TOKENS = 1024
@@ -32,7 +32,7 @@ def fresh_prompts(n: int, tokens: int = PROMPT_TOKENS, seed: int = 2) -> list[li
     return [[rng.randrange(128_000) for _ in range(tokens)] for _ in range(n)]
 
 
-def populate(service: CoordinatorService, workers: int, conversations: int = 256) -> None:
+def populate(service: CoordinatorReplica, workers: int, conversations: int = 256) -> None:
     """Attach ``workers`` live sessions and index the conversation pool on them: each
     conversation fully on two workers and its first half on a third (the shape a KV-aware fleet
     converges to). Sessions are installed directly: no Sync streams, no lease expiry."""

@@ -125,7 +125,7 @@ class CoordinatorConfig:
     """Open Sync / WatchPolicy / ReadRollouts streams per identity with auth on."""
     max_pages_per_worker: int = 4_194_304
     """Index entries one worker may hold (an event batch past it is refused)."""
-    # kv_aware routing weights (coordinator.core.routing.KvAwareWeights documents each).
+    # kv_aware routing weights (coordinator.core.routing.choosers.KvAwareWeights documents each).
     kv_prefill_token: float = 1.0
     # What a host-tier hit costs to reuse (coordinator.core.tier_costs documents each figure);
     # KvAwareWeights.lower_tier_token is derived from them (kv_weights).
@@ -197,15 +197,15 @@ class CoordinatorConfig:
 
     def _check_choices(self) -> None:
         # Imported here: config is read by every entry point; keep its import light.
-        from coordinator.core.hash_config import HashAlgorithm
-        from coordinator.core.routing import POLICIES
+        from coordinator.core.hashing import HashAlgorithm
+        from coordinator.core.routing.choosers import CHOOSERS
 
         algorithms = [a.value for a in HashAlgorithm]
         if self.hash_algorithm not in algorithms:
             raise ConfigError(f"hash_algorithm must be one of {algorithms}, "
                               f"got {self.hash_algorithm!r}")
-        if self.routing_policy not in POLICIES:
-            raise ConfigError(f"routing_policy must be one of {sorted(POLICIES)}, "
+        if self.routing_policy not in CHOOSERS:
+            raise ConfigError(f"routing_policy must be one of {sorted(CHOOSERS)}, "
                               f"got {self.routing_policy!r}")
         levels = ("debug", "info", "warning", "error")
         if self.log_level.lower() not in levels:

@@ -2,7 +2,8 @@
 
 ``PROTOCOL_VERSION`` goes in every request and answer; a peer speaking another version is refused
 (FAILED_PRECONDITION, reason ``PROTOCOL_VERSION``) rather than misread. The page key size is the
-core's (``coordinator.core.hash_config.PAGE_KEY_BYTES``; page keys travel as concatenated 16-byte
+core's (``coordinator.core.hashing.hash_config.PAGE_KEY_BYTES``; page keys travel as concatenated
+16-byte
 keys): this module imports nothing of the coordinator, so the core may import it.
 
 A refusal says why in a ``google.rpc.ErrorInfo`` status detail: ``domain`` is ``ERROR_DOMAIN``

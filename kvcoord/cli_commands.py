@@ -66,7 +66,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from coordinator.logs import configure_logging
     from worker.config import WorkerConfig
-    from worker.server import serve_forever
+    from worker.main import serve_forever
 
     flags = {
         "coordinator": args.coordinator, "listen": args.listen, "advertise": args.advertise,
@@ -113,7 +113,7 @@ def cmd_route(args: argparse.Namespace) -> int:
 
 def cmd_bridge(args: argparse.Namespace) -> int:
     from coordinator.logs import configure_logging
-    from worker.bridge.serve import serve_bridge
+    from worker.bridge.main import serve_bridge
 
     try:
         from worker.bridge.bridge import BridgeConfig

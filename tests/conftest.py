@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from coordinator.core import accel
-from coordinator.core.holdings import compiled_available
+from coordinator.core.index.holdings import compiled_available
 from coordinator.server.main import RunningCoordinator
 from coordinator.store.memory import MemoryStore
 from coordinator.store.protocol import MetadataStore
@@ -119,4 +119,4 @@ INDEX_PATHS = [
     pytest.param(True, id="compiled",
                  marks=pytest.mark.skipif(not compiled_available(), reason=accel.status())),
 ]
-"""Both holdings of the prefix index (coordinator.core.holdings), for tests to run on each."""
+"""Both holdings of the prefix index (coordinator.core.index.holdings), for tests to run on each."""

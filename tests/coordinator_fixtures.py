@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
-from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
 from coordinator.server.main import RunningCoordinator, start_coordinator
 
 FAST_KNOBS: dict[str, Any] = {

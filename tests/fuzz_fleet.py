@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from coordinator.core.hash_config import HashConfig
+from coordinator.core.hashing import HashConfig
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from kvcoord.fleet_procs import free_port, spawn, stop_processes, wait_healthy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.allocator import AllocatorIntegrityError, OutOfPages, PageAllocator
+from worker.kv import AllocatorIntegrityError, OutOfPages, PageAllocator
 
 
 def state(a: PageAllocator) -> tuple[list[int], list[int], list[int]]:

@@ -16,10 +16,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.core.hash_config import HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
-from worker.allocator import OutOfPages, PageAllocator
-from worker.prefix_cache import CacheInUse, PrefixCache
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
+from worker.kv import OutOfPages, PageAllocator, PrefixCache
+from worker.kv.prefix_cache import CacheInUse
 
 N_PAGES = 7
 PAGE = 4

@@ -22,9 +22,8 @@ import msgspec
 import pytest
 
 from coordinator.client import AsyncCoordinatorClient
-from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
-from coordinator.core.index_types import Tier
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
+from coordinator.core.index import Tier
 from coordinator.server.main import RunningCoordinator
 from kvcoord.fleet_procs import free_port, spawn, stop_process
 from tests.coordinator_fixtures import eventually, running_coordinator, target

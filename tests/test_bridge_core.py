@@ -7,10 +7,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
-from coordinator.core.index import PrefixIndex
-from coordinator.core.index_types import Tier
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
+from coordinator.core.index import PrefixIndex, Tier
 from coordinator.core.page_events import apply_page_events
 from worker.bridge.block_map import BlockMap
 from worker.bridge.engine_events import (

@@ -2,7 +2,7 @@
 
 The bridge once answered a resync with one message per tier: past about a million 16-byte keys
 that message is over the 16 MiB limit, so such an engine could never resync. Now the answer is
-cut into inventory chunks under the limit (``worker.event_log.inventory_chunks``). The resync
+cut into inventory chunks under the limit (``worker.sync.event_log.inventory_chunks``). The resync
 comes about as it does in production: the coordinator is out of reach while the engine keeps
 publishing more than the bridge's event log holds, so the bridge comes back with a sequence gap
 and the coordinator asks for everything.
@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from coordinator.core.index_types import Tier
+from coordinator.core.index import Tier
 from tests.coordinator_fixtures import eventually, running_coordinator
 from tests.engine_publisher import EnginePublisher, Stored
 from worker.bridge.bridge import Bridge, BridgeConfig

@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.core import accel
-from coordinator.core.hash_config import HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 
 chain_module = accel.built("_chain_accel")
 pytestmark = pytest.mark.skipif(chain_module is None, reason=accel.status())

@@ -11,8 +11,7 @@ import grpc
 
 from bench.chaos_round import index_digest
 from bench.scripted_worker import ScriptedWorker
-from coordinator.core.index import PrefixIndex
-from coordinator.core.index_types import Tier
+from coordinator.core.index import PrefixIndex, Tier
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from coordinator.wire import PROTOCOL_VERSION

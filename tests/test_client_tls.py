@@ -23,11 +23,11 @@ from tests.tls_certs import Pki, make_pki
 from worker.agent import CoordinatorAgent
 from worker.client import AsyncWorkerClient, WorkerClient
 from worker.config import WorkerConfig
-from worker.engine import ModelConfig
-from worker.gate import GenerationGate
 from worker.metrics import WorkerMetrics
-from worker.runtime import WorkerRuntime
-from worker.sync_protocol import SyncCounters
+from worker.runtime.engine import ModelConfig
+from worker.runtime.runtime import WorkerRuntime
+from worker.serving.gate import GenerationGate
+from worker.sync.sync_protocol import SyncCounters
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from kvcoord.completion_stream import CompletionStreamer, StreamError
 from tests.coordinator_fixtures import running_coordinator, target
 from worker.config import WorkerConfig
-from worker.server import RunningWorker, start_worker
+from worker.main import RunningWorker, start_worker
 from worker.text.tokenizer import reference_tokenizer
 
 PAGE = 16

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from coordinator.control.delayed_acks import DelayedAcks
-from coordinator.control.ingest_governor import IngestGovernor
-from coordinator.control.sync_messages import Ack, Outbound, Resync
-from coordinator.control.worker_sync import SyncCounters
+from coordinator.control.sessions import SyncCounters
+from coordinator.control.sessions.delayed_acks import DelayedAcks
+from coordinator.control.sessions.ingest_governor import IngestGovernor
+from coordinator.control.sessions.sync_messages import Ack, Outbound, Resync
 
 
 def stream(delay: float) -> tuple[DelayedAcks, list[Outbound], SyncCounters]:

@@ -49,7 +49,7 @@ import kvcoord.cli
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.client.channels import read_token_file
 from coordinator.config import ENV_PREFIX, ConfigError, CoordinatorConfig
-from coordinator.core.hash_config import load_hash_config
+from coordinator.core.hashing import load_hash_config
 from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.identities import IdentityTable, Role, Unauthenticated
 from coordinator.store import REDIS_SCHEMES
@@ -487,7 +487,7 @@ def test_container_ports_are_the_ports_in_listen_and_metrics_port(
 
 
 def test_probes_call_grpc_health_on_the_grpc_port(rendered: list[Resource]) -> None:
-    # Both gRPC servers register grpc.health.v1 (coordinator/server/main.py, worker/server.py);
+    # Both gRPC servers register grpc.health.v1 (coordinator/server/main.py, worker/main.py);
     # the gateway answers /livez and /readyz (kvcoord/gateway/server.py), and starts in a second.
     for workload, container in kvcoord_containers(rendered):
         if component(workload) == "gateway":
@@ -730,13 +730,13 @@ def _capture_servers(scope: pytest.MonkeyPatch, record: Started) -> None:
         record.cuda_checks += 1
         return True  # the pod's node has the GPU it asked for
 
-    from kvcoord.gateway.run import load_tokenizer
+    from kvcoord.gateway.main import load_tokenizer
 
     fake_server = types.SimpleNamespace(serve_forever=serve_forever)
     scope.setitem(sys.modules, "coordinator.server.main", fake_server)
-    scope.setitem(sys.modules, "worker.server", fake_server)
+    scope.setitem(sys.modules, "worker.main", fake_server)
     # The gateway's tokenizer is still loaded for real (a bad one is refused before serving).
-    scope.setitem(sys.modules, "kvcoord.gateway.run", types.SimpleNamespace(
+    scope.setitem(sys.modules, "kvcoord.gateway.main", types.SimpleNamespace(
         serve_forever=serve_forever, load_tokenizer=load_tokenizer))
     scope.setattr("worker.config._cuda_available", cuda_available)
     scope.setattr("coordinator.logs.configure_logging", lambda level: None)
@@ -1166,7 +1166,7 @@ class PodFleet:
     (gpu, with the guide's credentials), each started from what its pod runs, on loopback."""
 
     coordinator: Any  # coordinator.server.RunningCoordinator
-    worker: Any  # worker.server.RunningWorker
+    worker: Any  # worker.main.RunningWorker
     worker_pod: Pod
     worker_container: dict[str, Any]
     tokens: dict[str, str]
@@ -1203,8 +1203,8 @@ def pod_configs(credentials: Credentials, tmp_path: Path, monkeypatch: pytest.Mo
 async def pod_fleet(pod_configs: tuple[Any, Any, Pod, dict[str, Any], Any],
                     credentials: Credentials) -> AsyncIterator[PodFleet]:
     from coordinator.server.main import start_coordinator
-    from kvcoord.gateway.run import start_gateway
-    from worker.server import start_worker
+    from kvcoord.gateway.main import start_gateway
+    from worker.main import start_worker
 
     coordinator_config, worker_config, worker_pod, worker_container, gateway_config = pod_configs
     # What only the cluster has, swapped for loopback: the embedded store for Redis, free ports,
@@ -1325,7 +1325,7 @@ def _default(config: type, name: str) -> Any:
 def test_termination_grace_covers_the_drain() -> None:
     from coordinator.client import DEFAULT_TIMEOUT
     from coordinator.server.main import RunningCoordinator
-    from worker.server import RunningWorker
+    from worker.main import RunningWorker
 
     resources = render("base")
     coordinator = named(resources, "Deployment", "kvcoord-coordinator")
@@ -1562,14 +1562,13 @@ _TARGET_LABELS = {"namespace", "pod", "service", "job", "instance", "container",
 def exported_metrics() -> dict[str, set[str]]:
     """Every kvcoord_* series name the coordinator, the worker and the gateway export, with
     its labels."""
-    from coordinator.control.ingest_governor import IngestGovernor
+    from coordinator.control.sessions.ingest_governor import IngestGovernor
+    from coordinator.replica import StatsSnapshot
     from coordinator.server.metrics import CoordinatorMetrics
-    from coordinator.service import StatsSnapshot
     from kvcoord.gateway.metrics import GatewayMetrics
     from worker.metrics import WorkerMetrics
-    from worker.runtime import RuntimeStats
-    from worker.runtime_types import TierCopyStats
-    from worker.sync_protocol import SyncCounters
+    from worker.runtime import RuntimeStats, TierCopyStats
+    from worker.sync.sync_protocol import SyncCounters
 
     # replica_id set: the replication metrics appear only with replicas.
     stats = StatsSnapshot(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, types.SimpleNamespace(version=0),

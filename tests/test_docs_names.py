@@ -16,18 +16,17 @@ from bench.bench_engines import TRACE_VAR
 from bench.engines_fleet import SMG_VAR, VLLM_PYTHON_VAR
 from coordinator.config import CoordinatorConfig
 from coordinator.core.accel import NO_ACCEL_VARIABLE
+from coordinator.replica import CoordinatorReplica
 from coordinator.server.metrics import CoordinatorMetrics
-from coordinator.service import CoordinatorService
 from coordinator.store.memory import MemoryStore
 from kvcoord.cli_security import CLIENT_FILE_VARIABLES, TOKEN_VARIABLE
 from kvcoord.gateway.metrics import GatewayMetrics
 from worker.bridge.bridge import Bridge, BridgeConfig
-from worker.bridge.serve import bridge_registry
+from worker.bridge.main import bridge_registry
 from worker.config import WorkerConfig
 from worker.metrics import WorkerMetrics
-from worker.runtime import RuntimeStats
-from worker.runtime_types import TierCopyStats
-from worker.sync_protocol import SyncCounters
+from worker.runtime import RuntimeStats, TierCopyStats
+from worker.sync.sync_protocol import SyncCounters
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -41,7 +40,7 @@ OTHER_VARIABLES = {"KVCOORD_COORDINATOR", "KVCOORD_HASH_KEY", "KVCOORD_HASH_ALGO
 
 def exposed_metric_names() -> set[str]:
     """Every sample name a coordinator (with replication) and a worker expose."""
-    service = CoordinatorService(CoordinatorConfig(replica_id="r"), MemoryStore(),
+    service = CoordinatorReplica(CoordinatorConfig(replica_id="r"), MemoryStore(),
                                  replicate=True)
     counts = {f.name: 0 for f in dataclasses.fields(RuntimeStats) if f.name != "copies"}
     stats = RuntimeStats(**counts, copies=TierCopyStats())  # a host tier: its metrics too

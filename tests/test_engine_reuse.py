@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.core.hash_config import HashConfig
-from coordinator.core.index_types import Tier
-from worker.engine import ModelConfig, ReferenceEngine
-from worker.runtime import InvalidRequest, WorkerRuntime
+from coordinator.core.hashing import HashConfig
+from coordinator.core.index import Tier
+from worker.runtime import InvalidRequest
+from worker.runtime.engine import ModelConfig, ReferenceEngine
+from worker.runtime.runtime import WorkerRuntime
 
 KEY = bytes(range(32))
 MODEL = ModelConfig(max_context=512)

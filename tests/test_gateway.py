@@ -30,12 +30,12 @@ from coordinator.client import AsyncCoordinatorClient
 from coordinator.server.main import RunningCoordinator
 from kvcoord.demo import free_port
 from kvcoord.gateway.config import GatewayConfig
-from kvcoord.gateway.run import start_gateway
+from kvcoord.gateway.main import start_gateway
 from kvcoord.gateway.server import GatewayServer
 from tests.auth_fixtures import IdentityFile, write_identities
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from worker.config import WorkerConfig
-from worker.server import RunningWorker, start_worker
+from worker.main import RunningWorker, start_worker
 from worker.text.tokenizer import REFERENCE_TOKENIZER, reference_tokenizer
 
 PAGE = 16

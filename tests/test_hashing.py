@@ -8,16 +8,19 @@ from array import array
 import pytest
 import structlog.testing
 
-from coordinator.core import hashing
-from coordinator.core.hash_config import (
+from coordinator.core.hashing import (
     DEV_HASH_KEY,
     HashAlgorithm,
     HashConfig,
     Namespace,
+    PageHasher,
+    PageKeys,
     encode_root,
     load_hash_config,
+    split_page_keys,
 )
-from coordinator.core.hashing import PageHasher, PageKeys, split_page_keys, tokens_to_bytes
+from coordinator.core.hashing import page_hasher as hashing
+from coordinator.core.hashing.page_hasher import tokens_to_bytes
 
 KEY = bytes(range(32))
 NS = Namespace(model="llama-3-8b", tenant="acme", policy_version=7, page_size=4)
@@ -273,7 +276,7 @@ def test_missing_key_uses_the_dev_key_and_says_so_without_logging() -> None:
 
 def test_every_server_falling_back_to_the_dev_key_warns_once() -> None:
     from coordinator.config import CoordinatorConfig
-    from coordinator.service import hash_config_from
+    from coordinator.replica import hash_config_from
     from worker.bridge.bridge import BridgeConfig
     from worker.config import WorkerConfig
 

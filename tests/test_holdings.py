@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from coordinator.core import accel
-from coordinator.core.holdings import (
+from coordinator.core.index.holdings import (
     MAX_SLOTS,
     PyHoldings,
     compiled_available,

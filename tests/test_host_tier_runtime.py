@@ -12,13 +12,13 @@ import sys
 import pytest
 import torch
 
-from coordinator.core.hash_config import HashConfig
-from coordinator.core.index_types import Tier
+from coordinator.core.hashing import HashConfig
+from coordinator.core.index import Tier
 from worker.config import ConfigError, WorkerConfig
-from worker.engine import ModelConfig
-from worker.kv_buffers import KVBuffers
-from worker.kv_tier_copy import HostMemoryShort, TierCopier, check_host_pool
-from worker.runtime import WorkerRuntime
+from worker.runtime.engine import ModelConfig
+from worker.runtime.kv_buffers import KVBuffers
+from worker.runtime.kv_tier_copy import HostMemoryShort, TierCopier, check_host_pool
+from worker.runtime.runtime import WorkerRuntime
 
 PAGE = 16
 KEY = bytes(range(32))

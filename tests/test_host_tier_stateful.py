@@ -17,11 +17,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.core.hash_config import HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
-from coordinator.core.index_types import Tier
-from worker.allocator import OutOfPages, PageAllocator
-from worker.prefix_cache import CacheInUse, PrefixCache
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.index import Tier
+from worker.kv import OutOfPages, PageAllocator, PrefixCache
+from worker.kv.prefix_cache import CacheInUse
 
 DEVICE_PAGES = 6
 HOST_PAGES = 4

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.index import PrefixIndex
-from coordinator.core.index_types import IndexIntegrityError, IndexStats, MatchDetail, Tier
+from coordinator.core.index import IndexIntegrityError, IndexStats, MatchDetail, PrefixIndex, Tier
 from tests.conftest import INDEX_PATHS
 
 

@@ -12,9 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from coordinator.core import accel
-from coordinator.core.holdings import compiled_available
-from coordinator.core.index import PrefixIndex
-from coordinator.core.index_types import MatchDetail, Tier
+from coordinator.core.index import MatchDetail, PrefixIndex, Tier
+from coordinator.core.index.holdings import compiled_available
 
 TTL = 2.0
 WORKERS = ["w0", "w1", "w2", "w3"]
@@ -38,7 +37,7 @@ prompt_slices = st.tuples(
 
 
 class IndexMachine(RuleBasedStateMachine):
-    accelerated = False  # the holdings under test (coordinator.core.holdings)
+    accelerated = False  # the holdings under test (coordinator.core.index.holdings)
 
     def __init__(self) -> None:
         super().__init__()

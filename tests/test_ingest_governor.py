@@ -13,7 +13,7 @@ import pytest
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.config import ConfigError, CoordinatorConfig
-from coordinator.control.ingest_governor import IngestGovernor
+from coordinator.control.sessions.ingest_governor import IngestGovernor
 from coordinator.server.metrics import CoordinatorMetrics
 from coordinator.v1 import coordinator_pb2 as pb
 from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target

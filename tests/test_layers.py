@@ -60,23 +60,24 @@ def copy_with(tmp_path: Path, crossings: dict[str, str]) -> Path:
 
 def test_each_contract_breaks_on_an_import_that_crosses_it(tmp_path: Path) -> None:
     crossings = {
-        "coordinator/core/routing.py": "import asyncio",  # a pure core on the event loop
-        "worker/allocator.py": "import socket",  # the worker's pure core on the network
+        "coordinator/core/routing/choosers.py": "import asyncio",  # a pure core on the event loop
+        "worker/kv/allocator.py": "import socket",  # the worker's pure core on the network
         "coordinator/config.py": "import torch",  # the coordinator needing torch
-        "worker/gate.py": "import coordinator.server.convert\nimport kvcoord.tables",
-        "coordinator/core/hashing.py": "import coordinator.core.router",  # a cycle
-        "kvcoord/gateway/routing.py": "import worker.runtime",  # the gateway needing torch
+        "worker/serving/gate.py": "import coordinator.server.convert\nimport kvcoord.tables",
+        # a cycle between two subsystems of the core
+        "coordinator/core/hashing/page_hasher.py": "import coordinator.core.routing.router",
+        "kvcoord/gateway/routing.py": "import worker.runtime.runtime",  # the gateway needing torch
     }
     result = lint_imports(copy_with(tmp_path, crossings))
     assert result.returncode != 0
     out = result.stdout
     assert "0 kept, 6 broken" in out, out[-3000:]
-    assert "kvcoord.gateway.routing -> worker.runtime" in out
-    assert "coordinator.core.routing -> asyncio" in out
-    assert "worker.allocator -> socket" in out
+    assert "kvcoord.gateway.routing -> worker.runtime.runtime" in out
+    assert "coordinator.core.routing.choosers -> asyncio" in out
+    assert "worker.kv.allocator -> socket" in out
     assert "coordinator.config -> torch" in out
-    assert "worker.gate -> coordinator.server.convert" in out
-    assert "worker.gate -> kvcoord.tables" in out
+    assert "worker.serving.gate -> coordinator.server.convert" in out
+    assert "worker.serving.gate -> kvcoord.tables" in out
     assert "No cycles are allowed in coordinator.core" in out
 
 
@@ -87,15 +88,16 @@ def test_a_cycle_under_type_checking_or_in_bench_breaks_the_acyclic_contract(
     # TYPE_CHECKING, and bench modules ran their suite through bench.runner when run as
     # `python -m bench.X`. An annotation-only import still ties the two modules together.
     crossings = {
-        "coordinator/core/index_audit.py": "from typing import TYPE_CHECKING\n"
-                                           "if TYPE_CHECKING:\n    import coordinator.core.index",
+        "coordinator/core/index/index_audit.py": (
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    import coordinator.core.index.prefix_index"),
         "bench/bench_policy.py": "import bench.runner",
     }
     result = lint_imports(copy_with(tmp_path, crossings))
     out = result.stdout
     assert result.returncode != 0
     assert "5 kept, 1 broken" in out, out[-3000:]
-    assert "No cycles are allowed in coordinator.core" in out
+    assert "No cycles are allowed in coordinator.core.index" in out
     assert "No cycles are allowed in bench" in out
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from bench.bench_host_tier import BENCH_MODEL
 from worker.config import MODEL_SIZE_NAMES, ConfigError, WorkerConfig
-from worker.engine import ModelConfig
-from worker.model_sizes import MODEL_SIZES
+from worker.runtime.engine import ModelConfig
+from worker.runtime.model_sizes import MODEL_SIZES
 from worker.text.tokenizer import reference_tokenizer
 
 

@@ -15,7 +15,7 @@ from google.rpc import error_details_pb2, status_pb2
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient, KvcoordError
 from coordinator.client.outcomes import Outcome, outcome_of
-from coordinator.core.hash_config import HashConfig
+from coordinator.core.hashing import HashConfig
 from coordinator.server.main import RunningCoordinator
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc

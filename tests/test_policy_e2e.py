@@ -34,13 +34,13 @@ import grpc
 import pytest
 
 from coordinator.client import CoordinatorClient, KvcoordError, PolicyState
-from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
 from kvcoord.demo import free_port, stop_process, wait_healthy
 from tests.conftest import skip_without_redis
 from tests.redis_server import RedisServer
 from worker.client import Generation, WorkerClient
-from worker.engine import ModelConfig
-from worker.runtime import WorkerRuntime
+from worker.runtime.engine import ModelConfig
+from worker.runtime.runtime import WorkerRuntime
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 

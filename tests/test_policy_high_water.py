@@ -22,7 +22,7 @@ from structlog.testing import capture_logs
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient, KvcoordError
 from coordinator.config import CoordinatorConfig
-from coordinator.control.high_water import HighWater
+from coordinator.control.policy import HighWater
 from coordinator.core.policy_state import PolicyPhase, PolicyRecord
 from coordinator.server.main import RunningCoordinator, start_coordinator
 from coordinator.store.protocol import MetadataStore
@@ -30,7 +30,7 @@ from coordinator.wire import Reason
 from tests.coordinator_fixtures import DEV_HASH, FAST_KNOBS, eventually, running_coordinator, target
 from tests.redis_server import RedisServer, redis_server_available
 from worker.config import WorkerConfig
-from worker.server import RunningWorker, start_worker
+from worker.main import RunningWorker, start_worker
 
 PAGE = 4
 LEASE_MS = 1_500

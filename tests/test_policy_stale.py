@@ -27,7 +27,7 @@ from coordinator.wire import Reason
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from tests.redis_server import RedisServer, redis_server_available
 from worker.config import WorkerConfig
-from worker.server import RunningWorker, start_worker
+from worker.main import RunningWorker, start_worker
 
 pytestmark = [
     pytest.mark.redis,

@@ -16,7 +16,7 @@ from coordinator.wire import Reason
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from worker.client import AsyncWorkerClient
 from worker.config import WorkerConfig
-from worker.server import RunningWorker, start_worker
+from worker.main import RunningWorker, start_worker
 
 PAGE = 4
 PROMPT = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5]

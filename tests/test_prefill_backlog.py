@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from coordinator.core.fleet import Fleet, RegisteredWorker
-from coordinator.core.prefill_backlog import RATE_WINDOW, PrefillBacklog
-from coordinator.core.routing import KvAwareWeights, WorkerLoad, load_floor
+from coordinator.core.fleet import Fleet, PrefillBacklog, RegisteredWorker, WorkerLoad
+from coordinator.core.fleet.prefill_backlog import RATE_WINDOW
+from coordinator.core.routing import KvAwareWeights, load_floor
 
 
 def session(worker_id: str) -> RegisteredWorker:

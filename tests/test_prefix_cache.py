@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.hash_config import HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
-from worker.allocator import AllocatorIntegrityError, PageAllocator
-from worker.prefix_cache import CacheInUse, PrefixCache, PrefixHit
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
+from worker.kv import AllocatorIntegrityError, PageAllocator, PrefixCache, PrefixHit
+from worker.kv.prefix_cache import CacheInUse
 
 PAGE = 4
 KEY = bytes(range(32))

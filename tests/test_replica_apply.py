@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.control.sync_messages import Outbound, RegistrationRequest
+from coordinator.control.sessions.sync_messages import Outbound, RegistrationRequest
 from coordinator.core.errors import DomainError
+from coordinator.core.fleet import WorkerLoad
 from coordinator.core.page_events import PageEvent
-from coordinator.core.router import PromptInput, RouteReservation, Scope
-from coordinator.core.routing import WorkerLoad
+from coordinator.core.routing import PromptInput, RouteReservation, Scope
+from coordinator.replica import CoordinatorReplica
 from coordinator.replication.apply import ReplicaApplier
 from coordinator.replication.events import (
     Attached,
@@ -24,7 +25,6 @@ from coordinator.replication.events import (
     RoutesEnded,
     State,
 )
-from coordinator.service import CoordinatorService
 from coordinator.store.memory import MemoryStore
 from tests.conftest import FakeClock
 
@@ -34,7 +34,7 @@ K = [bytes([i]) * 16 for i in range(8)]
 class Replica:
     def __init__(self) -> None:
         self.clock = FakeClock()
-        self.service = CoordinatorService(
+        self.service = CoordinatorReplica(
             CoordinatorConfig(replica_id="here"), MemoryStore(clock=self.clock),
             clock=self.clock,
         )
@@ -140,7 +140,7 @@ class RoutingReplica(Replica):
 
     def __init__(self) -> None:
         self.clock = FakeClock()
-        self.service = CoordinatorService(
+        self.service = CoordinatorReplica(
             CoordinatorConfig(replica_id="here"), MemoryStore(clock=self.clock),
             clock=self.clock, replicate=True,
         )

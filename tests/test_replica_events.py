@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from coordinator.core.index_types import Tier
+from coordinator.core.fleet import WorkerLoad
+from coordinator.core.index import Tier
 from coordinator.core.page_events import PageEvent
-from coordinator.core.router import RouteReservation
-from coordinator.core.routing import WorkerLoad
+from coordinator.core.routing import RouteReservation
 from coordinator.replication.events import (
     Attached,
     Cordoned,

@@ -28,7 +28,7 @@ from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator
 from tests.redis_server import RedisServer, free_port
 from worker.client import AsyncWorkerClient
 from worker.config import WorkerConfig
-from worker.server import RunningWorker, start_worker
+from worker.main import RunningWorker, start_worker
 
 pytestmark = pytest.mark.redis
 

@@ -30,14 +30,14 @@ from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from kvcoord import cli
 from tests.coordinator_fixtures import DEV_HASH, FAST_KNOBS, running_coordinator, target
 from worker.config import WorkerConfig
-from worker.engine import ModelConfig
-from worker.gate import GenerationGate
-from worker.generations import GenerationRunner, SyncState
+from worker.main import start_worker
 from worker.metrics import WorkerMetrics
-from worker.rollout_reporter import RolloutReporter
-from worker.runtime import WorkerRuntime
-from worker.server import start_worker
-from worker.servicer import WorkerServicer
+from worker.runtime.engine import ModelConfig
+from worker.runtime.runtime import WorkerRuntime
+from worker.serving.gate import GenerationGate
+from worker.serving.generations import GenerationRunner, SyncState
+from worker.serving.servicer import WorkerServicer
+from worker.sync.rollout_reporter import RolloutReporter
 from worker.v1 import worker_pb2 as wpb
 
 REDIS_STREAM_SLACK = 100  # XADD MAXLEN ~ trims whole stream nodes (stream-node-max-entries)

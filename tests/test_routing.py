@@ -18,22 +18,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coordinator.core.errors import Unavailable
+from coordinator.core.fleet import Candidate, WorkerLoad
 from coordinator.core.routing import (
-    POLICIES,
     BatchGroup,
-    Candidate,
     Decision,
     KvAwareChooser,
     KvAwareWeights,
     NoEligibleWorker,
     RoutingRequest,
-    WorkerLoad,
     execution_order,
     group_identical,
     kv_aware_cost,
     load_floor,
     make_chooser,
 )
+from coordinator.core.routing.choosers import CHOOSERS
 
 REQUEST = RoutingRequest(prompt_pages=4, prompt_tokens=70, page_size=16)
 
@@ -202,24 +201,24 @@ def test_least_loaded_breaks_ties_at_random() -> None:
     assert chosen == {"a", "b"}
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(CHOOSERS))
 def test_no_candidates_raises_no_eligible_worker(name: str) -> None:
     with pytest.raises(NoEligibleWorker) as raised:
         make_chooser(name).choose(REQUEST, [], random.Random(0))
     assert isinstance(raised.value, Unavailable)  # the interceptor answers UNAVAILABLE
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(CHOOSERS))
 def test_a_candidate_caching_more_pages_than_the_prompt_has_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match="more pages than the prompt"):
         make_chooser(name).choose(REQUEST, [cand("a", cached=5)], random.Random(0))
 
 
 def test_registry_names_every_policy_and_cannot_be_changed() -> None:
-    assert sorted(POLICIES) == ["kv_aware", "least_loaded", "round_robin"]
-    assert all(make_chooser(name).name == name for name in POLICIES)
+    assert sorted(CHOOSERS) == ["kv_aware", "least_loaded", "round_robin"]
+    assert all(make_chooser(name).name == name for name in CHOOSERS)
     with pytest.raises(TypeError):
-        POLICIES["mine"] = POLICIES["kv_aware"]  # type: ignore[index]
+        CHOOSERS["mine"] = CHOOSERS["kv_aware"]  # type: ignore[index]
 
 
 def test_unknown_policy_name_is_refused_with_the_known_names() -> None:

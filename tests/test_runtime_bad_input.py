@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from coordinator.core.hash_config import HashConfig
-from worker.engine import ModelConfig
-from worker.runtime import Generation, InvalidRequest, PoolExhausted, WorkerRuntime
+from coordinator.core.hashing import HashConfig
+from worker.runtime import Generation, InvalidRequest, PoolExhausted
+from worker.runtime.engine import ModelConfig
+from worker.runtime.runtime import WorkerRuntime
 
 KEY = bytes(range(32))
 MODEL = ModelConfig(max_context=256)

@@ -8,7 +8,7 @@ import pytest
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient, KvcoordError
 from coordinator.client.outcomes import outcome_of
-from coordinator.core.hash_config import HashConfig
+from coordinator.core.hashing import HashConfig
 from coordinator.server.main import STORE_RETRY_MS
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc

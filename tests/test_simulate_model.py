@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.core.hash_config import HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from coordinator.core.tier_costs import TierCosts
 from kvcoord.simulate import engine, views
 from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS, jittered_arrivals
@@ -21,7 +20,7 @@ from kvcoord.simulate.runner import DEFAULT_SEEDS, simulate
 from kvcoord.simulate.simworker import Job, PageEvent, SimWorker
 from kvcoord.simulate.summary import Spread, verdict
 from kvcoord.simulate.trace import TraceRequest, load_trace
-from worker import sync_client
+from worker.sync import sync_client
 
 TRACE = Path(__file__).parent / "data" / "mooncake_300.jsonl"
 

@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.core.hash_config import HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
-from coordinator.core.index import PrefixIndex
-from coordinator.core.index_types import Tier
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.index import PrefixIndex, Tier
 from coordinator.core.tier_costs import TierCosts
 from kvcoord.simulate.cost_model import CostModel
 from kvcoord.simulate.engine import apply_page_event

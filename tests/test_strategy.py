@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.core.hash_config import HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
-from worker.allocator import OutOfPages, PageAllocator
-from worker.prefix_cache import PrefixCache
-from worker.strategy import (
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
+from worker.kv import OutOfPages, PageAllocator, PrefixCache
+from worker.runtime.strategy import (
     ContiguousStrategy,
     PagedStrategy,
     ReqToTokenPool,

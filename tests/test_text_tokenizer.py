@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer, processors
 from transformers import AutoTokenizer
 
-from worker.engine import ModelConfig
+from worker.runtime.engine import ModelConfig
 from worker.text.tokenizer import (
     REFERENCE_TOKENIZER,
     ChatTemplateError,

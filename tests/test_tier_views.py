@@ -13,7 +13,7 @@ import pytest
 
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient, CoordinatorClient
-from coordinator.control.registration_checks import MAX_HOST_PAGES
+from coordinator.control.sessions.registration_checks import MAX_HOST_PAGES
 from coordinator.v1 import coordinator_pb2 as pb
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 

@@ -13,12 +13,12 @@ from coordinator.v1 import coordinator_pb2 as pb
 from tests.coordinator_fixtures import DEV_HASH
 from tests.tls_certs import make_pki
 from worker.config import WorkerConfig
-from worker.engine import ModelConfig
-from worker.event_log import EventLog
-from worker.gate import Draining, GenerationGate
 from worker.metrics import WorkerMetrics
-from worker.policy_commands import PolicyCommandHandler
-from worker.runtime import WorkerRuntime
+from worker.runtime.engine import ModelConfig
+from worker.runtime.runtime import WorkerRuntime
+from worker.serving.gate import Draining, GenerationGate
+from worker.serving.policy_commands import PolicyCommandHandler
+from worker.sync.event_log import EventLog
 
 STORED, REMOVED = pb.PageEvent.KIND_STORED, pb.PageEvent.KIND_REMOVED
 

@@ -21,7 +21,7 @@ from tests.coordinator_fixtures import running_coordinator, target
 from tests.tls_certs import make_pki
 from worker.client import AsyncWorkerClient
 from worker.config import WorkerConfig
-from worker.server import RunningWorker, start_worker
+from worker.main import RunningWorker, start_worker
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 

@@ -10,7 +10,7 @@ from coordinator.client import AsyncCoordinatorClient
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from worker.client import AsyncWorkerClient
 from worker.config import WorkerConfig
-from worker.server import start_worker
+from worker.main import start_worker
 
 PAGE = 4
 PROMPT = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5]

@@ -17,7 +17,7 @@ from coordinator.wire import PROTOCOL_VERSION, Reason
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from worker.client import AsyncWorkerClient
 from worker.config import WorkerConfig
-from worker.server import DRAIN_RETRY_MS, SERVICE_NAME, RunningWorker, start_worker
+from worker.main import DRAIN_RETRY_MS, SERVICE_NAME, RunningWorker, start_worker
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 

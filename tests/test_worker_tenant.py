@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import random
 
-from coordinator.core.hash_config import HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
-from coordinator.core.index_types import Tier
-from worker.engine import ModelConfig
-from worker.runtime import WorkerRuntime
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.index import Tier
+from worker.runtime.engine import ModelConfig
+from worker.runtime.runtime import WorkerRuntime
 
 KEY = bytes(range(32))
 MODEL = ModelConfig(max_context=512)

@@ -1,7 +1,8 @@
-"""The coordinator agent of a reference worker: its ``SyncClient`` (``worker.sync_client``) with
+"""The coordinator agent of a reference worker: its ``SyncClient`` (``worker.sync.sync_client``)
+with
 the runtime as the owner, the policy command handler, and the rollout reporter.
 
-The runtime's page events reach it through ``worker.relay.EventRelay``; its holdings are the
+The runtime's page events reach it through ``worker.sync.relay.EventRelay``; its holdings are the
 runtime's cached pages by tier (device, and host when it has a host tier); a heartbeat carries
 the runtime's load and the routes finished since the last one, and a finished generation asks
 for the next heartbeat early. A new registration loads
@@ -19,20 +20,14 @@ import structlog
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
-from worker.event_log import Holdings
-from worker.gate import GenerationGate
 from worker.metrics import WorkerMetrics
-from worker.policy_commands import PolicyCommandHandler
-from worker.rollout_reporter import RolloutReporter
-from worker.runtime import WorkerRuntime
-from worker.sync_client import SyncClient
-from worker.sync_protocol import (
-    TIER_PB,
-    RegistrationRefused,
-    SyncCounters,
-    SyncSettings,
-    WorkerIdentity,
-)
+from worker.runtime.runtime import WorkerRuntime
+from worker.serving.gate import GenerationGate
+from worker.serving.policy_commands import PolicyCommandHandler
+from worker.sync import SyncClient, SyncSettings, WorkerIdentity
+from worker.sync.event_log import Holdings
+from worker.sync.rollout_reporter import RolloutReporter
+from worker.sync.sync_protocol import TIER_PB, RegistrationRefused, SyncCounters
 
 __all__ = ["CoordinatorAgent", "RegistrationRefused"]
 

@@ -27,9 +27,9 @@ from coordinator.client.channels import (
     open_channel,
 )
 from coordinator.client.errors import KvcoordError, retry_pause
-from coordinator.core.hashing import tokens_to_bytes
+from coordinator.core.hashing.page_hasher import tokens_to_bytes
 from coordinator.wire import PROTOCOL_VERSION
-from worker.runtime_types import Generation
+from worker.runtime import Generation
 from worker.v1 import worker_pb2 as wpb
 from worker.v1 import worker_pb2_grpc as wpb_grpc
 

@@ -23,7 +23,7 @@ from coordinator.config import (
     check_security_settings,
     read_token_setting,
 )
-from coordinator.core.hash_config import DEV_HASH_KEY, HashAlgorithm, HashConfig
+from coordinator.core.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig
 from coordinator.logs import warn_development_key
 
 __all__ = ["ConfigError", "WorkerConfig"]
@@ -31,7 +31,7 @@ __all__ = ["ConfigError", "WorkerConfig"]
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
 MODEL_SIZE_NAMES = ("tiny", "small", "bench")
-"""The reference model's sizes (shapes: ``worker.model_sizes``, which needs torch)."""
+"""The reference model's sizes (shapes: ``worker.runtime.model_sizes``, which needs torch)."""
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
@@ -62,7 +62,8 @@ class WorkerConfig:
     """``cuda`` when available for ``auto``; ``cuda`` is refused where torch has no GPU."""
     dtype: str = "float32"
     model_size: str = "tiny"
-    """The reference model's size, one of ``MODEL_SIZE_NAMES`` (``worker.model_sizes``): ``tiny``
+    """The reference model's size, one of ``MODEL_SIZE_NAMES`` (``worker.runtime.model_sizes``):
+    ``tiny``
     prefills for next to nothing; ``small`` (what ``kvcoord up`` runs) and ``bench`` make a
     prefill cost what it costs on a real engine. A fleet's workers run one size (a version's
     seeded weights differ between sizes, as a real fleet serves one model)."""

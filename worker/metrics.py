@@ -10,8 +10,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from worker.runtime import RuntimeStats
-from worker.sync_metrics import SyncCollector
-from worker.sync_protocol import SyncCounters
+from worker.sync.sync_metrics import SyncCollector
+from worker.sync.sync_protocol import SyncCounters
 
 
 class WorkerMetrics:

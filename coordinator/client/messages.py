@@ -18,7 +18,7 @@ from coordinator.client.types import (
     Stats,
     WorkerInfo,
 )
-from coordinator.core.hashing import tokens_to_bytes
+from coordinator.core.hashing.page_hasher import tokens_to_bytes
 from coordinator.v1 import coordinator_pb2 as pb
 
 # ---------------------------------------------------------------- requests

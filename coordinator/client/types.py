@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.core.hash_config import PAGE_KEY_BYTES
+from coordinator.core.hashing import PAGE_KEY_BYTES
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,3 +1,9 @@
-"""The coordinator's stateful services, above the core and the store: the Register/Sync state
-machine (``worker_sync``), policy updates, the rollout log and the policy high-water mark.
-asyncio, no grpc."""
+"""The coordinator's stateful services, above the core and the store (asyncio, no grpc):
+
+- ``sessions/``: the Register/Sync state machine of each worker (``WorkerSync``), its streams,
+  resync staging, registration checks, the ingest governor and delayed acks.
+- ``policy/``: the weights version as this replica sees it (``PolicyView``), its high-water
+  mark, and the acks an update waits for.
+- ``policy_updates``: Begin/Commit/Abort of a policy update across the fleet.
+- ``rollouts``: the rollout log; ``replication_sink``: what the services tell other replicas.
+"""

@@ -2,7 +2,7 @@
 compare-and-set, DRAIN/APPLY/RESUME commands to this coordinator's workers, the APPLIED barrier,
 fencing, and following updates made through other replicas. The transitions themselves are
 ``coordinator.core.policy_state``; the record held here, and the routes and watchers waiting on
-it, are ``coordinator.control.policy_view``.
+it, are ``coordinator.control.policy.policy_view``.
 
 Sync mode (on-policy RL): Begin(v) -> DRAINING(v->v+1); every live worker gets DRAIN, acks
 DRAINED, gets APPLY(v+1) and acks APPLIED once it has loaded v+1 and dropped v's pages; Commit
@@ -24,12 +24,11 @@ from dataclasses import replace
 import structlog
 
 from coordinator.config import CoordinatorConfig
-from coordinator.control.policy_acks import CommitResult, await_barrier, failures_of, latest_stages
-from coordinator.control.policy_view import READ_ATTEMPTS, PolicyView
+from coordinator.control.policy import READ_ATTEMPTS, CommitResult, PolicyView, latest_stages
+from coordinator.control.policy.policy_acks import await_barrier, failures_of
 from coordinator.control.replication_sink import ReplicationSink
-from coordinator.control.sync_messages import Command
-from coordinator.control.worker_streams import WorkerStreams
-from coordinator.control.worker_sync import set_serving_version
+from coordinator.control.sessions import WorkerStreams
+from coordinator.control.sessions.sync_messages import Command
 from coordinator.core import policy_state
 from coordinator.core.errors import Aborted, FailedPrecondition
 from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
@@ -175,7 +174,9 @@ class PolicyUpdates:
                 session.worker_id, Command("apply", version, record.target_weights_uri)
             )
         elif stage == "applied":
-            set_serving_version(self._fleet, self._replication, session, version)
+            old = self._fleet.set_serving_version(session, version)
+            log.info("worker.version", worker=session.worker_id, old=old, new=version)
+            self._replication.state(session, 0)
             try:
                 await self._store.update_worker(
                     session.worker_id, session.incarnation, policy_version=str(version)

@@ -1,7 +1,17 @@
-"""The pure core: hashing, the prefix index, page events, routing and the router, the fleet
-view, the policy state machine, rollout records and the domain errors.
+"""The pure core of the coordinator, one subpackage per subsystem (each ``__init__`` is its
+public face):
+
+- ``hashing/``: token ids -> chained, keyed page keys.
+- ``index/``: which worker holds which page keys (``PrefixIndex``).
+- ``fleet/``: the registered workers, their load and serving version.
+- ``routing/``: which worker a prompt runs on (``Router`` and the choosers).
+- ``policy_state``: the weights version's state machine (``PolicyState``: idle, draining,
+  applying; sync and async).
+- ``page_events``: a worker's stored/removed/cleared pages, applied to the index.
+- ``rollout_records``, ``tier_costs``, ``errors``: values and domain refusals shared by the above.
+- ``accel`` and ``_*_accel.pyx``: the optional compiled parts (holdings, page-key chain).
 
 No grpc, redis, asyncio, socket, zmq, prometheus_client or structlog here (import-linter checks
 it): the core takes time and randomness from its caller and returns facts rather than logging
-them.
+them. This face imports nothing, so that a submodule's import never pulls in the rest.
 """

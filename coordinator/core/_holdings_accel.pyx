@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The compiled holdings (``coordinator.core.holdings`` states the contract; ``PyHoldings`` is
+"""The compiled holdings (``coordinator.core.index.holdings`` states the contract; ``PyHoldings`` is
 the same in pure Python).
 
 One open-addressing table (linear probing, backward-shift deletion, power-of-two capacity,

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from coordinator.core.fleet import RegisteredWorker
-from coordinator.core.index import PrefixIndex
-from coordinator.core.index_types import Tier
+from coordinator.core.index import PrefixIndex, Tier
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,8 @@ class PolicyRecord:
     an abort can return to the current version's weights without remembering anything else.
 
     ``restored_at_ms`` (Unix ms, 0 = never) is when a coordinator last put back a state the
-    store had lost (``coordinator.control.high_water``): every replica refuses BeginPolicyUpdate for
+    store had lost (``coordinator.control.policy.high_water``): every replica refuses
+    BeginPolicyUpdate for
     one lease after it, until every live worker has reported its version.
     """
 

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import structlog
 
 from coordinator.config import CoordinatorConfig
-from coordinator.control.worker_streams import WorkerStreams
-from coordinator.control.worker_sync import DEREGISTERED, WorkerSync
+from coordinator.control.sessions import WorkerStreams, WorkerSync
+from coordinator.control.sessions.worker_sync import DEREGISTERED
 from coordinator.core.fleet import Fleet, RegisteredWorker
 from coordinator.core.index import PrefixIndex
 from coordinator.core.page_events import apply_page_events, observe_prefill_ends
-from coordinator.core.router import Router
+from coordinator.core.routing import Router
 from coordinator.replication.events import (
     Attached,
     Cordoned,

@@ -24,11 +24,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.core.fleet import WorkerLoad
 from coordinator.core.hashing import PageKeys, split_page_keys
-from coordinator.core.index_types import Tier
+from coordinator.core.index import Tier
 from coordinator.core.page_events import PageEvent
-from coordinator.core.router import RouteReservation
-from coordinator.core.routing import WorkerLoad
+from coordinator.core.routing import RouteReservation
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import structlog
 
 from coordinator.core.fleet import RegisteredWorker
 from coordinator.core.page_events import PageEvent
-from coordinator.core.router import RouteReservation
+from coordinator.core.routing import RouteReservation
 from coordinator.replication.events import (
     Attached,
     Cordoned,

@@ -32,11 +32,10 @@ import structlog
 
 from coordinator.config import CoordinatorConfig
 from coordinator.control.policy_updates import PolicyUpdates
-from coordinator.control.worker_streams import WorkerStreams
-from coordinator.control.worker_sync import WorkerSync
+from coordinator.control.sessions import WorkerStreams, WorkerSync
 from coordinator.core.fleet import Fleet, RegisteredWorker
 from coordinator.core.index import PrefixIndex
-from coordinator.core.router import Router
+from coordinator.core.routing import Router
 from coordinator.replication.apply import ReplicaApplier
 from coordinator.replication.events import (
     Attached,
@@ -343,7 +342,7 @@ class Replicator:
 
     async def _announce_forever(self) -> None:
         """Keep this replica listed as live. (Policy changes whose event was lost are caught by
-        the service's periodic policy read, ``CoordinatorService._read_policy_forever``.)"""
+        the service's periodic policy read, ``CoordinatorReplica._read_policy_forever``.)"""
         period = self._config.heartbeat_ms / 1000
         while not self._stopping:
             await asyncio.sleep(period)

@@ -11,7 +11,7 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 
 from coordinator.config import CoordinatorConfig
-from coordinator.control.sync_messages import (
+from coordinator.control.sessions.sync_messages import (
     Ack,
     Command,
     HeartbeatIn,
@@ -21,18 +21,18 @@ from coordinator.control.sync_messages import (
     Resync,
     Welcome,
 )
-from coordinator.core.awaited_routes import MAX_ROUTE_ID_LENGTH
 from coordinator.core.errors import InvalidArgument
-from coordinator.core.hash_config import PAGE_KEY_BYTES
-from coordinator.core.hashing import PageKeys, split_page_keys, tokens_to_bytes
-from coordinator.core.index_types import Tier
+from coordinator.core.fleet import WorkerLoad
+from coordinator.core.hashing import PAGE_KEY_BYTES, PageKeys, split_page_keys
+from coordinator.core.hashing.page_hasher import tokens_to_bytes
+from coordinator.core.index import Tier
 from coordinator.core.page_events import PageEvent
 from coordinator.core.policy_state import PolicyPhase, PolicyRecord
 from coordinator.core.rollout_records import Rollout
-from coordinator.core.router import LookupResult, PromptInput, RouteResult, Scope
-from coordinator.core.routing import WorkerLoad
+from coordinator.core.routing import LookupResult, PromptInput, RouteResult, Scope
+from coordinator.core.routing.awaited_routes import MAX_ROUTE_ID_LENGTH
+from coordinator.replica import StatsSnapshot, WorkerView
 from coordinator.rpc.versions import check_protocol
-from coordinator.service import StatsSnapshot, WorkerView
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.wire import PROTOCOL_VERSION
 

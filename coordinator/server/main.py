@@ -16,13 +16,13 @@ from coordinator.client.channels import channel_options
 from coordinator.config import CoordinatorConfig
 from coordinator.core import accel
 from coordinator.metrics_http import host_of, serve_metrics
+from coordinator.replica import CoordinatorReplica
 from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.health import add_health_and_reflection, warn_if_open
 from coordinator.rpc.identities import COORDINATOR_PERMISSIONS
 from coordinator.rpc.interceptor import ErrorMappingInterceptor, Mapped
 from coordinator.server.metrics import CoordinatorMetrics
 from coordinator.server.servicer import CoordinatorServicer
-from coordinator.service import CoordinatorService
 from coordinator.store.protocol import StoreUnavailable
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
@@ -40,7 +40,7 @@ class RunningCoordinator:
     """A started coordinator: its bound port, metrics port and a ``stop`` that drains."""
 
     server: grpc.aio.Server
-    service: CoordinatorService
+    service: CoordinatorReplica
     health: health_aio.HealthServicer
     port: int
     metrics_port: int | None
@@ -55,7 +55,7 @@ class RunningCoordinator:
 
 async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     """Open the store, bind ``config.listen`` (port 0 picks a free one) and start serving."""
-    service = await CoordinatorService.open(config)
+    service = await CoordinatorReplica.open(config)
     metrics = CoordinatorMetrics(service)
     server = grpc.aio.server(options=channel_options(config.max_message_bytes))
     security = ServerSecurity.from_config(config)

@@ -9,14 +9,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from coordinator.service import CoordinatorService
+from coordinator.replica import CoordinatorReplica
 
 
 class CoordinatorMetrics:
     """Request counters and latencies observed by the interceptor; state gauges read lazily from
     the service at scrape time (no work on the request path)."""
 
-    def __init__(self, service: CoordinatorService | None = None) -> None:
+    def __init__(self, service: CoordinatorReplica | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvcoord_coordinator_requests_total", "RPCs answered, by method and status code",
@@ -30,7 +30,7 @@ class CoordinatorMetrics:
         if service is not None:
             self._bind(service)
 
-    def _bind(self, service: CoordinatorService) -> None:
+    def _bind(self, service: CoordinatorReplica) -> None:
         self.registry.register(_StateCollector(service))
         self.ingest_wait = Histogram(
             "kvcoord_ingest_wait_seconds", "How long event batches waited for the ingest "
@@ -43,7 +43,7 @@ class CoordinatorMetrics:
 class _StateCollector(Collector):
     """Reads the service's stats once per scrape and exposes them as gauges and counters."""
 
-    def __init__(self, service: CoordinatorService) -> None:
+    def __init__(self, service: CoordinatorReplica) -> None:
         self._service = service
 
     def collect(self) -> Iterator[Metric]:

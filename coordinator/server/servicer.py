@@ -12,11 +12,12 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from coordinator.control.delayed_acks import DelayedAcks
-from coordinator.control.sync_messages import Outbound
+from coordinator.control.sessions.delayed_acks import DelayedAcks
+from coordinator.control.sessions.sync_messages import Outbound
 from coordinator.core.errors import FailedPrecondition, InvalidArgument
 from coordinator.core.fleet import RegisteredWorker
-from coordinator.core.router import PromptInput, Scope
+from coordinator.core.routing import PromptInput, Scope
+from coordinator.replica import CoordinatorReplica
 from coordinator.rpc.guard import caller
 from coordinator.rpc.identities import (
     PermissionDenied,
@@ -28,7 +29,6 @@ from coordinator.rpc.identities import (
 from coordinator.rpc.versions import check_protocol
 from coordinator.server import convert
 from coordinator.server.convert import prompt_from, scope_from
-from coordinator.service import CoordinatorService
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from coordinator.wire import PROTOCOL_VERSION, Reason
@@ -37,7 +37,7 @@ Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
-    def __init__(self, service: CoordinatorService) -> None:
+    def __init__(self, service: CoordinatorReplica) -> None:
         self._service = service
         self._config = service.config
 

@@ -131,7 +131,7 @@ class MetadataStore(Protocol):
 
     async def restore_policy(self, expected: PolicyRecord, new: PolicyRecord) -> bool:
         """Like ``cas_policy``, but ``new`` is written exactly, epoch included: for putting
-        back a state the store lost (``coordinator.control.high_water``). ValueError, before
+        back a state the store lost (``coordinator.control.policy.high_water``). ValueError, before
         touching the store, unless ``new`` is ahead of ``expected`` (version not lower, epoch
         higher)."""
         ...

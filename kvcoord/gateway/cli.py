@@ -37,7 +37,7 @@ def add_gateway_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 def cmd_gateway(args: argparse.Namespace) -> int:
     from coordinator.logs import configure_logging
     from kvcoord.gateway.config import ConfigError, GatewayConfig
-    from kvcoord.gateway.run import load_tokenizer, serve_forever
+    from kvcoord.gateway.main import load_tokenizer, serve_forever
 
     flags = {name: getattr(args, name) for name in (
         "coordinator", "listen", "tokenizer", "model", "max_context", "metrics_port",

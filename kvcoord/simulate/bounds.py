@@ -16,8 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from coordinator.core.hash_config import Namespace
-from coordinator.core.hashing import PageHasher
+from coordinator.core.hashing import Namespace, PageHasher
 from kvcoord.simulate.cost_model import CostModel
 from kvcoord.simulate.simworker import SimWorker
 from kvcoord.simulate.trace import TraceRequest

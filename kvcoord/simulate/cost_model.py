@@ -31,7 +31,8 @@ Constants (documented, never tuned per policy; change them for another model or 
 
 - ``prefill_tokens_per_s = 15_000``: Llama-3-8B in bf16 on one H100/H200-class GPU prefills
   roughly 10-30k tokens/s depending on context length (2 x 8e9 FLOP per token plus attention,
-  at 40-60% of ~990 TFLOP/s); 15k is the figure ``coordinator.core.routing.KvAwareWeights`` already
+  at 40-60% of ~990 TFLOP/s); 15k is the figure
+  ``coordinator.core.routing.choosers.KvAwareWeights`` already
   assumes, so the router's exchange rates and the simulator agree.
 - ``decode_s_per_token = 0.02``: 20 ms per output token (50 tokens/s per sequence), a typical
   inter-token latency for an 8B model under continuous batching.

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
 
-from coordinator.core.hash_config import Namespace
-from coordinator.core.hashing import PageHasher
+from coordinator.core.fleet import WorkerLoad
+from coordinator.core.hashing import Namespace, PageHasher
 from coordinator.core.index import PrefixIndex
-from coordinator.core.routing import KvAwareWeights, WorkerLoad
+from coordinator.core.routing import KvAwareWeights
 from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS, jittered_arrivals
 from kvcoord.simulate.cost_model import CostModel
 from kvcoord.simulate.peers import DynamoLikeRouter, SglangLikeRouter

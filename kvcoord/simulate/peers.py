@@ -64,8 +64,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from coordinator.core.index import PrefixIndex
-from coordinator.core.index_types import MatchDetail
+from coordinator.core.index import MatchDetail, PrefixIndex
 from kvcoord.simulate.routers import RouterContext
 from kvcoord.simulate.simworker import Job
 

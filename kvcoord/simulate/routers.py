@@ -1,7 +1,8 @@
 """How the simulator asks a policy where a request goes, and the production policies' adapter.
 
 :class:`ProductionRouter` runs ``kv_aware``, ``round_robin`` and ``least_loaded`` through the
-very code the coordinator's ``Router`` runs: ``coordinator.core.routing.make_chooser(name)``
+very code the coordinator's ``Router`` runs:
+``coordinator.core.routing.choosers.make_chooser(name)``
 choosing among :class:`Candidate` objects built from the production
 ``PrefixIndex.match_detail(keys, include_pending=True)`` (holders) plus every other worker as
 an idle candidate in ascending ``load_floor`` order, then ``add_pending`` for the chosen
@@ -18,10 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from coordinator.core.index import PrefixIndex
-from coordinator.core.index_types import MatchDetail
+from coordinator.core.fleet import Candidate
+from coordinator.core.index import MatchDetail, PrefixIndex
 from coordinator.core.routing import (
-    Candidate,
     KvAwareWeights,
     RoutingRequest,
     booked_work,

@@ -9,8 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from coordinator.core.hash_config import HashConfig, Namespace
-from coordinator.core.hashing import PageHasher
+from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from kvcoord.provenance import trace_identity
 from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS
 from kvcoord.simulate.bounds import infinite_bound, pooled_bound

@@ -1,7 +1,7 @@
 """A simulated worker: the real page allocator and prefix cache, a FIFO prefill queue, no GPU.
 
-Memory is the production :class:`worker.allocator.PageAllocator` (LRU of unreferenced cached
-pages, tail pages evicted first) under the production :class:`worker.prefix_cache.PrefixCache`,
+Memory is the production :class:`worker.kv.allocator.PageAllocator` (LRU of unreferenced cached
+pages, tail pages evicted first) under the production :class:`worker.kv.prefix_cache.PrefixCache`,
 whose Stored/Removed/Moved callbacks become :class:`PageEvent` objects handed to ``publish``, as
 a real worker's Sync events would be (consecutive events of one kind and tier are merged, in
 their order, so one allocation's evictions make one event); the engine delivers them to the
@@ -40,14 +40,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from coordinator.core.hash_config import Namespace
-from coordinator.core.hashing import PageHasher
-from coordinator.core.index_types import Tier
-from coordinator.core.routing import WorkerLoad
+from coordinator.core.fleet import WorkerLoad
+from coordinator.core.hashing import Namespace, PageHasher
+from coordinator.core.index import Tier
 from kvcoord.simulate.cost_model import CostModel
 from kvcoord.simulate.trace import TraceRequest
-from worker.allocator import OutOfPages, PageAllocator
-from worker.prefix_cache import PrefixCache
+from worker.kv import OutOfPages, PageAllocator, PrefixCache
 
 
 class PageEvent(NamedTuple):
@@ -211,7 +209,7 @@ class SimWorker:
     def heartbeat(self) -> tuple[WorkerLoad, int]:
         """The heartbeat the reference worker would send now, and the jobs finished since the
         last one (counted from here on afresh): ``running_requests`` prefilling or decoding,
-        ``queued_tokens`` the waiting jobs' prompt + output tokens (``worker.runtime``'s
+        ``queued_tokens`` the waiting jobs' prompt + output tokens (``worker.runtime.runtime``'s
         figure), ``free_pages`` the pages holding nothing (cached pages are not free)."""
         completed, self.completed_since_beat = self.completed_since_beat, 0
         load = WorkerLoad(

@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.core.hash_config import Namespace
-from coordinator.core.hashing import PageHasher
+from coordinator.core.hashing import Namespace, PageHasher
 
 BLOCK_TOKENS = 512
 _TOKEN_BYTES = 4

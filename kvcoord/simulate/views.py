@@ -8,14 +8,15 @@ No simulated router reads a worker's exact state: each sees what its real system
   ``dynamo_like`` its KV-event indexer) is fed only this way, so all see the same stale index.
 - ``kv_aware`` (and the other production policies, ``round_robin`` and ``least_loaded``) read
   :class:`CoordinatorLoads`: the production coordinator's own per-worker books
-  (:class:`coordinator.core.fleet.RegisteredWorker`): the last heartbeat's load plus the routes the
+  (:class:`coordinator.core.fleet.fleet.RegisteredWorker`): the last heartbeat's load plus the
+  routes the
   coordinator issued and no heartbeat has yet reported finished.
 - ``sglang_like`` reads only its own count of requests it sent and has not seen complete
   (the router proxies the response, so it sees completion at once).
 - ``dynamo_like`` reads its own books of active blocks and prefill tokens (updated as the
   router sees the first token and the end of each response) plus the delayed index.
 
-Heartbeats follow the worker's Sync client (``worker/sync_client.py``): one every
+Heartbeats follow the worker's Sync client (``worker/sync/sync_client.py``): one every
 :data:`HEARTBEAT_S`, or :data:`COMPLETION_COALESCE_S` after the first generation that finishes
 since the last one (whichever comes first); every worker beats at time 0.
 
@@ -25,7 +26,7 @@ Constants (the production defaults; the same for every policy):
   ``worker/config.py``) and a coordinator applies one in ~0.2 ms (docs/ARCHITECTURE.md); 10 ms
   leaves a few ms for the network hop.
 - ``HEARTBEAT_S = 2.0``: ``heartbeat_ms`` (``coordinator/config.py``).
-- ``COMPLETION_COALESCE_S = 0.02``: ``BEAT_COALESCE_S`` (``worker/sync_client.py``).
+- ``COMPLETION_COALESCE_S = 0.02``: ``BEAT_COALESCE_S`` (``worker/sync/sync_client.py``).
 - ``MAX_INFLIGHT = 65_536``: ``max_inflight_per_worker`` (``coordinator/config.py``).
 """
 
@@ -34,8 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from coordinator.core.fleet import RegisteredWorker
-from coordinator.core.routing import WorkerLoad
+from coordinator.core.fleet import RegisteredWorker, WorkerLoad
 
 SYNC_DELAY_S = 0.01
 HEARTBEAT_S = 2.0

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.core.hash_config import Namespace
-from coordinator.core.hashing import PageHasher
-from coordinator.core.index_types import Tier
+from coordinator.core.hashing import Namespace, PageHasher
+from coordinator.core.index import Tier
 from coordinator.core.page_events import PageEvent
 from worker.bridge.engine_events import BlockRemoved, BlockStored, EngineHash, MalformedInput
 

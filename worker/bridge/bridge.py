@@ -2,7 +2,7 @@
 
 The bridge subscribes to the engine's ZMQ publisher (frames ``[topic, seq, payload]``), turns
 each batch into page events (``BlockMap``) and sends them through a ``SyncClient``
-(``worker.sync_client``: acks, resends, chunked inventories, heartbeats, failover), registered
+(``worker.sync.sync_client``: acks, resends, chunked inventories, heartbeats, failover), registered
 as a worker. With ``policy_control`` (the CLI's default) it takes part in policy updates through
 the engine's own RL endpoints (``worker.bridge.policy_member``) and serves the engine's OpenAI
 API through a proxy that tags each answer with the version that made it; without, it is an
@@ -41,9 +41,9 @@ from worker.bridge.engine_events import (
     decode_payload,
 )
 from worker.bridge.policy_member import PolicyMember, engine_control
-from worker.event_log import Holdings
-from worker.sync_client import SyncClient
-from worker.sync_protocol import TIER_PB, SyncSettings, WorkerIdentity
+from worker.sync import SyncClient, SyncSettings, WorkerIdentity
+from worker.sync.event_log import Holdings
+from worker.sync.sync_protocol import TIER_PB
 
 __all__ = ["END_SEQ", "Bridge", "BridgeConfig"]
 
@@ -61,7 +61,7 @@ _REPLAY_TIMEOUT_S = 2.0
 
 class Bridge:
     """One engine's events -> one external worker of the coordinator, through a ``SyncClient``
-    (``worker.sync_client``: acks, resends, chunked inventories, heartbeats, failover).
+    (``worker.sync.sync_client``: acks, resends, chunked inventories, heartbeats, failover).
     ``token``: bearer token sent on every call to the coordinator; ``tls``: TLS to it."""
 
     def __init__(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.core.hash_config import DEV_HASH_KEY, HashConfig
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
 from coordinator.logs import warn_development_key
 from coordinator.metrics_http import host_of
 from worker.bridge.policy_driver import WEIGHT_SOURCES

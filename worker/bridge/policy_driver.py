@@ -34,7 +34,7 @@ import structlog
 from coordinator.v1 import coordinator_pb2 as pb
 from worker.bridge.engine_control import EngineControl, EngineStepFailed
 from worker.bridge.engine_proxy import EngineProxy
-from worker.in_order import InOrder
+from worker.serving.in_order import InOrder
 
 log = structlog.get_logger(__name__)
 

@@ -35,7 +35,7 @@ from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from worker.bridge.engine_control import EngineControl, EngineStepFailed
 from worker.bridge.engine_proxy import EngineProxy
 from worker.bridge.policy_driver import PolicyDriver
-from worker.rollout_reporter import RolloutReporter
+from worker.sync.rollout_reporter import RolloutReporter
 
 log = structlog.get_logger(__name__)
 

@@ -28,8 +28,6 @@ from aiohttp import web
 from coordinator.core.errors import DomainError
 from coordinator.rpc.guard import Guard, caller
 from coordinator.rpc.identities import WORKER_PERMISSIONS
-from worker.gate import Draining
-from worker.generations import GenerationRunner
 from worker.http_api.openai_requests import (
     ChatRequest,
     CompletionRequest,
@@ -53,6 +51,8 @@ from worker.runtime import (
     InvalidRequest,
     PoolExhausted,
 )
+from worker.serving.gate import Draining
+from worker.serving.generations import GenerationRunner
 from worker.text.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)

@@ -1,5 +1,5 @@
 """Builds ``reference_tokenizer/``, the tokenizer the project ships for the reference model
-(``worker.engine.ModelConfig``: 512 token ids, 4,096 tokens of context).
+(``worker.runtime.engine.ModelConfig``: 512 token ids, 4,096 tokens of context).
 
 ``python -m worker.text.build_reference_tokenizer [DIR]`` trains a byte-level BPE of exactly
 512 ids (3 special tokens, the 256 byte symbols, 253 merges) on the project's own Markdown

@@ -1,0 +1,363 @@
+"""The coordinator's in-memory view of its workers: sessions, liveness, load, event sequencing.
+
+Pure core: no grpc, redis or asyncio; time comes from the caller. The store holds the durable
+registry (leases, incarnations); this module holds what routing needs on every request.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from operator import attrgetter
+
+from coordinator.core.errors import FailedPrecondition
+from coordinator.core.fleet.prefill_backlog import PrefillBacklog
+from coordinator.core.fleet.worker_load import Candidate, WorkerLoad
+from coordinator.core.tier_costs import TierCosts
+from coordinator.wire import Reason
+
+
+class WorkerStatus(enum.StrEnum):
+    """Why a worker is or is not routable; the first that applies wins (see ``status``)."""
+
+    READY = "ready"
+    DRAINING = "draining"
+    FENCED = "fenced"
+    CORDONED = "cordoned"
+    DISCONNECTED = "disconnected"
+
+
+_FLOOR = attrgetter("load_floor")
+PAGE_BOUND_FACTOR = 4
+
+
+class BatchVerdict(enum.Enum):
+    """What to do with an incoming event batch."""
+
+    APPLY = "apply"
+    SKIP = "skip"  # a resync is in progress: the inventory will carry this batch's effect
+    GAP = "gap"  # sequence numbers were skipped: the index may be wrong, ask for a resync
+
+
+@dataclass(slots=True)
+class RegisteredWorker:
+    """One registered worker incarnation. Mutated only by ``Fleet`` and the session manager."""
+
+    worker_id: str
+    incarnation: int
+    address: str
+    model: str
+    policy_version: int
+    external: bool
+    total_pages: int
+    lease_deadline: float
+    connected: bool = False
+    disconnected_at: float | None = None
+    cordoned: bool = False
+    fenced: bool = False
+    draining: bool = False
+    next_seq: int = 1
+    resync_id: int | None = None
+    # The coordinator replica that holds the worker's Sync stream (its events reach the others
+    # through the store's events stream); "" until one does.
+    owner: str = ""
+    # Base URL of the worker's OpenAI-compatible endpoint (gateways forward there); "" = none.
+    http_url: str = ""
+    # Pages of the worker's host-memory tier (total_pages is the device pool's); 0 = none.
+    host_pages: int = 0
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    # Uncached prefill tokens of each route issued and not yet reported finished, oldest first.
+    inflight: deque[int] = field(default_factory=deque)
+    inflight_tokens: int = 0
+    # Prompt tokens of the same routes, in the same order: the KV they pin until they finish.
+    inflight_context: deque[int] = field(default_factory=deque)
+    inflight_context_tokens: int = 0
+    # Routes whose end the caller reports (core.awaited_routes); heartbeats do not settle them.
+    awaited_routes: int = 0
+    awaited_tokens: int = 0
+    awaited_context_tokens: int = 0
+    # current_load() result, rebuilt only when the load changes (it is read on every route).
+    _load_view: WorkerLoad | None = None
+    _idle_candidate: Candidate | None = None
+    # The load terms of the router's cost (routing.load_floor) without the prefill backlog,
+    # kept current on every load change; floor_at adds the backlog at a given time, so the
+    # fleet can hand idle workers to the router cheapest first.
+    load_floor: float = 0.0
+    floor_of: Callable[[WorkerLoad], float] | None = None
+    # The prefill work routed here and not yet done, and the rate it drains at
+    # (core.prefill_backlog; Fleet.put gives it the configured rate).
+    backlog: PrefillBacklog = field(
+        default_factory=lambda: PrefillBacklog(TierCosts().prefill_tokens_per_s))
+    backlog_weight: float = 1.0  # the router's queued_token weight (set by Fleet)
+    # Every version this incarnation has served: its rollout records may carry any of them.
+    served_versions: set[int] = field(default_factory=set)
+    routed_requests: int = 0
+    routed_tokens: int = 0
+    routed_cached_tokens: int = 0
+
+    def status(self, now: float) -> WorkerStatus:
+        """The worker's routability; DISCONNECTED covers a closed stream and a lapsed lease."""
+        if not self.connected or now >= self.lease_deadline:
+            return WorkerStatus.DISCONNECTED
+        if self.fenced:
+            return WorkerStatus.FENCED
+        if self.draining:
+            return WorkerStatus.DRAINING
+        if self.cordoned:
+            return WorkerStatus.CORDONED
+        return WorkerStatus.READY
+
+    @property
+    def page_bound(self) -> int:
+        """Index entries the worker may hold at most: ``PAGE_BOUND_FACTOR`` times its pages in
+        both tiers (a tier it did not register, such as an engine's own CPU offload behind a
+        bridge, may hold more than its pools, not without end)."""
+        return max(self.total_pages + self.host_pages, 1) * PAGE_BOUND_FACTOR
+
+    def serves(self, version: int, floor: int, model: str) -> bool:
+        """Whether this worker serves requests of ``model`` at ``version`` (>= ``floor``)."""
+        return self.policy_version == version and version >= floor and self.model == model
+
+    def prefill_backlog(self, now: float) -> float:
+        """Prefill tokens still queued at ``now`` by the coordinator's books: every route's
+        work, added as it was issued (``queue_prefill``), drained at the worker's prefill rate
+        and corrected as its Stored events show prefills ending (``core.prefill_backlog``).
+        It needs no load report, so it is as fresh for a bridged engine as for a reference
+        worker."""
+        return self.backlog.tokens(now)
+
+    def queue_prefill(self, tokens: float, now: float,
+                      last_pending_key: bytes | None = None) -> None:
+        """Count ``tokens`` of prefill routed here at ``now`` (this replica's route or one
+        another replica shared); ``last_pending_key``: the last key the route left pending."""
+        self.backlog.book(tokens, now, last_pending_key)
+        self._load_changed()
+
+    def observe_stored(self, keys: Iterable[bytes], now: float) -> None:
+        """The worker reported ``keys`` stored at ``now``: the prefills they end."""
+        self.backlog.observe_stored(keys, now)
+
+    def floor_at(self, now: float) -> float:
+        """``routing.load_floor`` of ``current_load(now)``."""
+        return self.load_floor + self.backlog_weight * self.prefill_backlog(now)
+
+    def current_load(self, now: float | None = None) -> WorkerLoad:
+        """Heartbeat load plus the coordinator's own in-flight accounting and, given ``now``,
+        the prefill backlog then (0 without ``now``)."""
+        view = self._load_view
+        if view is None:
+            base = self.load
+            view = self._load_view = WorkerLoad(
+                running_requests=base.running_requests,
+                queued_tokens=base.queued_tokens,
+                free_pages=base.free_pages,
+                total_pages=base.total_pages or self.total_pages,
+                inflight_routes=len(self.inflight) + self.awaited_routes,
+                inflight_tokens=self.inflight_tokens + self.awaited_tokens,
+                active_tokens=self.inflight_context_tokens + self.awaited_context_tokens,
+            )
+        backlog = self.prefill_backlog(now) if now is not None else 0.0
+        if backlog:
+            return WorkerLoad(view.running_requests, view.queued_tokens, view.free_pages,
+                              view.total_pages, view.inflight_routes, view.inflight_tokens,
+                              backlog, view.active_tokens)
+        return view
+
+    def idle_candidate(self, now: float) -> Candidate:
+        """This worker as a routing candidate holding none of the prompt at ``now`` (the
+        common case), reused while its load does not change and it has no backlog."""
+        candidate = self._idle_candidate
+        load = self.current_load(now)
+        if candidate is None or candidate.load is not load:
+            candidate = Candidate(self.worker_id, 0, 0, load)
+            if load is self._load_view:
+                self._idle_candidate = candidate
+        return candidate
+
+    def report_load(self, load: WorkerLoad, completed_routes: int) -> None:
+        """Take a heartbeat: the worker's own load, and how many routes it finished since."""
+        self.load = load
+        for _ in range(min(completed_routes, len(self.inflight))):
+            # Finish order is unknown: settle the oldest first.
+            self._settle_oldest()
+        self._load_changed()
+
+    def _load_changed(self) -> None:
+        self._load_view = None
+        if self.floor_of is not None:
+            self.load_floor = self.floor_of(self.current_load())
+
+    def hold_inflight(self, uncached_tokens: int, copies: int, max_inflight: int,
+                      context_tokens: int = 0) -> None:
+        """Count ``copies`` routes issued to this worker (by any replica) until heartbeats
+        report them finished, each of ``uncached_tokens`` to compute and ``context_tokens`` of
+        prompt; at most ``max_inflight`` are remembered (the oldest are then assumed
+        finished)."""
+        for _ in range(copies):
+            self.inflight.append(uncached_tokens)
+            self.inflight_tokens += uncached_tokens
+            self.inflight_context.append(context_tokens)
+            self.inflight_context_tokens += context_tokens
+            if len(self.inflight) > max_inflight:
+                self._settle_oldest()
+        self._load_changed()
+
+    def _settle_oldest(self) -> None:
+        self.inflight_tokens -= self.inflight.popleft()
+        self.inflight_context_tokens -= self.inflight_context.popleft()
+
+    def count_routed(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """The routing totals `kvcoord status` shows (one route)."""
+        self.routed_requests += 1
+        self.routed_tokens += prompt_tokens
+        self.routed_cached_tokens += cached_tokens
+
+    def hold_awaited(self, uncached_tokens: int, copies: int, context_tokens: int = 0) -> None:
+        """Count ``copies`` routes as load until ``release_awaited`` (core.awaited_routes)."""
+        self.awaited_routes += copies
+        self.awaited_tokens += uncached_tokens * copies
+        self.awaited_context_tokens += context_tokens * copies
+        self._load_changed()
+
+    def release_awaited(self, uncached_tokens: int, copies: int, context_tokens: int = 0) -> None:
+        self.awaited_routes -= copies
+        self.awaited_tokens -= uncached_tokens * copies
+        self.awaited_context_tokens -= context_tokens * copies
+        self._load_changed()
+
+    def check_batch(self, seq: int) -> BatchVerdict:
+        """Judge a batch's sequence number against the next expected one; changes nothing
+        (``advance`` does, once every other check of the batch passed: a batch refused for any
+        reason must be asked for again, never counted as applied).
+
+        Raises ``FailedPrecondition`` on a regression (a replay of an applied batch is a protocol
+        violation: the worker resumes from the ``next_seq`` it was told at hello).
+        """
+        if self.resync_id is not None:
+            return BatchVerdict.SKIP
+        if seq < self.next_seq:
+            raise FailedPrecondition(
+                f"sequence regression from worker {self.worker_id!r}: got {seq}, "
+                f"expected {self.next_seq}"
+            )
+        if seq > self.next_seq:
+            return BatchVerdict.GAP
+        return BatchVerdict.APPLY
+
+    def advance(self, seq: int) -> None:
+        """Batch ``seq`` (judged APPLY by ``check_batch``) was applied: expect ``seq + 1``."""
+        self.next_seq = seq + 1
+
+
+class Fleet:
+    """Worker sessions by id, at most one (the newest incarnation) per worker id."""
+
+    def __init__(
+        self,
+        load_floor: Callable[[WorkerLoad], float] | None = None,
+        *,
+        backlog_weight: float = 1.0,
+        prefill_tokens_per_s: float = TierCosts().prefill_tokens_per_s,
+    ) -> None:
+        """``load_floor``: the router's load terms of a load; ``backlog_weight``: its weight of
+        a prefill backlog token; ``prefill_tokens_per_s``: how fast a worker drains its prefill
+        backlog (ValueError unless finite and > 0)."""
+        PrefillBacklog(prefill_tokens_per_s)  # ValueError for a rate that is not finite, > 0
+        self._load_floor = load_floor
+        self._backlog_weight = backlog_weight
+        self._prefill_tokens_per_s = prefill_tokens_per_s
+        self._sessions: dict[str, RegisteredWorker] = {}
+        self._epoch = 0
+        self._routable_cache: dict[tuple[int, int, str], list[RegisteredWorker]] = {}
+
+    def changed(self) -> None:
+        """A session's routability changed (connect, disconnect, cordon, fence, drain)."""
+        self._epoch += 1
+        self._routable_cache.clear()
+
+    def set_serving_version(self, session: RegisteredWorker, version: int) -> int:
+        """``session``'s worker now serves ``version`` (its keys are hashed under it): it is
+        routed under that version from now on. Returns the version it served before."""
+        old = session.policy_version
+        session.policy_version = version
+        session.served_versions.add(version)
+        self.changed()
+        return old
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[RegisteredWorker]:
+        return iter(list(self._sessions.values()))
+
+    def get(self, worker_id: str) -> RegisteredWorker | None:
+        return self._sessions.get(worker_id)
+
+    def put(self, session: RegisteredWorker) -> RegisteredWorker | None:
+        """Install ``session``, returning the replaced (older incarnation) one, if any."""
+        old = self._sessions.get(session.worker_id)
+        self._sessions[session.worker_id] = session
+        session.floor_of = self._load_floor
+        session.backlog_weight = self._backlog_weight
+        session.backlog = PrefillBacklog(self._prefill_tokens_per_s)
+        session.served_versions.add(session.policy_version)
+        session._load_changed()
+        self.changed()
+        return old
+
+    def remove(self, worker_id: str) -> RegisteredWorker | None:
+        self.changed()
+        return self._sessions.pop(worker_id, None)
+
+    def require(self, worker_id: str, incarnation: int) -> RegisteredWorker:
+        """The session of exactly this incarnation; FailedPrecondition for unknown or stale."""
+        session = self._sessions.get(worker_id)
+        if session is None:
+            raise FailedPrecondition(f"unknown worker {worker_id!r}: register first",
+                                     reason=Reason.REREGISTER)
+        if session.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"stale incarnation {incarnation} for worker {worker_id!r} "
+                f"(current is {session.incarnation}): re-register", reason=Reason.REREGISTER,
+            )
+        return session
+
+    def routable(
+        self, now: float, *, version: int, min_version: int | None, model: str
+    ) -> list[RegisteredWorker]:
+        """READY workers of ``model`` serving exactly ``version`` (and at least ``min_version``),
+        in ascending ``floor_at(now)`` order (least loaded first).
+
+        The filtered list is cached until ``changed()`` and re-sorted per call (nearly sorted:
+        one route changes one worker's load); leases are re-checked on every call, so a lapsed
+        lease is unroutable at once even before the reaper notices it."""
+        floor = version if min_version is None else max(version, min_version)
+        key = (version, floor, model)
+        cached = self._routable_cache.get(key)
+        if cached is None:
+            if len(self._routable_cache) >= 256:  # keys come from requests: stay bounded
+                self._routable_cache.clear()
+            cached = self._routable_cache[key] = [
+                s
+                for s in self._sessions.values()
+                if s.serves(version, floor, model)
+                and s.connected and not (s.fenced or s.draining or s.cordoned)
+            ]
+        cached.sort(key=lambda s: s.floor_at(now))
+        return [s for s in cached if now < s.lease_deadline]
+
+    def lapsed(self, now: float) -> list[RegisteredWorker]:
+        """Connected sessions whose lease ran out (they must be treated as disconnected)."""
+        return [s for s in self._sessions.values() if s.connected and now >= s.lease_deadline]
+
+    def expired(self, now: float, grace: float) -> list[RegisteredWorker]:
+        """Disconnected sessions past the grace period: their index entries must go."""
+        return [
+            s
+            for s in self._sessions.values()
+            if not s.connected
+            and s.disconnected_at is not None
+            and now - s.disconnected_at >= grace
+        ]

@@ -1,0 +1,95 @@
+"""What the prefix index takes and returns, and how it refuses bad input.
+
+- :class:`Tier` (where a page is held), :class:`MatchDetail` (one worker's match),
+  :class:`TierMatch` (a lookup's depths with their tiers) and :class:`IndexStats` (sizes):
+  immutable values.
+- :class:`IndexIntegrityError`: raised by ``PrefixIndex.check_integrity`` only, never for input.
+- ``check_worker`` / ``check_keys`` / ``check_read_keys``: ValueError for a worker id that is
+  not a non-empty string, or keys that are not a sequence of 16-byte ``bytes``. Mutators run
+  the full checks before changing anything; reads run the cheaper one.
+
+Pure core: no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from coordinator.core.hashing import PAGE_KEY_BYTES, PageKeys
+
+
+class Tier(enum.StrEnum):
+    """Where a worker holds a page; lower tiers cost a copy before reuse."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+    DISK = "disk"
+
+
+@dataclass(frozen=True, slots=True)
+class MatchDetail:
+    """One worker's match: ``pages`` deep, of which ``lower_tier_pages`` are held only in CPU or
+    DISK and ``pending_pages`` are pending (unconfirmed) entries. ``confirmed_pages`` is the
+    leading run of confirmed holdings alone (pending ignored): what :meth:`PrefixIndex.match`
+    reports, at most ``pages``; equal to ``pages`` when pending entries were not counted."""
+
+    pages: int
+    lower_tier_pages: int
+    pending_pages: int
+    confirmed_pages: int
+
+
+class TierMatch(NamedTuple):
+    """:meth:`PrefixIndex.match` with tiers: ``pages`` is ``match``'s answer; ``lower_tiers[w]``
+    counts, of worker ``w``'s matched pages, those it holds in CPU and in DISK. Only workers with
+    such pages are named (the rest of every worker's depth is in GPU)."""
+
+    pages: dict[str, int]
+    lower_tiers: dict[str, dict[Tier, int]]
+
+
+class IndexStats(NamedTuple):
+    """Sizes, for metrics and GetStats."""
+
+    keys: int  # distinct keys with at least one confirmed holder
+    holdings: int  # confirmed (worker, key) pairs
+    pending: int  # live pending (worker, key) entries
+    workers: int
+
+
+class IndexIntegrityError(Exception):
+    """The index's internal structures disagree (a bug, never bad input)."""
+
+
+def check_worker(worker_id: str) -> None:
+    if not isinstance(worker_id, str) or not worker_id:
+        raise ValueError("worker id must be a non-empty string")
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    if type(keys) is PageKeys:
+        return  # cut from a wire blob of whole keys: checked when made
+    # Two C-level passes instead of a Python loop: store() runs at millions of keys/s.
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise ValueError("keys must be a sequence of 16-byte keys, not one blob")
+    if set(map(type, keys)) - {bytes}:
+        raise ValueError("page keys must be bytes")
+    if set(map(len, keys)) - {PAGE_KEY_BYTES}:
+        raise ValueError(f"page keys must be {PAGE_KEY_BYTES} bytes")
+
+
+def check_read_keys(keys: Sequence[bytes]) -> None:
+    # Reads cannot corrupt anything and only validated keys are ever stored, so a cheaper
+    # check suffices: one C-level join (bytes-like, 16 bytes per key on average); an
+    # unhashable key is caught at lookup. A key of another length simply matches nothing.
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise ValueError("keys must be a sequence of 16-byte keys, not one blob")
+    try:
+        total = len(b"".join(keys))
+    except TypeError:
+        raise ValueError("page keys must be bytes") from None
+    if total != PAGE_KEY_BYTES * len(keys):
+        raise ValueError(f"page keys must be {PAGE_KEY_BYTES} bytes")

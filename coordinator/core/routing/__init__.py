@@ -1,0 +1,49 @@
+"""Routing: which worker a prompt runs on, and in what order a batch runs.
+
+- ``router``: ``Router``, the decision a ``Route``/``RouteBatch`` gets: the workers eligible at
+  a version, their matches in the index, a chooser's pick, and the reservation of it.
+- ``choosers``: the routing rules (``kv_aware``, ``round_robin``, ``least_loaded``) behind
+  one ``RouteChooser`` protocol, and the ``kv_aware`` cost; ``CHOOSERS`` names them. (A
+  request's ``routing_policy`` field names one of these rules; "policy" alone means the
+  weights version.)
+- ``routing_values``: what a chooser reads and returns (``RoutingRequest``, ``KvAwareWeights``,
+  ``Decision``); ``route_types``: what the router returns (``RouteResult``, ``BatchResult``, ...).
+- ``batch_order``: identical prompts grouped, and the order a batch runs in.
+- ``awaited_routes``: routes issued and not yet ended, held until their end or their TTL.
+
+Pure core: no I/O; randomness comes in as a ``random.Random``.
+"""
+
+from coordinator.core.routing.batch_order import BatchGroup, execution_order, group_identical
+from coordinator.core.routing.choosers import (
+    CHOOSERS,
+    KvAwareChooser,
+    LeastLoadedChooser,
+    NoEligibleWorker,
+    RoundRobinChooser,
+    RouteChooser,
+    booked_work,
+    kv_aware_cost,
+    load_floor,
+    make_chooser,
+    overflow_tokens,
+    prefill_work,
+)
+from coordinator.core.routing.route_types import (
+    BatchResult,
+    LookupResult,
+    PromptInput,
+    RouteReservation,
+    RouteResult,
+    Scope,
+)
+from coordinator.core.routing.router import Router, RouterCounters
+from coordinator.core.routing.routing_values import Decision, KvAwareWeights, RoutingRequest
+
+__all__ = [
+    "CHOOSERS", "BatchGroup", "BatchResult", "Decision", "KvAwareChooser", "KvAwareWeights",
+    "LeastLoadedChooser", "LookupResult", "NoEligibleWorker", "PromptInput", "RoundRobinChooser",
+    "RouteChooser", "RouteReservation", "RouteResult", "Router", "RouterCounters",
+    "RoutingRequest", "Scope", "booked_work", "execution_order", "group_identical",
+    "kv_aware_cost", "load_floor", "make_chooser", "overflow_tokens", "prefill_work",
+]

@@ -1,0 +1,392 @@
+"""Lookup, Route and RouteBatch: prompt -> page keys -> index walk -> routing decision.
+
+No grpc or redis here: the servicer converts protos into ``PromptInput`` and ``Scope`` and the
+results back. A request is served under one policy version (the one it asks for, else the
+current serving version); keys are hashed under that version and only workers serving it are
+considered, so a page computed under another version can never count as a hit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from coordinator.core.errors import InvalidArgument, Unavailable
+from coordinator.core.fleet import Candidate, Fleet, RegisteredWorker, WorkerStatus
+from coordinator.core.hashing import Namespace, PageHasher
+from coordinator.core.index import MatchDetail, PrefixIndex
+from coordinator.core.routing.awaited_routes import AwaitedRoutes, EndedRoutes
+from coordinator.core.routing.batch_order import execution_order, group_identical
+from coordinator.core.routing.choosers import (
+    NoEligibleWorker,
+    RouteChooser,
+    booked_work,
+    make_chooser,
+)
+from coordinator.core.routing.route_types import (
+    BatchResult,
+    LookupResult,
+    PromptInput,
+    RouteReservation,
+    RouteResult,
+    Scope,
+)
+from coordinator.core.routing.routing_values import KvAwareWeights, RoutingRequest
+from coordinator.wire import Reason
+
+__all__ = ["BatchResult", "LookupResult", "PromptInput", "RouteReservation", "RouteResult",
+           "Router", "RouterCounters", "Scope"]
+
+
+@dataclass(frozen=True, slots=True)
+class _VersionView:
+    """One servable version's side of a route: its namespace, the prompt's keys under it, its
+    eligible workers (load-floor order) and their index depths."""
+
+    ns: Namespace
+    keys: list[bytes]
+    eligible: list[RegisteredWorker]
+    details: dict[str, MatchDetail]
+
+
+def _without(view: _VersionView, workers: frozenset[str]) -> _VersionView:
+    return _VersionView(view.ns, view.keys,
+                        [s for s in view.eligible if s.worker_id not in workers],
+                        {w: d for w, d in view.details.items() if w not in workers})
+
+
+@dataclass(slots=True)
+class RouterCounters:
+    lookups: int = 0
+    routes: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Router:
+    """Answers scheduling questions from the index and the fleet; mutates only pending entries,
+    in-flight accounting and counters (a lookup mutates nothing but its counter)."""
+
+    def __init__(
+        self,
+        *,
+        hasher: PageHasher,
+        index: PrefixIndex,
+        fleet: Fleet,
+        page_size: int,
+        default_model: str,
+        default_routing: str,
+        serving_version: Callable[[], int],
+        servable_versions: Callable[[], Sequence[int]] | None = None,
+        clock: Callable[[], float],
+        rng: random.Random | None = None,
+        weights: KvAwareWeights | None = None,
+        max_inflight: int = 65_536,
+        awaited: AwaitedRoutes | None = None,
+        on_routed: Callable[[RouteReservation], None] | None = None,
+        on_routes_ended: Callable[[tuple[str, ...]], None] | None = None,
+    ) -> None:
+        """``on_routed`` and ``on_routes_ended`` hear of every decision and every EndRoutes
+        made here (the replication outbox publishes them; unset: nobody else counts them)."""
+        self.max_inflight = max_inflight
+        self.awaited = (awaited if awaited is not None  # an empty one is falsy
+                        else AwaitedRoutes(ttl_s=600.0, capacity=max_inflight))
+        self._hasher = hasher
+        self._index = index
+        self._fleet = fleet
+        self._page_size = page_size
+        self._default_model = default_model
+        self._serving_version = serving_version
+        # Versions a route without an explicit one may be served at (async updates with bounded
+        # staleness allow several); default: only the serving version.
+        self._servable_versions = servable_versions or (lambda: (serving_version(),))
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._weights = weights or KvAwareWeights()
+        self._on_routed = on_routed
+        self._on_routes_ended = on_routes_ended
+        self._choosers: dict[str, RouteChooser] = {}  # by routing policy name
+        self.default_routing = self._chooser(default_routing).name
+        self.counters = RouterCounters()
+        # Told to callers refused for lack of a worker: about one heartbeat, when load and
+        # liveness news next arrives.
+        self.retry_after_ms = 500
+
+    def _chooser(self, routing: str) -> RouteChooser:
+        """The chooser of the routing policy named ``routing`` (InvalidArgument if unknown)."""
+        chooser = self._choosers.get(routing)
+        if chooser is None:
+            try:
+                chooser = make_chooser(routing, self._weights)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+            self._choosers[routing] = chooser
+        return chooser
+
+    def namespace(self, scope: Scope) -> Namespace:
+        version = self._serving_version() if scope.policy_version is None else scope.policy_version
+        return Namespace(
+            model=scope.model or self._default_model,
+            adapter=scope.adapter,
+            tenant=scope.tenant,
+            policy_version=version,
+            page_size=self._page_size,
+        )
+
+    def keys(self, prompt: PromptInput, namespace: Namespace) -> list[bytes]:
+        """The prompt's page keys: hashed here from tokens, or as sent by a trusted caller."""
+        if prompt.page_keys is not None:
+            return list(prompt.page_keys)
+        assert prompt.token_bytes is not None  # PromptInput always carries one body
+        return self._hasher.page_keys(prompt.token_bytes, namespace)
+
+    def lookup(self, prompt: PromptInput, scope: Scope) -> LookupResult:
+        """Every routable worker serving the version that holds the prompt's first page, with
+        its confirmed depth. Workers Route would never pick (disconnected, cordoned, fenced,
+        draining, another version or model) are left out, so a scheduler acting on a lookup
+        never sends work to them. Each match's pages in CPU and DISK are counted
+        (``PrefixIndex.match_tiers``)."""
+        ns = self.namespace(scope)
+        keys = self.keys(prompt, ns)
+        self.counters.lookups += 1
+        matches, lower = self._index.match_tiers(keys) if keys else ({}, {})
+        if not matches:
+            return LookupResult({}, ns.policy_version, len(keys), self._page_size)
+        routable = self._fleet.routable(
+            self._clock(), version=ns.policy_version, min_version=None, model=ns.model
+        )
+        serving = {s.worker_id: matches[s.worker_id] for s in routable if s.worker_id in matches}
+        if lower:
+            lower = {w: tiers for w, tiers in lower.items() if w in serving}
+        return LookupResult(serving, ns.policy_version, len(keys), self._page_size, lower)
+
+    def _versions(self, scope: Scope) -> Sequence[int]:
+        if scope.policy_version is not None:
+            return (scope.policy_version,)
+        return self._servable_versions()
+
+    def _view(self, scope: Scope, version: int, keys: list[bytes], now: float,
+              min_policy_version: int | None) -> _VersionView:
+        ns = self.namespace(replace(scope, policy_version=version))
+        eligible = self._fleet.routable(
+            now, version=version, min_version=min_policy_version, model=ns.model
+        )
+        details = self._index.match_detail(keys, include_pending=True) if keys and eligible else {}
+        return _VersionView(ns, keys, eligible, details)
+
+    def route(
+        self,
+        prompt: PromptInput,
+        scope: Scope,
+        *,
+        min_policy_version: int | None = None,
+        routing: str = "",
+        exclude: frozenset[str] = frozenset(),
+        report_end: bool = False,
+    ) -> RouteResult:
+        """Choose a worker for one prompt; its keys become pending entries on that worker.
+        Workers in ``exclude`` are not chosen (a caller routing around one that failed).
+        ``report_end``: the caller will end the route by id (``end_routes``); honoured for
+        external workers only (the others report their own ends).
+
+        With several servable versions (an async update within ``max_staleness``) the prompt is
+        hashed under each and every eligible worker of every version competes; the answer says
+        which version serves it."""
+        now = self._clock()
+        views = []
+        for version in self._versions(scope):
+            ns = self.namespace(replace(scope, policy_version=version))
+            view = self._view(scope, version, self.keys(prompt, ns), now, min_policy_version)
+            views.append(view if not exclude else _without(view, exclude))
+        return self._route_views(views, prompt.token_count, 1, min_policy_version, routing, now,
+                                 report_end)
+
+    def route_batch(
+        self,
+        prompts: Sequence[PromptInput],
+        scope: Scope,
+        *,
+        min_policy_version: int | None = None,
+        routing: str = "",
+        report_end: bool = False,
+    ) -> BatchResult:
+        """Route many prompts: identical prompts (GRPO siblings) go to one worker as a group,
+        groups are routed in order so later ones see earlier ones' pending entries, and the
+        returned order runs prompts sharing a prefix back to back."""
+        versions = self._versions(scope)
+        # Siblings in a batch are byte-identical: hash each distinct prompt once per version.
+        memo: dict[tuple[int, bytes | tuple[bytes, ...]], list[bytes]] = {}
+
+        def keys_of(p: PromptInput, version: int) -> list[bytes]:
+            body = p.token_bytes if p.token_bytes is not None else p.page_keys
+            assert body is not None  # PromptInput always carries one body
+            found = memo.get((version, body))
+            if found is None:
+                ns = self.namespace(replace(scope, policy_version=version))
+                found = memo[(version, body)] = self.keys(p, ns)
+            return found
+
+        first_keys = [keys_of(p, versions[0]) for p in prompts]
+        counts = [p.token_count for p in prompts]
+        routes: list[RouteResult | None] = [None] * len(prompts)
+        for group in group_identical(first_keys, counts):
+            lead = prompts[group.members[0]]
+            now = self._clock()
+            views = [self._view(scope, v, keys_of(lead, v), now, min_policy_version)
+                     for v in versions]
+            result = self._route_views(
+                views, lead.token_count, len(group.members), min_policy_version, routing, now,
+                report_end,
+            )
+            for member in group.members:
+                routes[member] = result
+        done = [r for r in routes if r is not None]
+        order = execution_order(first_keys, [r.worker_id for r in done])
+        return BatchResult(done, order)
+
+    def _route_views(
+        self,
+        views: list[_VersionView],
+        token_count: int,
+        copies: int,
+        min_policy_version: int | None,
+        routing: str,
+        now: float,
+        report_end: bool = False,
+    ) -> RouteResult:
+        self.awaited.expire(now)  # an expired route's load must not weigh on this choice
+        chooser = self._chooser(routing or self.default_routing)
+        pages = len(views[0].keys)
+        request = RoutingRequest(
+            prompt_pages=pages, prompt_tokens=token_count, page_size=self._page_size,
+            copies=copies,
+        )
+        holders = [c for view in views
+                   for c in self._holders(view.details, now, view.ns, min_policy_version)]
+        # Each version's eligible list is in load-floor order; merged, idle workers still reach
+        # the chooser cheapest first.
+        idle_sessions = heapq.merge(
+            *[(s for s in view.eligible if s.worker_id not in view.details) for view in views],
+            key=lambda s: s.floor_at(now),
+        )
+        try:
+            decision = chooser.choose(
+                request, holders, self._rng, idle=(s.idle_candidate(now) for s in idle_sessions)
+            )
+        except NoEligibleWorker:
+            versions = ", ".join(str(v.ns.policy_version) for v in views)
+            raise Unavailable(
+                f"no routable worker serves model {views[0].ns.model!r} at policy version "
+                f"{versions}" + (
+                    f" (min {min_policy_version})" if min_policy_version is not None else ""
+                ),
+                reason=Reason.NO_WORKER, retry_after_ms=self.retry_after_ms,
+            ) from None
+        session = self._fleet.get(decision.worker_id)
+        assert session is not None  # candidates come from the fleet
+        view = next(v for v in views if v.ns.policy_version == session.policy_version)
+        keys = view.keys
+        chosen_detail = view.details.get(decision.worker_id)
+        confirmed = chosen_detail.confirmed_pages if chosen_detail is not None else 0
+        # Pages the worker already holds need no pending entry.
+        pending = keys[confirmed:]
+        if pending:
+            self._index.add_pending(decision.worker_id, pending)
+        cached_tokens = min(confirmed * self._page_size, token_count)
+        uncached_tokens = token_count - cached_tokens
+        end_awaited = report_end and session.external
+        if end_awaited:
+            route_id = self.awaited.hold(session, uncached_tokens, copies, now,
+                                         context_tokens=token_count)
+        else:
+            route_id = self.awaited.new_id()
+            session.hold_inflight(uncached_tokens, copies, self.max_inflight, token_count)
+        # The work the decision counted on: pages pending here (a sibling's, routed just
+        # before) are computed once, by whichever route reaches the worker first.
+        lower = chosen_detail.lower_tier_pages if chosen_detail is not None else 0
+        work = booked_work(request, decision.cached_pages, lower, self._weights)
+        session.queue_prefill(work, now, pending[-1] if pending else None)
+        for _ in range(copies):
+            session.count_routed(token_count, cached_tokens)
+        if self._on_routed is not None:
+            self._on_routed(RouteReservation(
+                session.worker_id, session.incarnation, route_id, tuple(pending),
+                uncached_tokens, copies, end_awaited, work, token_count,
+            ))
+        self.counters.routes += copies
+        self.counters.prompt_tokens += token_count * copies
+        self.counters.cached_tokens += cached_tokens * copies
+        return RouteResult(
+            worker_id=session.worker_id,
+            address=session.address,
+            matched_pages=confirmed,
+            policy_version=session.policy_version,
+            prompt_pages=len(keys),
+            page_size=self._page_size,
+            routing_policy=chooser.name,
+            http_url=session.http_url,
+            route_id=route_id,
+            end_awaited=end_awaited,
+        )
+
+    def end_routes(self, route_ids: Sequence[str]) -> EndedRoutes:
+        """End awaited routes by id (idempotent: see ``core.awaited_routes``). Every id is
+        passed on to ``on_routes_ended``, known here or not: another replica may have issued
+        it."""
+        ended = self.awaited.end(route_ids, self._clock())
+        if self._on_routes_ended is not None and route_ids:
+            self._on_routes_ended(tuple(route_ids))
+        return ended
+
+    def take_reservation(self, reservation: RouteReservation) -> bool:
+        """Count a decision another replica made, as if made here (pending entries, in-flight
+        load; not this replica's routing totals). False, changing nothing, when the worker is
+        not the incarnation it was routed to."""
+        session = self._fleet.get(reservation.worker_id)
+        if session is None or session.incarnation != reservation.incarnation:
+            return False
+        if reservation.pending_keys:
+            self._index.add_pending(session.worker_id, reservation.pending_keys)
+        now = self._clock()
+        if reservation.awaited:
+            self.awaited.hold(session, reservation.uncached_tokens, reservation.copies,
+                              now, route_id=reservation.route_id,
+                              context_tokens=reservation.context_tokens)
+        else:
+            session.hold_inflight(reservation.uncached_tokens, reservation.copies,
+                                  self.max_inflight, reservation.context_tokens)
+        work = reservation.prefill_tokens
+        if work is None:  # an older replica: the most it could have counted
+            work = reservation.uncached_tokens * reservation.copies
+        keys = reservation.pending_keys
+        session.queue_prefill(work, now, keys[-1] if keys else None)
+        return True
+
+    def end_remote_routes(self, route_ids: Sequence[str]) -> EndedRoutes:
+        """End routes another replica was told to end (not passed on again)."""
+        return self.awaited.end(route_ids, self._clock())
+
+    def expire_awaited(self) -> None:
+        """Release awaited routes past their TTL (the reaper calls this)."""
+        self.awaited.expire(self._clock())
+
+    def _holders(
+        self, details: dict[str, MatchDetail], now: float, ns: Namespace, min_version: int | None
+    ) -> list[Candidate]:
+        """Routable workers holding some of the prompt (pending included), as candidates:
+        O(holders), not O(fleet)."""
+        floor = ns.policy_version if min_version is None else max(ns.policy_version, min_version)
+        candidates = []
+        for worker_id, detail in details.items():
+            session = self._fleet.get(worker_id)
+            if (
+                session is not None
+                and session.serves(ns.policy_version, floor, ns.model)
+                and session.status(now) is WorkerStatus.READY
+            ):
+                candidates.append(Candidate(
+                    worker_id, detail.pages, detail.lower_tier_pages, session.current_load(now)
+                ))
+        return candidates
