@@ -14,6 +14,10 @@ compares its min-max ranges: ``overlap``, or ``separate`` with ``after`` ``highe
 ``lower``. Which direction is better is not known here: that is for the reader. Figures that
 separate are listed first; ``DIR/interleave.json`` keeps both commits and every run's values.
 
+The compiled core (``setup.py``'s extensions) is build output, so a fresh checkout has none and
+its benchmarks would run the pure-Python twins: ``--build-accel`` builds it in each checkout
+first (``setup.py build_ext --inplace``), and the JSON's ``accel`` says which core each side ran.
+
 Exit status: 0 when every run succeeded; 1 when a run failed (a crash or a broken invariant:
 what was gathered is still written) or a checkout would not import its own packages; 2 for a
 bad argument (an unknown revision, ``--runs`` below 1, an unusable ``--out`` or ``--cpus``);
@@ -135,6 +139,22 @@ def check_imports(python: str, checkout: Path) -> str | None:
     return None
 
 
+def accel_of(python: str, checkout: Path) -> str:
+    """Which index core ``checkout``'s benchmarks run (``coordinator.core.accel.status()``)."""
+    probe = "from coordinator.core import accel; print(accel.status())"
+    done = subprocess.run([python, "-c", probe], cwd=checkout, env=env_for(checkout),
+                          capture_output=True, text=True, check=False)
+    return done.stdout.strip() if done.returncode == 0 else f"unknown: {done.stderr.strip()}"
+
+
+def build_accel(python: str, checkout: Path, log: Path) -> bool:
+    """Build the compiled core in place in ``checkout`` (output to ``log``); True if it built."""
+    with log.open("w") as stream:
+        return subprocess.run([python, "setup.py", "build_ext", "--inplace"], cwd=checkout,
+                              env=env_for(checkout), stdout=stream, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, check=False).returncode == 0
+
+
 def env_for(checkout: Path) -> dict[str, str]:
     """This environment with ``PYTHONPATH`` set to ``checkout`` alone."""
     return {**os.environ, "PYTHONPATH": str(checkout.resolve())}
@@ -169,6 +189,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("."), metavar="DIR",
                         help="where interleave.json and the run logs go (default .)")
     parser.add_argument("--cpus", metavar="LIST", help="run the suites under taskset -c LIST")
+    parser.add_argument("--build-accel", action="store_true",
+                        help="build the compiled core in each checkout before the runs")
     return parser.parse_args(argv)
 
 
@@ -201,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     run_log: list[dict[str, Any]] = []
     tmp = Path(tempfile.mkdtemp(prefix="kvcoord-interleave-"))
     checkouts: dict[str, Path] = {}
+    accel: dict[str, str] = {}
     status = 0
     try:
         for label, side in sides.items():
@@ -217,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
             if (why := check_imports(sys.executable, checkout)) is not None:
                 print(f"interleave: {label} {why}", file=sys.stderr)
                 return 1
+            if args.build_accel and checkout != REPO and not build_accel(
+                    sys.executable, checkout, args.out / "logs" / f"{label}-build.log"):
+                print(f"interleave: {label}: the compiled core did not build (see "
+                      f"{args.out / 'logs' / f'{label}-build.log'})", file=sys.stderr)
+                return 1
+            accel[label] = accel_of(sys.executable, checkout)
         order = [(i, label) for i in range(1, args.runs + 1) for label in sides]
         for n, (i, label) in enumerate(order, 1):
             rev = f"{sides[label]['rev']} ({sides[label]['commit'][:8]})"
@@ -245,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     rows = summarize(values["before"], values["after"])
     report = {"suite": args.suite, "runs": args.runs, "cpus": args.cpus,
-              "python": sys.executable, **sides, "run_log": run_log,
+              "python": sys.executable, **sides, "accel": accel, "run_log": run_log,
               "failed_runs": sum(r["exit"] != 0 for r in run_log),
               "direction": "after_is says which way a figure moved, not whether that is better",
               "figures": rows}

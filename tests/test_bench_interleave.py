@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.interleave import flatten, summarize, verdict
+from bench.interleave import accel_of, flatten, summarize, verdict
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,3 +76,19 @@ def test_unknown_revision_is_refused_by_name(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.strip() == "interleave: unknown revision 'no-such-rev-xyz'"
     assert not (tmp_path / "interleave.json").exists()
+
+
+def test_accel_of_names_the_core_a_checkout_runs(tmp_path: Path) -> None:
+    # This checkout was built by `make install` where a C compiler is (CI has one); a bare
+    # copy of the package has no extension modules, so its benchmarks would run pure Python.
+    from coordinator.core import accel
+
+    assert accel_of(sys.executable, REPO) == accel.status()
+    bare = tmp_path / "bare"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(bare), "HEAD"],
+                   check=True, capture_output=True)
+    try:
+        assert accel_of(sys.executable, bare).startswith("pure Python (not built:")
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(bare)],
+                       check=False, capture_output=True)
