@@ -139,8 +139,7 @@ def _bench_prefix_index(load: Workload, keys: list[list[bytes]], repeats: int,
     ``PENDING_ROUTES`` routes' pages pending on workers that do not hold them (the index's
     clock stands still meanwhile, so none expires): ``pending_matches`` is how many timed
     queries met a pending entry (0 would mean the pending walk never ran)."""
-    from coordinator.core.page_events import apply_page_events
-    from coordinator.server.convert import events_from
+    from coordinator.sync_codec import events_from_pb
     from coordinator.v1 import coordinator_pb2 as pb
 
     names = [f"worker-{w}" for w in sorted(set(load.owners))]
@@ -154,7 +153,7 @@ def _bench_prefix_index(load: Workload, keys: list[list[bytes]], repeats: int,
         index = PrefixIndex(clock=lambda: still, accelerated=accelerated)
         start = time.perf_counter_ns()
         for owner, batch in zip(load.owners, batches, strict=True):
-            apply_page_events(index, names[owner], events_from(parse(batch)))
+            index.apply(names[owner], events_from_pb(parse(batch)))
         store_s.append((time.perf_counter_ns() - start) / 1e9)
     queries = random.Random(3).choices(keys, k=2000)
     match = _latencies_us(index.match, queries, repeats)

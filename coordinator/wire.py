@@ -2,9 +2,9 @@
 
 ``PROTOCOL_VERSION`` goes in every request and answer; a peer speaking another version is refused
 (FAILED_PRECONDITION, reason ``PROTOCOL_VERSION``) rather than misread. The page key size is the
-core's (``coordinator.core.hashing.hash_config.PAGE_KEY_BYTES``; page keys travel as concatenated
-16-byte
-keys): this module imports nothing of the coordinator, so the core may import it.
+core's (``coordinator.core.hashing.PAGE_KEY_BYTES``; page keys travel as concatenated 16-byte
+keys): this module imports nothing of the coordinator, so the core may import it. The ``Sync``
+stream's messages are converted, for both sides, by ``coordinator.sync_codec``.
 
 A refusal says why in a ``google.rpc.ErrorInfo`` status detail: ``domain`` is ``ERROR_DOMAIN``
 and ``reason`` one of ``Reason``. A refusal that may be retried also carries a

@@ -9,7 +9,6 @@ import pytest
 
 from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
 from coordinator.core.index import PrefixIndex, Tier
-from coordinator.core.page_events import apply_page_events
 from worker.bridge.block_map import BlockMap
 from worker.bridge.engine_events import (
     AllBlocksCleared,
@@ -184,7 +183,7 @@ def _index_fed(*payloads: bytes) -> tuple[PrefixIndex, list[bytes], list[tuple[s
             except MalformedInput as exc:
                 skipped.append((exc.kind, str(exc)))
                 continue
-            apply_page_events(index, "engine", page_events)
+            index.apply("engine", page_events)
     keys = PageHasher(HASH).page_keys(TOKENS[:8], Namespace(model="m", policy_version=3,
                                                             page_size=PAGE))
     return index, keys, skipped

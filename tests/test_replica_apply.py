@@ -10,7 +10,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.control.sessions.sync_messages import Outbound, RegistrationRequest
 from coordinator.core.errors import DomainError
 from coordinator.core.fleet import WorkerLoad
-from coordinator.core.page_events import PageEvent
+from coordinator.core.index import PagesStored
 from coordinator.core.routing import PromptInput, RouteReservation, Scope
 from coordinator.replica import CoordinatorReplica
 from coordinator.replication.apply import ReplicaApplier
@@ -54,7 +54,7 @@ def registered(incarnation: int = 1) -> Registered:
 
 
 def stored(seq: int, *keys: bytes, incarnation: int = 1) -> Pages:
-    return Pages("w1", incarnation, seq, (PageEvent("stored", keys),))
+    return Pages("w1", incarnation, seq, (PagesStored(keys),))
 
 
 def test_an_older_registration_is_ignored_and_a_newer_one_replaces_the_session() -> None:
@@ -124,7 +124,7 @@ async def test_a_worker_streaming_here_is_ours_until_another_replica_says_it_mov
     sent: list[Outbound] = []
     session, stream, _ = r.service.worker_sync.hello(
         "w1", registration.incarnation, 0, close=closed.append, send=sent.append)
-    r.service.worker_sync.events(session, 1, [PageEvent("stored", (K[0],))])
+    r.service.worker_sync.events(session, 1, [PagesStored((K[0],))])
     r.applier.apply("c2", stored(2, K[1], incarnation=registration.incarnation))
     r.applier.apply("c2", Replaced("w1", registration.incarnation, 9, {}))
     assert r.held() == {K[0]} and closed == []

@@ -9,8 +9,7 @@ import json
 import pytest
 
 from coordinator.core.fleet import WorkerLoad
-from coordinator.core.index import Tier
-from coordinator.core.page_events import PageEvent
+from coordinator.core.index import PagesRemoved, PagesStored, Tier, WorkerCleared
 from coordinator.core.routing import RouteReservation
 from coordinator.replication.events import (
     Attached,
@@ -41,9 +40,10 @@ EVENTS: list[ReplicaEvent] = [
     Registered("w3", 1, "10.0.0.3:7000", "llama", 2, False, 64, "", 256),
     Attached("w1", 3, 17),
     Detached("w1", 3),
-    Pages("w1", 3, 17, (PageEvent("stored", tuple(KEYS[:3])),
-                        PageEvent("removed", (KEYS[3],), Tier.CPU),
-                        PageEvent("cleared", ()))),
+    Pages("w1", 3, 17, (PagesStored(tuple(KEYS[:3])),
+                        PagesStored((KEYS[4],), Tier.CPU),
+                        PagesRemoved((KEYS[3],)),
+                        WorkerCleared())),
     Replaced("w1", 3, 16, {"gpu": tuple(KEYS[:2]), "disk": (KEYS[5],)}),
     Replaced("w1", 3, 0, {}),
     State("w1", 3, 2, WorkerLoad(running_requests=1, queued_tokens=2, free_pages=3,
@@ -132,3 +132,15 @@ def test_a_registration_from_a_release_without_http_url_reads_as_none() -> None:
     assert decode(entry("registered", body)).event == Registered("w1", 3, "h:1", "m", 0, False, 8)
     with pytest.raises(MalformedEvent):  # a required field is still required
         decode(entry("registered", {k: v for k, v in body.items() if k != "model"}))
+
+
+def test_page_events_keep_their_replication_form() -> None:
+    # Replicas of the previous release read this form: a kind, a tier (GPU for the kinds that
+    # name none) and a key count per event, the keys concatenated in order.
+    pages = Pages("w1", 3, 17, (PagesStored(tuple(KEYS[:3])), PagesStored((KEYS[4],), Tier.CPU),
+                                PagesRemoved((KEYS[3],)), WorkerCleared()))
+    _, _, kind, body, blob = encode("c1", 1, pages)["e"].split("\x1f")
+    assert kind == "pages"
+    assert json.loads(body)["e"] == [["stored", "gpu", 3], ["stored", "cpu", 1],
+                                     ["removed", "gpu", 1], ["cleared", "gpu", 0]]
+    assert base64.b64decode(blob) == b"".join([*KEYS[:3], KEYS[4], KEYS[3]])

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient, CoordinatorClient
 from coordinator.client.outcomes import outcome_of
-from coordinator.core.page_events import PageEvent
+from coordinator.core.index import PagesRemoved
 from coordinator.core.rollout_records import Rollout
 from coordinator.replication.events import Pages, encode
 from coordinator.server.main import RunningCoordinator
@@ -172,7 +172,7 @@ async def test_a_replica_that_missed_a_batch_takes_the_owners_snapshot(redis_url
         await worker.store(keys)
         await agree(a, b, expect=lambda got: got[0] == {"w1": 64})
         # A batch B never saw the one before: seq 3 after 1. B must not guess; it asks A.
-        fake = Pages("w1", worker.incarnation, 3, (PageEvent("removed", tuple(keys)),))
+        fake = Pages("w1", worker.incarnation, 3, (PagesRemoved(tuple(keys)),))
         with redis.Redis.from_url(redis_url) as client:
             client.xadd("kvcoord:{default}:events", encode("X", int(time.time() * 1000), fake))
         assert b.service.replicator is not None

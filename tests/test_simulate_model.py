@@ -12,12 +12,13 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core.hashing import HashConfig, Namespace, PageHasher
+from coordinator.core.index import PageEvent, PagesStored
 from coordinator.core.tier_costs import TierCosts
 from kvcoord.simulate import engine, views
 from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS, jittered_arrivals
 from kvcoord.simulate.cost_model import CostModel
 from kvcoord.simulate.runner import DEFAULT_SEEDS, simulate
-from kvcoord.simulate.simworker import Job, PageEvent, SimWorker
+from kvcoord.simulate.simworker import Job, SimWorker
 from kvcoord.simulate.summary import Spread, verdict
 from kvcoord.simulate.trace import TraceRequest, load_trace
 from worker.sync import sync_client
@@ -54,15 +55,15 @@ def test_a_decode_ending_mid_prefill_speeds_up_the_rest_of_it() -> None:
     cost = CostModel(prefill_tokens_per_s=100, decode_s_per_token=0.2, step_prefill_tokens=2,
                      kv_read_tokens=41)
     ns = Namespace(model="t", page_size=16)
-    events: list[PageEvent] = []
+    events: list[tuple[str, PageEvent]] = []
     worker = SimWorker("w0", 100, hasher=PageHasher(HashConfig(b"k" * 32, page_size=16)),
-                       namespace=ns, cost=cost, publish=events.append)
+                       namespace=ns, cost=cost, publish=lambda w, e: events.append((w, e)))
     a = Job(request(0, 40, 2), page_keys("a", 2), 0.0)  # context 40 + 2 // 2 = 41
     worker.enqueue(a)
     assert worker.start_next(0.0) is a
     assert a.prefill_end_s == pytest.approx(0.4)  # 40 tokens at 100/s, nothing decoding
     worker.finish_prefill(a)
-    assert events == [PageEvent("w0", True, page_keys("a", 2))]  # Stored, for the index
+    assert events == [("w0", PagesStored(page_keys("a", 2)))]  # Stored, for the index
     b = Job(request(1, 60, 1), page_keys("b", 3), 0.4)
     worker.enqueue(b)
     assert worker.start_next(0.4) is b

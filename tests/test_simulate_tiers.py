@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 
 from coordinator.core.hashing import HashConfig, Namespace, PageHasher
-from coordinator.core.index import PrefixIndex, Tier
+from coordinator.core.index import PageEvent, PagesStored, PrefixIndex, Tier
 from coordinator.core.tier_costs import TierCosts
 from kvcoord.simulate.cost_model import CostModel
-from kvcoord.simulate.engine import apply_page_event
 from kvcoord.simulate.peers import DynamoLikeRouter
 from kvcoord.simulate.report import SimulationReport, to_json
 from kvcoord.simulate.runner import simulate
-from kvcoord.simulate.simworker import Job, PageEvent, SimWorker
+from kvcoord.simulate.simworker import Job, SimWorker
 from kvcoord.simulate.trace import TraceRequest, load_trace
 from tests.test_simulate_peers import context, job, keys
 
@@ -39,9 +38,10 @@ def test_an_evicted_prefix_moves_to_host_and_comes_back_for_its_copy_time() -> N
     events: list[PageEvent] = []
     index = PrefixIndex(clock=lambda: 0.0)
 
-    def publish(event: PageEvent) -> None:
+    def publish(worker_id: str, event: PageEvent) -> None:
+        assert worker_id == "w0"
         events.append(event)
-        apply_page_event(index, event)  # what the engine delivers after the Sync delay
+        index.apply(worker_id, [event])  # what the engine delivers after the Sync delay
 
     worker = SimWorker("w0", 4, host_pages=8, namespace=Namespace(model="t", page_size=PAGE),
                        hasher=PageHasher(HashConfig(b"k" * 32, page_size=PAGE)), cost=cost,
@@ -58,7 +58,8 @@ def test_an_evicted_prefix_moves_to_host_and_comes_back_for_its_copy_time() -> N
     worker.enqueue(b)
     assert worker.start_next(1.0) is b
     assert b.host_tokens == b.cached_tokens == 0
-    assert events[-1].tier is Tier.CPU and sorted(events[-1].keys) == sorted(a_keys)
+    assert isinstance(events[-1], PagesStored) and events[-1].tier is Tier.CPU
+    assert sorted(events[-1].keys) == sorted(a_keys)
     assert index.match_detail(a_keys)["w0"].lower_tier_pages == 3  # the router sees it there
     worker.finish_prefill(b)
     worker.finish_decode(b, 2.0)
@@ -68,7 +69,8 @@ def test_an_evicted_prefix_moves_to_host_and_comes_back_for_its_copy_time() -> N
     c = Job(request(2, 56, 8), a_keys, 2.0)
     worker.enqueue(c)
     assert worker.start_next(2.0) is c
-    assert [(e.stored, e.tier) for e in events[seen:]] == [(True, Tier.CPU), (True, Tier.GPU)]
+    assert [(type(e), getattr(e, "tier", None)) for e in events[seen:]] == [
+        (PagesStored, Tier.CPU), (PagesStored, Tier.GPU)]
     assert sorted(events[seen].keys) == sorted(b_keys)
     assert sorted(events[seen + 1].keys) == sorted(a_keys)
     assert (c.cached_tokens, c.host_tokens, c.uncached_tokens) == (48, 48, 8)

@@ -17,6 +17,7 @@ import asyncio
 
 import structlog
 
+from coordinator.sync_codec import TIER_TO_PB
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
@@ -27,7 +28,7 @@ from worker.serving.policy_commands import PolicyCommandHandler
 from worker.sync import SyncClient, SyncSettings, WorkerIdentity
 from worker.sync.event_log import Holdings
 from worker.sync.rollout_reporter import RolloutReporter
-from worker.sync.sync_protocol import TIER_PB, RegistrationRefused, SyncCounters
+from worker.sync.sync_protocol import RegistrationRefused, SyncCounters
 
 __all__ = ["CoordinatorAgent", "RegistrationRefused"]
 
@@ -117,12 +118,6 @@ class CoordinatorAgent:
         await self._commands.stop()
         await self.sync.stop(deregister=deregister)
 
-    def page_event(
-        self, kind: pb.PageEvent.Kind, keys: list[bytes], tier: pb.Tier = pb.TIER_GPU
-    ) -> None:
-        """One runtime event (on the loop, from ``EventRelay``)."""
-        self.sync.page_event(kind, keys, tier)
-
     def _rollout_stub(self) -> pb_grpc.CoordinatorStub | None:
         """The stub rollouts go through: the synced coordinator's, None while not synced. After
         a deregistration the coordinator still takes this worker's last records for a while."""
@@ -143,7 +138,7 @@ class CoordinatorAgent:
 
     async def holdings(self) -> Holdings:
         inventory = await asyncio.to_thread(self._runtime.inventory)
-        return {TIER_PB[tier]: keys for tier, keys in inventory.items()}
+        return {TIER_TO_PB[tier]: keys for tier, keys in inventory.items()}
 
     def heartbeat(self) -> pb.Heartbeat:
         stats = self._runtime.stats()

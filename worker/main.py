@@ -153,7 +153,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     serving = health_pb2.HealthCheckResponse.SERVING
     await health.set("", serving)
     await health.set(SERVICE_NAME, serving)
-    relay.bind(asyncio.get_running_loop(), agent)
+    relay.bind(asyncio.get_running_loop(), agent.sync)
     agent.start()
     log.info("worker.serving", worker=worker_id, listen=config.listen, port=port,
              address=address, metrics_port=metrics_port, http_port=http_port, device=device,

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from coordinator.core.fleet import RegisteredWorker
-from coordinator.core.page_events import PageEvent
+from coordinator.core.index import PageEvent
 
 
 class ReplicationSink(Protocol):

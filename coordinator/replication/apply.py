@@ -30,7 +30,6 @@ from coordinator.control.sessions import WorkerStreams, WorkerSync
 from coordinator.control.sessions.worker_sync import DEREGISTERED
 from coordinator.core.fleet import Fleet, RegisteredWorker
 from coordinator.core.index import PrefixIndex
-from coordinator.core.page_events import apply_page_events, observe_prefill_ends
 from coordinator.core.routing import Router
 from coordinator.replication.events import (
     Attached,
@@ -186,8 +185,8 @@ class ReplicaApplier:
             self.counters.gaps += 1
             self._ask(session.worker_id)
             return
-        apply_page_events(self._index, session.worker_id, event.events)
-        observe_prefill_ends(session, event.events, self._clock())
+        self._index.apply(session.worker_id, event.events)
+        session.observe_page_events(event.events, self._clock())
         session.next_seq = event.seq + 1
         self._renew(session)
 

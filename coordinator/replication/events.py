@@ -26,8 +26,7 @@ from typing import Any
 
 from coordinator.core.fleet import WorkerLoad
 from coordinator.core.hashing import PageKeys, split_page_keys
-from coordinator.core.index import Tier
-from coordinator.core.page_events import PageEvent
+from coordinator.core.index import PageEvent, PagesRemoved, PagesStored, Tier, WorkerCleared
 from coordinator.core.routing import RouteReservation
 
 
@@ -181,7 +180,7 @@ def encode(origin: str, published_ms: int, event: ReplicaEvent) -> dict[str, str
     blob = b""
     if isinstance(event, Pages):
         body = {"w": event.worker_id, "i": event.incarnation, "s": event.seq,
-                "e": [[e.kind, e.tier.value, len(e.keys)] for e in event.events]}
+                "e": [[e.kind, _tier_of(e).value, len(e.keys)] for e in event.events]}
         blob = b"".join(b"".join(e.keys) for e in event.events)
     elif isinstance(event, Replaced):
         body = {"w": event.worker_id, "i": event.incarnation, "s": event.seq,
@@ -232,6 +231,22 @@ def decode(fields: Mapping[str, str]) -> Envelope:
         raise MalformedEvent(f"unreadable replication event {dict(fields)!r}: {exc}") from exc
 
 
+def _tier_of(event: PageEvent) -> Tier:
+    # Only Stored names a tier; the others are written as GPU, as they always were.
+    return event.tier if type(event) is PagesStored else Tier.GPU
+
+
+def _page_event(kind: str, keys: PageKeys, tier: Tier) -> PageEvent:
+    """The page event a Pages body names (``kind`` is the variant's ``kind``)."""
+    if kind == PagesStored.kind:
+        return PagesStored(keys, tier)
+    if kind == PagesRemoved.kind:
+        return PagesRemoved(keys)
+    if kind == WorkerCleared.kind:
+        return WorkerCleared()
+    raise ValueError(f"unknown page event kind {kind!r}")
+
+
 def _take(keys: PageKeys, start: int, count: int) -> PageKeys:
     if count < 0 or start + count > len(keys):
         raise ValueError("key counts do not match the key blob")
@@ -242,9 +257,7 @@ def _decode_body(kind: type[Any], body: dict[str, Any], keys: PageKeys) -> Repli
     if kind is Pages:
         events, at = [], 0
         for event_kind, tier, count in body["e"]:
-            if event_kind not in ("stored", "removed", "cleared"):
-                raise ValueError(f"unknown page event kind {event_kind!r}")
-            events.append(PageEvent(event_kind, _take(keys, at, count), Tier(tier)))
+            events.append(_page_event(event_kind, _take(keys, at, count), Tier(tier)))
             at += count
         if at != len(keys):
             raise ValueError("key counts do not match the key blob")

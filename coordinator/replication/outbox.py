@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import structlog
 
 from coordinator.core.fleet import RegisteredWorker
-from coordinator.core.page_events import PageEvent
+from coordinator.core.index import PageEvent
 from coordinator.core.routing import RouteReservation
 from coordinator.replication.events import (
     Attached,

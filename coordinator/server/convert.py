@@ -23,27 +23,18 @@ from coordinator.control.sessions.sync_messages import (
 )
 from coordinator.core.errors import InvalidArgument
 from coordinator.core.fleet import WorkerLoad
-from coordinator.core.hashing import PAGE_KEY_BYTES, PageKeys, split_page_keys
 from coordinator.core.hashing.page_hasher import tokens_to_bytes
 from coordinator.core.index import Tier
-from coordinator.core.page_events import PageEvent
 from coordinator.core.policy_state import PolicyPhase, PolicyRecord
 from coordinator.core.rollout_records import Rollout
 from coordinator.core.routing import LookupResult, PromptInput, RouteResult, Scope
 from coordinator.core.routing.awaited_routes import MAX_ROUTE_ID_LENGTH
 from coordinator.replica import StatsSnapshot, WorkerView
 from coordinator.rpc.versions import check_protocol
+from coordinator.sync_codec import page_keys_from, tier_from_pb
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.wire import PROTOCOL_VERSION
 
-TIER_FROM_PB = {
-    pb.TIER_UNSPECIFIED: Tier.GPU, pb.TIER_GPU: Tier.GPU, pb.TIER_CPU: Tier.CPU,
-    pb.TIER_DISK: Tier.DISK,
-}
-EVENT_KIND_FROM_PB = {
-    pb.PageEvent.KIND_STORED: "stored", pb.PageEvent.KIND_REMOVED: "removed",
-    pb.PageEvent.KIND_CLEARED: "cleared",
-}
 STATE_TO_PB = {
     "ready": pb.WORKER_STATE_READY, "draining": pb.WORKER_STATE_DRAINING,
     "fenced": pb.WORKER_STATE_FENCED, "cordoned": pb.WORKER_STATE_CORDONED,
@@ -60,14 +51,6 @@ ACK_STAGE_FROM_PB = {
 PHASE_TO_PB = {
     PolicyPhase.SERVING: pb.POLICY_PHASE_SERVING, PolicyPhase.DRAINING: pb.POLICY_PHASE_DRAINING,
 }
-
-
-def page_keys_from(blob: bytes, what: str) -> PageKeys:
-    if len(blob) % PAGE_KEY_BYTES:
-        raise InvalidArgument(
-            f"{what}: {len(blob)} bytes of page keys is not a multiple of {PAGE_KEY_BYTES}"
-        )
-    return split_page_keys(blob)
 
 
 def prompt_from(prompt: pb.Prompt, config: CoordinatorConfig, what: str = "prompt") -> PromptInput:
@@ -221,23 +204,6 @@ def http_url_from(url: str) -> str:
     return url.rstrip("/")
 
 
-def events_from(batch: pb.EventBatch) -> list[PageEvent]:
-    events = []
-    for event in batch.events:
-        kind = EVENT_KIND_FROM_PB.get(event.kind)
-        if kind is None:
-            raise InvalidArgument(f"event batch {batch.seq}: unknown event kind {event.kind}")
-        tier = TIER_FROM_PB.get(event.tier)
-        if tier is None:
-            raise InvalidArgument(f"event batch {batch.seq}: unknown tier {event.tier}")
-        keys = page_keys_from(event.page_keys, f"event batch {batch.seq}")
-        if kind == "cleared" and keys:
-            # Checked before any event of the batch is applied (the batch is all or nothing).
-            raise InvalidArgument(f"event batch {batch.seq}: a CLEARED event carries no page keys")
-        events.append(PageEvent(kind, keys, tier))
-    return events
-
-
 def heartbeat_from(beat: pb.Heartbeat) -> HeartbeatIn:
     load = WorkerLoad(
         running_requests=beat.running_requests, queued_tokens=beat.queued_tokens,
@@ -247,9 +213,7 @@ def heartbeat_from(beat: pb.Heartbeat) -> HeartbeatIn:
 
 
 def inventory_from(chunk: pb.InventoryChunk) -> InventoryIn:
-    tier = TIER_FROM_PB.get(chunk.tier)
-    if tier is None:
-        raise InvalidArgument(f"inventory chunk: unknown tier {chunk.tier}")
+    tier = tier_from_pb(chunk.tier, "inventory chunk")
     keys = page_keys_from(chunk.page_keys, "inventory chunk")
     return InventoryIn(chunk.resync_id, keys, tier, chunk.last, chunk.seq)
 

@@ -29,6 +29,7 @@ from coordinator.rpc.identities import (
 from coordinator.rpc.versions import check_protocol
 from coordinator.server import convert
 from coordinator.server.convert import prompt_from, scope_from
+from coordinator.sync_codec import events_from_pb
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from coordinator.wire import PROTOCOL_VERSION, Reason
@@ -244,7 +245,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         sessions = self._service.worker_sync
         body = request.WhichOneof("body")
         if body == "events":
-            events = convert.events_from(request.events)
+            events = events_from_pb(request.events)
             return sessions.events(session, request.events.seq, events)
         if body == "heartbeat":
             return await sessions.heartbeat(session, convert.heartbeat_from(request.heartbeat))

@@ -30,13 +30,13 @@ from typing import NamedTuple
 
 from coordinator.core.fleet import WorkerLoad
 from coordinator.core.hashing import Namespace, PageHasher
-from coordinator.core.index import PrefixIndex
+from coordinator.core.index import PageEvent, PagesStored, PrefixIndex
 from coordinator.core.routing import KvAwareWeights
 from kvcoord.simulate.arrivals import ARRIVAL_JITTER_MS, jittered_arrivals
 from kvcoord.simulate.cost_model import CostModel
 from kvcoord.simulate.peers import DynamoLikeRouter, SglangLikeRouter
 from kvcoord.simulate.routers import ProductionRouter, RouterContext, SimRouter
-from kvcoord.simulate.simworker import Job, PageEvent, SimWorker
+from kvcoord.simulate.simworker import Job, SimWorker
 from kvcoord.simulate.trace import TraceRequest
 from kvcoord.simulate.views import SYNC_DELAY_S, CoordinatorLoads, HeartbeatClock
 
@@ -141,13 +141,11 @@ class _Beat(NamedTuple):
     completed_routes: int
 
 
-def apply_page_event(index: PrefixIndex, event: PageEvent) -> None:
-    """What the coordinator does with a worker's page event: Stored or Moved keys are held in
-    ``event.tier`` now (``store`` moves a held key to that tier), Removed keys are dropped."""
-    if event.stored:
-        index.store(event.worker_id, event.keys, event.tier)
-    else:
-        index.remove(event.worker_id, event.keys)
+class _Delivery(NamedTuple):
+    """A worker's page event on its way to the index (after the Sync delay)."""
+
+    worker_id: str
+    event: PageEvent
 
 
 def run_policy(
@@ -218,9 +216,10 @@ class _Replay:
     def _push(self, at: float, kind: int, worker: int, payload: object) -> None:
         heapq.heappush(self.events, (at, kind, next(self.order), worker, payload))
 
-    def _publish(self, event: PageEvent) -> None:
+    def _publish(self, worker_id: str, event: PageEvent) -> None:
         """A worker's page event, delivered to the index after the Sync delay."""
-        self._push(self.now + SYNC_DELAY_S, _DELIVERY, self.position[event.worker_id], event)
+        self._push(self.now + SYNC_DELAY_S, _DELIVERY, self.position[worker_id],
+                   _Delivery(worker_id, event))
 
     def _handle_until(self, limit: float) -> None:
         """Process every event up to ``limit``; with ``limit`` = inf, until no job is left
@@ -278,10 +277,12 @@ class _Replay:
         self._start(w)
 
     def _deliver(self, w: int, message: object) -> None:
-        if isinstance(message, PageEvent):
-            apply_page_event(self.index, message)
-            if message.stored:
-                self.coordinator.stored(w, message.keys, self.now)
+        if isinstance(message, _Delivery):
+            # What the coordinator does with it: Stored or Moved keys are held in their tier now
+            # (``store`` moves a held key), Removed keys are dropped.
+            self.index.apply(message.worker_id, (message.event,))
+            if type(message.event) is PagesStored:
+                self.coordinator.stored(w, message.event.keys, self.now)
         else:
             assert isinstance(message, _Beat)
             self.coordinator.heartbeat(w, message.load, message.completed_routes)

@@ -2,8 +2,9 @@
 
 Memory is the production :class:`worker.kv.allocator.PageAllocator` (LRU of unreferenced cached
 pages, tail pages evicted first) under the production :class:`worker.kv.prefix_cache.PrefixCache`,
-whose Stored/Removed/Moved callbacks become :class:`PageEvent` objects handed to ``publish``, as
-a real worker's Sync events would be (consecutive events of one kind and tier are merged, in
+whose Stored/Removed/Moved callbacks become the coordinator's own typed page events
+(``coordinator.core.index.PageEvent``), handed to ``publish(worker_id, event)`` as a real
+worker's Sync events would be (consecutive events of one kind and tier are merged, in
 their order, so one allocation's evictions make one event); the engine delivers them to the
 index after the event delay (``views``).
 
@@ -38,25 +39,14 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import cast
 
 from coordinator.core.fleet import WorkerLoad
 from coordinator.core.hashing import Namespace, PageHasher
-from coordinator.core.index import Tier
+from coordinator.core.index import PageEvent, PagesRemoved, PagesStored, Tier
 from kvcoord.simulate.cost_model import CostModel
 from kvcoord.simulate.trace import TraceRequest
 from worker.kv import OutOfPages, PageAllocator, PrefixCache
-
-
-class PageEvent(NamedTuple):
-    """A worker's page keys as its Sync stream would carry them: held now in ``tier``
-    (``stored``: newly computed, or moved to that tier) or Removed (``stored`` False; the tier
-    is then meaningless)."""
-
-    worker_id: str
-    stored: bool
-    keys: list[bytes]
-    tier: Tier = Tier.GPU
 
 
 @dataclass(slots=True)
@@ -94,7 +84,7 @@ class SimWorker:
         hasher: PageHasher,
         namespace: Namespace,
         cost: CostModel,
-        publish: Callable[[PageEvent], None] | None = None,
+        publish: Callable[[str, PageEvent], None] | None = None,
         host_pages: int = 0,
     ) -> None:
         if host_pages < 0:
@@ -235,13 +225,16 @@ class SimWorker:
         """Queue an event, merged into the previous one when of the same kind and tier (the
         order between kinds is kept: a key moved down and then dropped ends up dropped)."""
         box = self._outbox
-        if box and box[-1].stored == stored and box[-1].tier == tier:
-            box[-1].keys.extend(keys)
+        last = box[-1] if box else None
+        if (type(last) is PagesStored and stored and last.tier == tier) or (
+                type(last) is PagesRemoved and not stored):
+            # NOTE: the event's keys are the list made below, ours until published: extend it.
+            cast(list[bytes], last.keys).extend(keys)
         else:
-            box.append(PageEvent(self.worker_id, stored, list(keys), tier))
+            box.append(PagesStored(list(keys), tier) if stored else PagesRemoved(list(keys)))
 
     def _flush(self) -> None:
         if self._outbox and self._publish is not None:
             for event in self._outbox:
-                self._publish(event)
+                self._publish(self.worker_id, event)
         self._outbox.clear()

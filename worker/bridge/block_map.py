@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.core.hashing import Namespace, PageHasher
-from coordinator.core.index import Tier
-from coordinator.core.page_events import PageEvent
+from coordinator.core.index import PageEvent, PagesRemoved, PagesStored, Tier
 from worker.bridge.engine_events import BlockRemoved, BlockStored, EngineHash, MalformedInput
 
 # The ``medium`` strings engines publish, compared case-blind (tests/test_bridge_core.py feeds
@@ -104,7 +103,7 @@ class BlockMap:
                 continue
             block.media.add(tier)
             out.setdefault(block.tier(), []).extend(keys)
-        return [PageEvent("stored", tuple(keys), t) for t, keys in out.items()], skipped
+        return [PagesStored(tuple(keys), t) for t, keys in out.items()], skipped
 
     def removed(self, event: BlockRemoved) -> tuple[list[PageEvent], int]:
         """Page events for the removal, and how many of its hashes were unknown."""
@@ -123,9 +122,9 @@ class BlockMap:
             else:
                 del self._blocks[block_hash]
                 gone.extend(block.keys)
-        events = [PageEvent("stored", tuple(keys), t) for t, keys in moved.items()]
+        events: list[PageEvent] = [PagesStored(tuple(keys), t) for t, keys in moved.items()]
         if gone:
-            events.append(PageEvent("removed", tuple(gone)))
+            events.append(PagesRemoved(tuple(gone)))
         return events, unknown
 
     def clear(self) -> None:

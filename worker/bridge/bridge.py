@@ -29,7 +29,8 @@ import zmq.asyncio
 
 from coordinator.client.channels import ClientTls
 from coordinator.core.hashing import PageHasher
-from coordinator.core.page_events import PageEvent
+from coordinator.core.index import PageEvent, WorkerCleared
+from coordinator.sync_codec import TIER_TO_PB
 from coordinator.v1 import coordinator_pb2 as pb
 from worker.bridge.block_map import BlockMap
 from worker.bridge.bridge_config import BridgeConfig
@@ -43,7 +44,6 @@ from worker.bridge.engine_events import (
 from worker.bridge.policy_member import PolicyMember, engine_control
 from worker.sync import SyncClient, SyncSettings, WorkerIdentity
 from worker.sync.event_log import Holdings
-from worker.sync.sync_protocol import TIER_PB
 
 __all__ = ["END_SEQ", "Bridge", "BridgeConfig"]
 
@@ -51,8 +51,6 @@ log = structlog.get_logger(__name__)
 
 _SEQ = struct.Struct(">q")
 END_SEQ = -1
-_KIND_PB = {"stored": pb.PageEvent.KIND_STORED, "removed": pb.PageEvent.KIND_REMOVED,
-            "cleared": pb.PageEvent.KIND_CLEARED}
 # Routes issued to the engine are never reported finished (it cannot tell us): each heartbeat
 # settles them all, so the coordinator's in-flight count covers one heartbeat period.
 _SETTLE_ALL = 1 << 30
@@ -166,7 +164,7 @@ class Bridge:
 
     async def holdings(self) -> Holdings:
         """What the engine holds now, by tier (taken on the loop, where the map changes)."""
-        return {TIER_PB[tier]: keys for tier, keys in self.blocks.inventory().items()}
+        return {TIER_TO_PB[tier]: keys for tier, keys in self.blocks.inventory().items()}
 
     def heartbeat(self) -> pb.Heartbeat:
         running = 0 if self.member is None else self.member.proxy.in_flight
@@ -188,7 +186,7 @@ class Bridge:
 
     def _send(self, events: Sequence[PageEvent]) -> None:
         for event in events:
-            self.sync.page_event(_KIND_PB[event.kind], list(event.keys), TIER_PB[event.tier])
+            self.sync.page_event(event)
 
     # ------------------------------------------------------------------ the engine side
 
@@ -221,7 +219,7 @@ class Bridge:
     async def _drop_everything(self) -> None:
         """Forget every block and have the coordinator drop the worker's entries."""
         self.blocks.clear()
-        self._send([PageEvent("cleared", ())])
+        self._send([WorkerCleared()])
         self.applied["cleared"] += 1
 
     async def _fill_gap(self, seen: int) -> None:
@@ -289,7 +287,7 @@ class Bridge:
                 elif isinstance(event, AllBlocksCleared):
                     self.engine_clears += 1
                     self.blocks.clear()
-                    out = [PageEvent("cleared", ())]
+                    out = [WorkerCleared()]
                     self.applied["cleared"] += 1
             except MalformedInput as exc:
                 self._skip(exc.kind, str(exc))

@@ -75,7 +75,7 @@ class EventLog:
         return len(self._unacked)
 
     def add(
-        self, kind: pb.PageEvent.Kind, keys: list[bytes], tier: pb.Tier = pb.TIER_GPU
+        self, kind: pb.PageEvent.Kind, keys: Sequence[bytes], tier: pb.Tier = pb.TIER_GPU
     ) -> bool:
         """Queue one event; returns True when a batch should be cut now (a full one is waiting,
         or a CLEARED event: the coordinator should drop the worker's entries without delay)."""

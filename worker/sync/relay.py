@@ -1,22 +1,19 @@
 """The thread -> event loop handoff of page events: the runtime calls its ``EventSink`` on the
-generating thread with its lock held; the agent lives on the event loop."""
+generating thread with its lock held; the ``SyncClient`` lives on the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
 from typing import Protocol
 
-from coordinator.core.index import Tier
-from coordinator.v1 import coordinator_pb2 as pb
-from worker.sync.sync_protocol import TIER_PB
+from coordinator.core.index import PageEvent, PagesRemoved, PagesStored, Tier
 
 
 class PageEventTarget(Protocol):
-    def page_event(
-        self, kind: pb.PageEvent.Kind, keys: list[bytes], tier: pb.Tier = pb.TIER_GPU
-    ) -> None: ...
+    """Where the relay hands events (the worker's ``SyncClient``), on the event loop."""
+
+    def page_event(self, event: PageEvent) -> None: ...
 
 
 class EventRelay:
@@ -26,27 +23,29 @@ class EventRelay:
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._agent: PageEventTarget | None = None
+        self._target: PageEventTarget | None = None
 
-    def bind(self, loop: asyncio.AbstractEventLoop, agent: PageEventTarget) -> None:
-        self._loop, self._agent = loop, agent
+    def bind(self, loop: asyncio.AbstractEventLoop, target: PageEventTarget) -> None:
+        self._loop, self._target = loop, target
 
     def stored(self, keys: list[bytes]) -> None:
-        self._post(pb.PageEvent.KIND_STORED, keys)
+        if keys:
+            self._post(PagesStored(list(keys)))
 
     def removed(self, keys: list[bytes]) -> None:
-        self._post(pb.PageEvent.KIND_REMOVED, keys)
+        if keys:
+            self._post(PagesRemoved(list(keys)))
 
     def moved(self, keys: list[bytes], tier: Tier) -> None:
-        # A Stored event for keys already held moves them to its tier (PROTOCOL.md: one tier
-        # per worker and key), so a move down or back up needs no event kind of its own.
-        self._post(pb.PageEvent.KIND_STORED, keys, TIER_PB[tier])
+        # NOTE: a Stored event for keys already held moves them to its tier (PROTOCOL.md: one
+        # tier per worker and key), so a move down or back up needs no event kind of its own.
+        if keys:
+            self._post(PagesStored(list(keys), tier))
 
-    def _post(
-        self, kind: pb.PageEvent.Kind, keys: Sequence[bytes], tier: pb.Tier = pb.TIER_GPU
-    ) -> None:
-        loop, agent = self._loop, self._agent
-        if loop is None or agent is None or not keys:
+    def _post(self, event: PageEvent) -> None:
+        # The keys were copied above: the runtime reuses its lists once this call returns.
+        loop, target = self._loop, self._target
+        if loop is None or target is None:
             return
         with contextlib.suppress(RuntimeError):  # loop closed: the process is stopping
-            loop.call_soon_threadsafe(agent.page_event, kind, list(keys), tier)
+            loop.call_soon_threadsafe(target.page_event, event)

@@ -17,13 +17,9 @@ import grpc
 from coordinator.client.channels import ClientTls
 from coordinator.client.outcomes import outcome_of
 from coordinator.core.hashing import HashConfig
-from coordinator.core.index import Tier
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.wire import PROTOCOL_VERSION, Reason
 from worker.sync.event_log import Holdings
-
-TIER_PB = {Tier.GPU: pb.TIER_GPU, Tier.CPU: pb.TIER_CPU, Tier.DISK: pb.TIER_DISK}
-"""A tier as the Sync protocol names it."""
 
 
 class StreamEnd(enum.Enum):

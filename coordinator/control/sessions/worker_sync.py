@@ -40,8 +40,7 @@ from coordinator.core.errors import (
 from coordinator.core.fleet import BatchVerdict, Fleet, RegisteredWorker
 from coordinator.core.fleet.fleet import PAGE_BOUND_FACTOR
 from coordinator.core.hashing import HashConfig
-from coordinator.core.index import PrefixIndex
-from coordinator.core.page_events import PageEvent, apply_page_events, observe_prefill_ends
+from coordinator.core.index import PageEvent, PrefixIndex
 from coordinator.store.protocol import MetadataStore, StoreUnavailable
 from coordinator.wire import Reason
 
@@ -284,8 +283,8 @@ class WorkerSync:
                                                 f"expected {session.next_seq}")]
         self._check_page_limit(session, sum(len(e.keys) for e in events if e.kind == "stored"))
         session.advance(seq)
-        apply_page_events(self._index, session.worker_id, events)
-        observe_prefill_ends(session, events, self._clock())
+        self._index.apply(session.worker_id, events)
+        session.observe_page_events(events, self._clock())
         self.counters.events_applied += len(events)
         self._replication.pages(session, seq, events)
         return [Ack(seq)]

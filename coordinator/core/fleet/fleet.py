@@ -15,6 +15,7 @@ from operator import attrgetter
 from coordinator.core.errors import FailedPrecondition
 from coordinator.core.fleet.prefill_backlog import PrefillBacklog
 from coordinator.core.fleet.worker_load import Candidate, WorkerLoad
+from coordinator.core.index.page_events import PageEvent, PagesStored
 from coordinator.core.tier_costs import TierCosts
 from coordinator.wire import Reason
 
@@ -134,6 +135,13 @@ class RegisteredWorker:
         another replica shared); ``last_pending_key``: the last key the route left pending."""
         self.backlog.book(tokens, now, last_pending_key)
         self._load_changed()
+
+    def observe_page_events(self, events: Iterable[PageEvent], now: float) -> None:
+        """Tell the prefill backlog which keys a batch stored: a prefill's last page marks its
+        end (``prefill_backlog``)."""
+        for event in events:
+            if type(event) is PagesStored:
+                self.observe_stored(event.keys, now)
 
     def observe_stored(self, keys: Iterable[bytes], now: float) -> None:
         """The worker reported ``keys`` stored at ``now``: the prefills they end."""

@@ -1,15 +1,14 @@
-"""Whole-index audits of a :class:`~coordinator.core.index.prefix_index.PrefixIndex`: O(size) scans
-for
-tests, operators and replicas, never on a hot path. Both read the index's private structures
-(this module is the index's friend) and mutate nothing.
+"""Whole-index audits of a :class:`~coordinator.core.index.prefix_index.PrefixIndex`: O(size)
+scans for tests, operators and replicas, never on a hot path. Both read the index's tables
+through its one public view for them (:class:`IndexTables`, ``PrefixIndex.tables()``) and
+mutate nothing.
 
 - :func:`check_integrity`: raise :class:`IndexIntegrityError` unless the slot table, the
   per-worker records, the holdings, the two mask dicts and the pending queue all agree.
 - :func:`digest`: 16 bytes naming the confirmed ``(worker, key, tier)`` entries as a set.
 
-They take an :class:`AuditedIndex`, the structures they read, rather than importing
-``PrefixIndex``: the index imports this module, so the import runs one way only, and mypy
-checks at the index's call sites that it still has what is read here.
+They take the tables, not the index: the index imports this module, so the import runs one
+way only.
 
 Pure core: no I/O.
 """
@@ -18,72 +17,30 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Iterable
 
 from coordinator.core.hashing import PAGE_KEY_BYTES
-from coordinator.core.index.holdings import Holdings
-from coordinator.core.index.index_types import IndexIntegrityError, Tier
+from coordinator.core.index.index_types import IndexIntegrityError, IndexTables, Tier
 
 
-class AuditedWorker(Protocol):
-    """What the audits read of one worker's record (``index._Worker``)."""
-
-    @property
-    def slot(self) -> int: ...
-    @property
-    def bit(self) -> int: ...
-    @property
-    def spilled(self) -> Mapping[bytes, Tier]: ...
-    @property
-    def spilled_by_tier(self) -> Counter[Tier]: ...
-    @property
-    def pending(self) -> Mapping[bytes, float]: ...
-
-
-class AuditedIndex(Protocol):
-    """What the audits read of a ``PrefixIndex``: its private structures, read-only."""
-
-    @property
-    def _workers(self) -> Mapping[str, AuditedWorker]: ...
-    @property
-    def _slots(self) -> Sequence[str | None]: ...
-    @property
-    def _free_slots(self) -> Sequence[int]: ...
-    @property
-    def _holdings(self) -> Holdings: ...
-    @property
-    def _lower(self) -> Mapping[bytes, int]: ...
-    @property
-    def _pending(self) -> Mapping[bytes, int]: ...
-    @property
-    def _pending_count(self) -> int: ...
-    @property
-    def _queue(self) -> Iterable[tuple[float, str, tuple[bytes, ...]]]: ...
-    @property
-    def _queued(self) -> int: ...
-    @property
-    def _max_pending(self) -> int: ...
-
-
-def check_integrity(index: AuditedIndex) -> None:
+def check_integrity(index: IndexTables) -> None:
     """What :meth:`PrefixIndex.check_integrity` checks."""
-    occupied = {w.slot: name for name, w in index._workers.items()}
+    occupied = {w.slot: name for name, w in index.workers.items()}
     _require(
-        occupied == {s: n for s, n in enumerate(index._slots) if n is not None}
-        and set(index._free_slots) == set(range(len(index._slots))) - occupied.keys(),
+        occupied == {s: n for s, n in enumerate(index.slots) if n is not None}
+        and set(index.free_slots) == set(range(len(index.slots))) - occupied.keys(),
         "slot table, free slots and workers disagree",
     )
     expected: tuple[dict[bytes, int], ...] = ({}, {})
-    queued = {(name, k, d) for d, name, keys in index._queue for k in keys}
-    holdings = index._holdings
+    queued = {(name, k, d) for d, name, keys in index.queue for k in keys}
+    holdings = index.holdings
     try:
         holdings.check()
     except AssertionError as exc:
         raise IndexIntegrityError(f"holdings: {exc}") from None
     counted = 0
-    by_slot = holdings.keys_by_slot([w.slot for w in index._workers.values()])
-    for name, w in index._workers.items():
+    by_slot = holdings.keys_by_slot([w.slot for w in index.workers.values()])
+    for name, w in index.workers.items():
         _require(w.bit == 1 << w.slot, f"{name}: bit does not match slot")
         _require(all(holdings.holds(k, w.slot) for k in w.spilled),
                  f"{name}: a spilled key is not held")
@@ -104,26 +61,26 @@ def check_integrity(index: AuditedIndex) -> None:
             all((name, k, d) in queued for k, d in w.pending.items()),
             f"{name}: a pending entry has no queue record",
         )
-    occupied_bits = sum(w.bit for w in index._workers.values())
-    _require(counted == sum(holdings.count(s) for s in range(len(index._slots))),
+    occupied_bits = sum(w.bit for w in index.workers.values())
+    _require(counted == sum(holdings.count(s) for s in range(len(index.slots))),
              "a free slot still holds keys")
     _require(all(holdings.mask(k) & ~occupied_bits == 0 for keys in by_slot.values()
                  for k in keys), "a key is held by a free slot")
     for actual, wanted, label in zip(
-        (index._lower, index._pending), expected, ("lower", "pending"), strict=True,
+        (index.lower, index.pending), expected, ("lower", "pending"), strict=True,
     ):
         _require(actual == wanted, f"{label} masks disagree with the workers' key sets")
-    live = sum(len(w.pending) for w in index._workers.values())
-    _require(live == index._pending_count, "pending count is wrong")
-    _require(index._queued == sum(len(r[2]) for r in index._queue), "queued count is wrong")
-    _require(index._queued <= index._max_pending, "pending bound exceeded")
+    live = sum(len(w.pending) for w in index.workers.values())
+    _require(live == index.pending_count, "pending count is wrong")
+    _require(index.queued == sum(len(r[2]) for r in index.queue), "queued count is wrong")
+    _require(index.queued <= index.max_pending, "pending bound exceeded")
 
 
-def digest(index: AuditedIndex) -> bytes:
+def digest(index: IndexTables) -> bytes:
     """The sum mod 2**128 of each confirmed entry's BLAKE2b: see :meth:`PrefixIndex.digest`."""
     total = 0
-    by_slot = index._holdings.keys_by_slot([w.slot for w in index._workers.values()])
-    for worker_id, w in index._workers.items():
+    by_slot = index.holdings.keys_by_slot([w.slot for w in index.workers.values()])
+    for worker_id, w in index.workers.items():
         name = worker_id.encode() + b"\0"
         for key in by_slot[w.slot]:
             tier = w.spilled.get(key, Tier.GPU).value.encode()

@@ -4,6 +4,8 @@
   :class:`TierMatch` (a lookup's depths with their tiers) and :class:`IndexStats` (sizes):
   immutable values.
 - :class:`IndexIntegrityError`: raised by ``PrefixIndex.check_integrity`` only, never for input.
+- :class:`WorkerRecord` (one worker's side of the index) and :class:`IndexTables` (the index's
+  tables, read-only, for the audits of ``index_audit``).
 - ``check_worker`` / ``check_keys`` / ``check_read_keys``: ValueError for a worker id that is
   not a non-empty string, or keys that are not a sequence of 16-byte ``bytes``. Mutators run
   the full checks before changing anything; reads run the cheaper one.
@@ -14,11 +16,13 @@ Pure core: no I/O.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from coordinator.core.hashing import PAGE_KEY_BYTES, PageKeys
+from coordinator.core.index.holdings import Holdings
 
 
 class Tier(enum.StrEnum):
@@ -40,6 +44,11 @@ class MatchDetail:
     lower_tier_pages: int
     pending_pages: int
     confirmed_pages: int
+
+    @staticmethod
+    def plain(depth: int) -> MatchDetail:
+        """``depth`` pages, none in a lower tier or pending."""
+        return MatchDetail(depth, 0, 0, depth)
 
 
 class TierMatch(NamedTuple):
@@ -93,3 +102,38 @@ def check_read_keys(keys: Sequence[bytes]) -> None:
         raise ValueError("page keys must be bytes") from None
     if total != PAGE_KEY_BYTES * len(keys):
         raise ValueError(f"page keys must be {PAGE_KEY_BYTES} bytes")
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    """One worker's side of the index: its slot and mask bit (``1 << slot``), the tier of each
+    key it holds below GPU (and their count per tier, kept as keys move), and its pending
+    entries (key -> deadline). Held and pending keys are disjoint."""
+
+    slot: int
+    bit: int
+    spilled: dict[bytes, Tier] = field(default_factory=dict)
+    spilled_by_tier: Counter[Tier] = field(default_factory=Counter)
+    pending: dict[bytes, float] = field(default_factory=dict)
+
+
+class IndexTables(NamedTuple):
+    """A ``PrefixIndex``'s tables as they are (``PrefixIndex.tables()``), for the whole-index
+    audits. Read-only by contract: a caller that mutates them corrupts the index.
+
+    ``slots``: slot -> worker (None when free); ``free_slots``: the free ones; ``lower`` and
+    ``pending``: key -> mask of the workers holding it below GPU / with a pending entry;
+    ``queue``: pending records (deadline, worker, keys) oldest first, ``queued`` the keys they
+    reference (live or not), at most ``max_pending``; ``pending_count``: live pending entries.
+    """
+
+    workers: Mapping[str, WorkerRecord]
+    slots: Sequence[str | None]
+    free_slots: Sequence[int]
+    holdings: Holdings
+    lower: Mapping[bytes, int]
+    pending: Mapping[bytes, int]
+    pending_count: int
+    queue: Sequence[tuple[float, str, tuple[bytes, ...]]]
+    queued: int
+    max_pending: int

@@ -1,14 +1,10 @@
 """The global prefix index: which worker holds which page key, and how deep a prompt matches.
 
-Layout: every worker owns a *slot*, one bit in the masks (Python ints).
-- ``_holdings``: the confirmed ``(slot, key)`` pairs (:mod:`coordinator.core.index.holdings`:
-compiled
-  where built, else pure Python; the same contract), with the prefix walk over them.
-- ``_lower[key]``: mask of those holding it only in CPU or DISK tier; ``_pending[key]``: those
-  a route was sent to that have not confirmed it yet. A zero mask is never stored.
-- ``_workers[w]``: the reverse side (tiers of spilled keys, pending deadlines).
-  ``_queue`` lists pending records (deadline, worker, keys) oldest first, for expiry and for
-  the ``max_pending`` bound.
+Layout: every worker owns a *slot*, one bit in the masks (Python ints). ``_holdings``: the
+confirmed ``(slot, key)`` pairs and the prefix walk over them (``holdings``: compiled where
+built). ``_lower[key]`` / ``_pending[key]``: masks of the workers holding it only below GPU /
+routed to and not yet confirming it (a zero mask is never stored). ``_workers[w]``: the reverse
+side (``WorkerRecord``). ``_queue``: pending records oldest first (expiry, ``max_pending``).
 
 Page keys are chained (a key names its whole prefix), so a worker's depth is the length of
 its leading run of held keys. ``match`` sees confirmed holdings only and is exact;
@@ -22,7 +18,6 @@ from __future__ import annotations
 import heapq
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from functools import reduce
 from operator import or_
 
@@ -38,24 +33,18 @@ from coordinator.core.index.holder_masks import (
 from coordinator.core.index.holdings import MAX_SLOTS, make_holdings
 from coordinator.core.index.index_types import (
     IndexStats,
+    IndexTables,
     MatchDetail,
     Tier,
     TierMatch,
+    WorkerRecord,
     check_keys,
     check_read_keys,
     check_worker,
 )
+from coordinator.core.index.page_events import PageEvent, PagesRemoved, PagesStored, WorkerCleared
 
 _NAMES_MEMO = 1024  # masks whose worker lists are memoised (each a tuple of names)
-
-
-@dataclass(slots=True)
-class _Worker:
-    slot: int
-    bit: int
-    spilled: dict[bytes, Tier] = field(default_factory=dict)  # held keys not in GPU
-    spilled_by_tier: Counter[Tier] = field(default_factory=Counter)  # of spilled, kept as it moves
-    pending: dict[bytes, float] = field(default_factory=dict)  # key -> deadline
 
 
 class PrefixIndex:
@@ -76,7 +65,7 @@ class PrefixIndex:
         self._clock = clock
         self._pending_ttl = pending_ttl
         self._max_pending = max_pending
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, WorkerRecord] = {}
         self._slots: list[str | None] = []  # slot -> worker; None when free
         # mask -> its workers, memoised: a popular prefix's holder mask recurs across lookups,
         # and decoding a 1,000-slot mask costs ~10 us. Cleared whenever the slot table changes.
@@ -148,6 +137,18 @@ class PrefixIndex:
         self._slots[w.slot] = None
         heapq.heappush(self._free_slots, w.slot)
         return dropped
+
+    def apply(self, worker_id: str, events: Iterable[PageEvent]) -> None:
+        """One batch of ``worker_id``'s page events, in order: each as :meth:`store`,
+        :meth:`remove` or :meth:`drop_worker` does it (ValueError as they raise it)."""
+        for event in events:
+            match event:
+                case PagesStored(keys, tier):
+                    self.store(worker_id, keys, tier)
+                case PagesRemoved(keys):
+                    self.remove(worker_id, keys)
+                case WorkerCleared():
+                    self.drop_worker(worker_id)
 
     def replace_worker(self, worker_id: str, keys_by_tier: Mapping[str, Sequence[bytes]]) -> None:
         """Resync: the worker's holdings become exactly this inventory.
@@ -224,7 +225,7 @@ class PrefixIndex:
         )
         # Details are immutable: share one per depth among the (usual) workers with nothing in
         # lower tiers or pending, so a 1,000-worker answer builds a handful of objects.
-        out = by_depth(runs, self._workers_in, _plain_detail)
+        out = by_depth(runs, self._workers_in, MatchDetail.plain)
         for worker in lower.keys() | pend.keys():
             depth = out[worker].pages
             # Held and pending keys are disjoint, so the confirmed run ends at the first
@@ -294,7 +295,13 @@ class PrefixIndex:
         2**128 of each entry's BLAKE2b, so two indexes holding the same entries agree whatever
         order they were built in (replicas compare it). Pending entries are left out. All zero
         for an empty index. O(entries); for operators and checks, not for a hot path."""
-        return index_audit.digest(self)
+        return index_audit.digest(self.tables())
+
+    def tables(self) -> IndexTables:
+        """The tables as they are, read-only by contract: for ``index_audit`` alone."""
+        return IndexTables(self._workers, self._slots, self._free_slots, self._holdings,
+                           self._lower, self._pending, self._pending_count, self._queue,
+                           self._queued, self._max_pending)
 
     # ---- pending entries ------------------------------------------------------------------
 
@@ -331,15 +338,13 @@ class PrefixIndex:
             self._pop_oldest()
         return before - self._pending_count
 
-    # ---- integrity ------------------------------------------------------------------------
-
     def check_integrity(self) -> None:
         """Raise IndexIntegrityError unless every structure agrees with every other. O(size)."""
-        index_audit.check_integrity(self)
+        index_audit.check_integrity(self.tables())
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _worker(self, worker_id: str) -> _Worker:
+    def _worker(self, worker_id: str) -> WorkerRecord:
         w = self._workers.get(worker_id)
         if w is None:
             if self._free_slots:
@@ -350,11 +355,11 @@ class PrefixIndex:
                 if slot >= MAX_SLOTS:
                     raise ValueError(f"the index holds at most {MAX_SLOTS} workers")
                 self._slots.append(worker_id)
-            w = self._workers[worker_id] = _Worker(slot, 1 << slot)
+            w = self._workers[worker_id] = WorkerRecord(slot, 1 << slot)
             self._names.clear()
         return w
 
-    def _spill(self, w: _Worker, keys: Sequence[bytes], tier: Tier) -> None:
+    def _spill(self, w: WorkerRecord, keys: Sequence[bytes], tier: Tier) -> None:
         spilled, counts = w.spilled, w.spilled_by_tier
         for key in keys:
             old = spilled.get(key)
@@ -364,12 +369,12 @@ class PrefixIndex:
                 counts[tier] += 1
                 spilled[key] = tier
 
-    def _unspill(self, w: _Worker, keys: Iterable[bytes]) -> None:
+    def _unspill(self, w: WorkerRecord, keys: Iterable[bytes]) -> None:
         for key in keys:
             w.spilled_by_tier[w.spilled.pop(key)] -= 1
             clear_bit(self._lower, key, w.bit)
 
-    def _drop_pending(self, w: _Worker, keys: Iterable[bytes]) -> None:
+    def _drop_pending(self, w: WorkerRecord, keys: Iterable[bytes]) -> None:
         # Their queue records stay until they expire or are evicted; _pop_oldest skips them.
         gone = [k for k in keys if w.pending.pop(k, None) is not None]
         clear_bits(self._pending, gone, w.bit)
@@ -392,8 +397,3 @@ class PrefixIndex:
                 self._names.clear()
             self._names[mask] = names
         return names
-
-
-def _plain_detail(depth: int) -> MatchDetail:
-    """A worker's detail with nothing in lower tiers or pending."""
-    return MatchDetail(depth, 0, 0, depth)
