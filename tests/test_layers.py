@@ -126,3 +126,20 @@ def test_no_hand_written_module_is_over_400_lines() -> None:
                 long[name] = lines
     assert long == {}
     assert all((ROOT / name).exists() for name in OVER_400_EXEMPT)
+
+
+def test_only_the_index_reads_its_private_attributes() -> None:
+    # index_audit once read ten of PrefixIndex's private attributes (one class in two files);
+    # it reads PrefixIndex.tables() now. No module but prefix_index.py may reach inside.
+    import ast
+
+    readers = []
+    for path in sorted((ROOT / "coordinator").rglob("*.py")):
+        if path.name == "prefix_index.py" or "_pb2" in path.name:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in {"index", "idx", "prefix_index"}
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.attr}")
+    assert readers == []
