@@ -10,7 +10,7 @@ LISTEN ?= 127.0.0.1:50051
 GEN_DIRS := coordinator/v1 $(wildcard worker/v1)
 
 .DEFAULT_GOAL := help
-.PHONY: help install proto proto-check lint test test-vllm smoke bench bench-peers engines-peers bench-engines bench-rl chaos docs-provenance run demo clean
+.PHONY: help install proto proto-check lint test test-vllm smoke bench bench-peers engines-peers bench-engines bench-rl chaos docs-provenance docs-map run demo clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -122,6 +122,9 @@ chaos: $(STAMP) $(ACCEL) ## faults on a namespace cluster, 2 replicas (root; ~5 
 # (tests/test_doc_provenance.py fails until they do).
 docs-provenance: $(STAMP) ## rewrite the docs' generated 'Measured at' lines from bench/results/*.json
 	$(PY) -m bench.doc_provenance
+
+docs-map: $(STAMP) ## regenerate docs/ARCHITECTURE.md's module map from the code (every module, its docstring, its lines)
+	$(PY) -m bench.module_map
 
 run: $(STAMP) $(ACCEL) ## run a coordinator on LISTEN (embedded store)
 	$(VENV)/bin/kvcoord coordinator --listen $(LISTEN)
