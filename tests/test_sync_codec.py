@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from coordinator import sync_codec as codec
 from coordinator.core.errors import InvalidArgument
 from coordinator.core.index import PageEvent, PagesRemoved, PagesStored, Tier, WorkerCleared
-from coordinator.sync_codec import (
-    KIND_TO_PB,
-    TIER_TO_PB,
-    event_to_pb,
-    events_from_pb,
-    tier_from_pb,
-    tier_to_pb,
-)
 from coordinator.v1 import coordinator_pb2 as pb
 
 K = [bytes([i]) * 16 for i in range(4)]
@@ -25,29 +18,29 @@ EVENTS: list[PageEvent] = [
 
 
 def test_every_variant_round_trips_through_one_batch() -> None:
-    batch = pb.EventBatch(seq=7, events=[event_to_pb(e) for e in EVENTS])
-    decoded = events_from_pb(pb.EventBatch.FromString(batch.SerializeToString()))
+    batch = pb.EventBatch(seq=7, events=[codec.event_to_pb(e) for e in EVENTS])
+    decoded = codec.events_from_pb(pb.EventBatch.FromString(batch.SerializeToString()))
     assert [(type(e), tuple(e.keys), getattr(e, "tier", None)) for e in decoded] == [
         (type(e), tuple(e.keys), getattr(e, "tier", None)) for e in EVENTS]
 
 
 def test_the_wire_form_is_the_protocols() -> None:
-    assert event_to_pb(PagesStored((K[1], K[2]), Tier.CPU)) == pb.PageEvent(
+    assert codec.event_to_pb(PagesStored((K[1], K[2]), Tier.CPU)) == pb.PageEvent(
         kind=pb.PageEvent.KIND_STORED, page_keys=K[1] + K[2], tier=pb.TIER_CPU)
-    assert event_to_pb(PagesRemoved((K[0],))) == pb.PageEvent(
+    assert codec.event_to_pb(PagesRemoved((K[0],))) == pb.PageEvent(
         kind=pb.PageEvent.KIND_REMOVED, page_keys=K[0], tier=pb.TIER_GPU)
-    assert event_to_pb(WorkerCleared()) == pb.PageEvent(kind=pb.PageEvent.KIND_CLEARED,
+    assert codec.event_to_pb(WorkerCleared()) == pb.PageEvent(kind=pb.PageEvent.KIND_CLEARED,
                                                         tier=pb.TIER_GPU)
-    assert set(KIND_TO_PB) == {PagesStored, PagesRemoved, WorkerCleared}
-    assert set(TIER_TO_PB) == set(Tier)
-    assert tier_to_pb(PagesRemoved(())) == pb.TIER_GPU
+    assert set(codec.KIND_TO_PB) == {PagesStored, PagesRemoved, WorkerCleared}
+    assert set(codec.TIER_TO_PB) == set(Tier)
+    assert codec.tier_to_pb(PagesRemoved(())) == pb.TIER_GPU
 
 
 def test_an_unset_tier_reads_as_gpu() -> None:
     batch = pb.EventBatch(seq=1, events=[pb.PageEvent(kind=pb.PageEvent.KIND_STORED,
                                                       page_keys=K[0])])
-    assert events_from_pb(batch) == [PagesStored((K[0],), Tier.GPU)]
-    assert tier_from_pb(pb.TIER_UNSPECIFIED, "x") is Tier.GPU
+    assert codec.events_from_pb(batch) == [PagesStored((K[0],), Tier.GPU)]
+    assert codec.tier_from_pb(pb.TIER_UNSPECIFIED, "x") is Tier.GPU
 
 
 @pytest.mark.parametrize(("event", "message"), [
@@ -62,5 +55,5 @@ def test_an_unset_tier_reads_as_gpu() -> None:
 def test_a_bad_event_refuses_the_whole_batch_by_name(event: pb.PageEvent, message: str) -> None:
     good = pb.PageEvent(kind=pb.PageEvent.KIND_STORED, page_keys=K[1])
     with pytest.raises(InvalidArgument) as refused:
-        events_from_pb(pb.EventBatch(seq=4, events=[good, event]))
+        codec.events_from_pb(pb.EventBatch(seq=4, events=[good, event]))
     assert str(refused.value) == message
