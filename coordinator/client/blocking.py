@@ -128,7 +128,20 @@ class CoordinatorClient:
         self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
         policy_version: int | None = None,
     ) -> LookupResult:
-        """Where is this prompt's prefix cached? matches: worker id -> matched tokens."""
+        """Where is this prompt's prefix cached? Reads the index; changes nothing.
+
+        Args:
+            tokens: the prompt's token ids (or packed ``token_bytes``), hashed by the server
+                under ``model``/``adapter``, the caller's tenant and ``policy_version``
+                (None: the version serving now).
+
+        Returns:
+            ``LookupResult``: ``matches`` maps each holding worker's id to its matched tokens.
+
+        Raises:
+            KvcoordError: INVALID_ARGUMENT for a bad prompt; UNAUTHENTICATED or
+                PERMISSION_DENIED for the caller's token; UNAVAILABLE when no target serves.
+        """
         return lookup_from(self._call("Lookup", lookup_request(tokens, model, adapter,
                                                                policy_version)))
 
@@ -137,9 +150,30 @@ class CoordinatorClient:
         min_policy_version: int | None = None, policy_version: int | None = None,
         routing_policy: str = "", exclude_workers: Sequence[str] = (), report_end: bool = False,
     ) -> Route:
-        """Where should this prompt go? Marks it pending on the chosen worker (never one of
-        ``exclude_workers``). ``report_end``: you will call ``end_routes`` when the request
-        ends (see ``Route.end_awaited``)."""
+        """Where should this prompt go? Marks it pending on the chosen worker, so the next
+        route of the same prefix sees it there before the worker confirms its pages.
+
+        Args:
+            tokens: the prompt's token ids (or packed ``token_bytes``).
+            min_policy_version: only a worker serving at least this version may be chosen.
+            policy_version: the version to hash and route under (None: the serving one).
+            routing_policy: a chooser's name (``kv_aware``, ``round_robin``,
+                ``least_loaded``); empty for the coordinator's default.
+            exclude_workers: never chosen (a retry after a worker failed the request).
+            report_end: you will call ``end_routes`` when the request ends, so its load is
+                released at once rather than at the next heartbeat (``Route.end_awaited``).
+
+        Returns:
+            ``Route``: the worker, its address and HTTP URL, the matched tokens, the version
+            the prompt was hashed under, and the route id.
+
+        Raises:
+            KvcoordError: INVALID_ARGUMENT (a bad prompt, an unknown ``routing_policy``);
+                UNAVAILABLE with reason ``NO_WORKER``, ``DRAINING`` (a sync update drains the
+                fleet: retried here within the deadline, as its ``RetryInfo`` says),
+                ``POLICY_STALE`` or ``STORE_UNAVAILABLE`` once every target refused;
+                RESOURCE_EXHAUSTED with ``RATE_LIMITED`` past the caller's rate.
+        """
         request = route_request(tokens, model, adapter, min_policy_version, policy_version,
                                 routing_policy, exclude_workers, report_end)
         return route_from(self._call("Route", request))
@@ -149,7 +183,15 @@ class CoordinatorClient:
         min_policy_version: int | None = None, policy_version: int | None = None,
         routing_policy: str = "", report_end: bool = False,
     ) -> RouteBatch:
-        """Route many prompts at once; ``order`` runs siblings sharing a prefix back to back."""
+        """Route many prompts in one call, with ``route``'s arguments and refusals.
+
+        Identical prompts (a GRPO group) are routed as one group with their copies counted;
+        the answer's ``order`` runs siblings sharing a prefix back to back, so the first one's
+        pages are cached when the rest arrive.
+
+        Raises:
+            KvcoordError: as ``route``; INVALID_ARGUMENT also past the batch size limits.
+        """
         request = batch_request(prompts, model, adapter, min_policy_version, policy_version,
                                 routing_policy, report_end)
         return batch_from(self._call("RouteBatch", request))
@@ -159,14 +201,32 @@ class CoordinatorClient:
         return ended_from(self._call("EndRoutes", end_routes_request(route_ids)))
 
     def policy(self) -> PolicyState:
+        """The policy (weights) version and phase as the store holds them now, with the
+        workers that failed an update in progress."""
         return policy_from(self._call("GetPolicy", pb.GetPolicyRequest()))
 
     def begin_policy_update(
         self, expected_version: int, mode: str = "sync", weights_uri: str = "",
         abort_running: bool = False,
     ) -> PolicyState:
-        """Start moving the fleet from ``expected_version`` to the next one (ABORTED if stale);
-        ``abort_running`` makes the drain stop running generation instead of waiting for it."""
+        """Start moving the fleet from ``expected_version`` to the next one.
+
+        Args:
+            expected_version: the version serving now (compare-and-set: a concurrent trainer
+                that moved it first makes this call fail, never both succeed).
+            mode: ``sync`` (drain, every worker loads and acks, then Commit serves it) or
+                ``async`` (workers move one at a time within ``max_staleness``).
+            weights_uri: what the workers load (or empty: the trainer pushes them).
+            abort_running: the drain stops running generations instead of waiting for them.
+
+        Returns:
+            ``PolicyState``: the update's record (target version, phase DRAINING in sync mode).
+
+        Raises:
+            KvcoordError: ABORTED when ``expected_version`` is not the serving one (or an
+                update is already open); INVALID_ARGUMENT for an unknown ``mode``;
+                UNAVAILABLE with ``STORE_UNAVAILABLE`` when the store is down.
+        """
         request = begin_request(expected_version, mode, weights_uri, abort_running)
         return policy_from(self._call("BeginPolicyUpdate", request))
 
@@ -189,10 +249,22 @@ class CoordinatorClient:
         update.result = self.commit_policy_update(update.version, timeout=timeout)
 
     def commit_policy_update(self, version: int, timeout: float = 30.0) -> PolicyState:
+        """Serve ``version`` once every live worker acknowledged it (sync mode), waiting up to
+        ``timeout`` seconds. Workers that failed or did not ack in time are fenced and named
+        in the returned state's failures; the others serve ``version``.
+
+        Raises:
+            KvcoordError: ABORTED when no update to ``version`` is open (a repeated commit
+                included); FAILED_PRECONDITION when members failed and none applied it (the
+                update is then aborted: nothing would serve ``version``); DEADLINE_EXCEEDED
+                past ``timeout`` plus a margin.
+        """
         request = pb.CommitPolicyUpdateRequest(version=version, timeout_ms=int(timeout * 1000))
         return policy_from(self._call("CommitPolicyUpdate", request, timeout=timeout + 5))
 
     def abort_policy_update(self, version: int) -> PolicyState:
+        """Abandon the open update to ``version``: the fleet resumes serving the version before
+        it. ABORTED (a ``KvcoordError``) when no update to ``version`` is open."""
         request = pb.AbortPolicyUpdateRequest(version=version)
         return policy_from(self._call("AbortPolicyUpdate", request))
 
