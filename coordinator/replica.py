@@ -1,6 +1,6 @@
 """The coordinator's domain service: the composition root that builds the index, fleet, router,
-policy view and updates, worker sessions and replication in dependency order, and answers the
-operator questions (workers, stats, cordon, policy state).
+policy view, routing gate and updates, worker sessions and replication in dependency order, and
+answers the operator questions (workers, stats, cordon, policy state).
 
 The gRPC servicer is a thin adapter over this; tests and the benchmark can drive it directly.
 """
@@ -21,6 +21,7 @@ from coordinator.control.policy import HighWater, PolicyView
 from coordinator.control.policy_updates import PolicyUpdates
 from coordinator.control.replication_sink import NoReplication, ReplicationSink
 from coordinator.control.rollouts import RolloutLog
+from coordinator.control.routing_gate import RoutingGate
 from coordinator.control.sessions import WorkerStreams, WorkerSync
 from coordinator.control.sessions.ingest_governor import IngestGovernor
 from coordinator.core.errors import NotFound
@@ -146,6 +147,8 @@ class CoordinatorReplica:
             on_routed=shared_routes.routed if shared_routes else None,
             on_routes_ended=shared_routes.routes_ended if shared_routes else None,
         )
+        # What Route and RouteBatch call: a drain waited out, a fresh policy state, the router.
+        self.routing_gate = RoutingGate(policy_view=self.policy_view, router=self.router)
         self.ingest = IngestGovernor(config.ingest_max_share,
                                      max_ack_delay_s=config.max_ack_delay_ms / 1000)
         self.streams = WorkerStreams()

@@ -57,7 +57,9 @@ from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 
 
 class AsyncCoordinatorClient:
-    """The asyncio twin of ``CoordinatorClient``: same methods, awaited."""
+    """The asyncio twin of ``CoordinatorClient``: same methods, awaited, with the same
+    arguments, failover, retries and refusals (each method's contract is stated there), but
+    for a view from ``as_caller``, which raises the first refusal instead of waiting it out."""
 
     def __init__(
         self, targets: str, token: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
@@ -75,6 +77,8 @@ class AsyncCoordinatorClient:
         """A view of this client that calls with ``token`` (a gateway passing on its client's
         own credentials) and does not wait out RetryInfo delays itself (the caller decides);
         it shares the channels: close the client, never a view."""
+        # NOTE: a shallow copy: the view shares the channels, stubs and ``Targets`` (so a
+        # failover seen by one is seen by all); only the metadata and the retry switch are its.
         view = copy.copy(self)
         view._metadata = call_metadata(token)
         view._retry = False
@@ -91,6 +95,7 @@ class AsyncCoordinatorClient:
             await channel.close()
 
     async def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """``CoordinatorClient._call``, awaited (without the ``RetryInfo`` waits in a view)."""
         deadline = time.monotonic() + (timeout or self._timeout)
         while True:
             try:
@@ -102,6 +107,7 @@ class AsyncCoordinatorClient:
                 await asyncio.sleep(pause)
 
     async def _call_once(self, method: str, request: Any, timeout: float) -> Any:
+        """``CoordinatorClient._call_once``, awaited."""
         last: KvcoordError | None = None
         for stub in self._targets.rotation(self._stubs):
             try:
@@ -158,6 +164,7 @@ class AsyncCoordinatorClient:
         self, expected_version: int, mode: str = "sync", weights_uri: str = "",
         abort_running: bool = False,
     ) -> PolicyState:
+        """As ``CoordinatorClient.begin_policy_update`` (POLICY_RESTORED is not retried)."""
         request = begin_request(expected_version, mode, weights_uri, abort_running)
         return await self._parsed("BeginPolicyUpdate", request, policy_from)
 
@@ -166,6 +173,8 @@ class AsyncCoordinatorClient:
         self, expected_version: int, mode: str = "sync", weights_uri: str = "",
         timeout: float = 30.0,
     ) -> AsyncIterator[PolicyUpdate]:
+        """``async with client.policy_update(v) as update:`` as ``CoordinatorClient``'s: commit
+        on exit, abort (refusals ignored) if the block raises, cancellation included."""
         state = await self.begin_policy_update(expected_version, mode, weights_uri)
         update = PolicyUpdate(version=state.target_version or expected_version + 1, begun=state)
         try:
@@ -189,6 +198,7 @@ class AsyncCoordinatorClient:
     async def rollouts(
         self, since: str | None = None, follow: bool = False
     ) -> AsyncIterator[RolloutRecord]:
+        """As ``CoordinatorClient.rollouts``: a failover resumes after the last record."""
         cursor = since or ""
 
         def request() -> pb.ReadRolloutsRequest:
@@ -219,6 +229,8 @@ class AsyncCoordinatorClient:
                     raise error from None
 
     async def commit_policy_update(self, version: int, timeout: float = 30.0) -> PolicyState:
+        """As ``CoordinatorClient.commit_policy_update`` (the same 5 s margin on the deadline,
+        so the coordinator answers whom it fenced before the caller gives up)."""
         request = pb.CommitPolicyUpdateRequest(version=version, timeout_ms=int(timeout * 1000))
         return policy_from(await self._call("CommitPolicyUpdate", request, timeout=timeout + 5))
 

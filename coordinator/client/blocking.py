@@ -72,12 +72,21 @@ DEFAULT_TIMEOUT = 10.0
 
 
 class CoordinatorClient:
-    """Blocking client. Thread-safe (grpc channels are); close it or use it as a context manager."""
+    """Blocking client. Thread-safe (grpc channels are); close it or use it as a context manager.
+
+    Any call may also raise ``ValueError`` (its arguments, checked before a round trip) and
+    ``KvcoordError``: UNAUTHENTICATED / PERMISSION_DENIED (the token, its role), DEADLINE_EXCEEDED
+    (the call's timeout), FAILED_PRECONDITION ``PROTOCOL_VERSION``, none of them retried; and
+    UNAVAILABLE (every target unreachable, or ``STORE_UNAVAILABLE``) or RESOURCE_EXHAUSTED
+    ``RATE_LIMITED`` once their ``RetryInfo`` delays have run past the deadline.
+    """
 
     def __init__(
         self, targets: str, token: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
         max_message_bytes: int = 16 * 1024 * 1024, tls: ClientTls | None = None,
     ) -> None:
+        """One channel per target, connected on first use. ``timeout``: seconds per call, its
+        retries and failovers included. ValueError for TARGETS that name no HOST:PORT."""
         self._targets = Targets.parse(targets)
         self._metadata = call_metadata(token)
         self._timeout = timeout
@@ -111,6 +120,8 @@ class CoordinatorClient:
                 time.sleep(pause)
 
     def _call_once(self, method: str, request: Any, timeout: float) -> Any:
+        """Each target once, from the last that answered, until one does; the last UNAVAILABLE
+        when none does, any other refusal at once."""
         last: KvcoordError | None = None
         for stub in self._targets.rotation(self._stubs):
             try:
@@ -223,9 +234,12 @@ class CoordinatorClient:
             ``PolicyState``: the update's record (target version, phase DRAINING in sync mode).
 
         Raises:
+            ValueError: a ``mode`` other than ``sync``/``async``, a negative version.
             KvcoordError: ABORTED when ``expected_version`` is not the serving one (or an
-                update is already open); INVALID_ARGUMENT for an unknown ``mode``;
-                UNAVAILABLE with ``STORE_UNAVAILABLE`` when the store is down.
+                update is already open); FAILED_PRECONDITION ``POLICY_RESTORED`` within one
+                lease of the store's state being restored (its ``retry_after_ms`` is not
+                waited out here: begin again after it); UNAVAILABLE with
+                ``STORE_UNAVAILABLE`` when the store is down.
         """
         request = begin_request(expected_version, mode, weights_uri, abort_running)
         return policy_from(self._call("BeginPolicyUpdate", request))
@@ -237,7 +251,9 @@ class CoordinatorClient:
     ) -> Iterator[PolicyUpdate]:
         """``with client.policy_update(v) as update:`` push weights for ``update.version``
         inside; commit on exit (``update.result`` then holds the committed state with acked and
-        fenced workers), abort if the block raises."""
+        fenced workers), abort if the block raises (any ``BaseException``; a refused abort is
+        ignored and the block's exception goes on). Raises as ``begin_policy_update`` on entry
+        and ``commit_policy_update`` on exit."""
         state = self.begin_policy_update(expected_version, mode, weights_uri)
         update = PolicyUpdate(version=state.target_version or expected_version + 1, begun=state)
         try:
@@ -249,17 +265,21 @@ class CoordinatorClient:
         update.result = self.commit_policy_update(update.version, timeout=timeout)
 
     def commit_policy_update(self, version: int, timeout: float = 30.0) -> PolicyState:
-        """Serve ``version`` once every live worker acknowledged it (sync mode), waiting up to
-        ``timeout`` seconds. Workers that failed or did not ack in time are fenced and named
-        in the returned state's failures; the others serve ``version``.
+        """Serve ``version`` once every member of the update acknowledged it, waiting up to
+        ``timeout`` seconds. Members that did not ack in time are fenced (``fenced_workers``;
+        those that reported a failure are in ``failures`` with its reason); the others serve
+        ``version``.
 
         Raises:
             KvcoordError: ABORTED when no update to ``version`` is open (a repeated commit
                 included); FAILED_PRECONDITION when members failed and none applied it (the
                 update is then aborted: nothing would serve ``version``); DEADLINE_EXCEEDED
-                past ``timeout`` plus a margin.
+                past ``timeout`` plus a margin. A commit retried after its answer was lost reads
+                ABORTED: ``policy()`` tells whether it committed.
         """
         request = pb.CommitPolicyUpdateRequest(version=version, timeout_ms=int(timeout * 1000))
+        # NOTE: the call's deadline outlasts the barrier wait, so the coordinator (which answers
+        # 0.2 s before the deadline it is given) reports whom it fenced instead of timing out.
         return policy_from(self._call("CommitPolicyUpdate", request, timeout=timeout + 5))
 
     def abort_policy_update(self, version: int) -> PolicyState:
@@ -270,7 +290,9 @@ class CoordinatorClient:
 
     def rollouts(self, since: str | None = None, follow: bool = False) -> Iterator[RolloutRecord]:
         """Rollout records after cursor ``since`` (oldest kept when None); ``follow`` keeps the
-        stream open for new ones. Each record's ``cursor`` resumes after it."""
+        stream open for new ones. Each record's ``cursor`` resumes after it (a failover
+        does). KvcoordError INVALID_ARGUMENT for a malformed cursor; RESOURCE_EXHAUSTED
+        ``STREAM_LIMIT`` when the caller holds its limit of open streams."""
         cursor = since or ""
 
         def request() -> pb.ReadRolloutsRequest:  # a failover resumes after the last record
@@ -312,19 +334,26 @@ class CoordinatorClient:
                     raise error from None
 
     def workers(self) -> list[WorkerInfo]:
+        """The registered workers (a worker identity sees only its own entry)."""
         response = self._call("ListWorkers", pb.ListWorkersRequest())
         return [worker_from(w) for w in response.workers]
 
     def stats(self) -> Stats:
+        """The answering replica's index and routing counters (trainer and admin roles)."""
         return stats_from(self._call("GetStats", pb.GetStatsRequest()))
 
     def cordon(self, worker_id: str, cordoned: bool = True) -> WorkerInfo:
+        """Take ``worker_id`` out of routing (``cordoned=False``: put it back); returns its entry.
+        KvcoordError NOT_FOUND for an unknown worker; PERMISSION_DENIED for a worker identity
+        naming another worker, or uncordoning itself."""
         request = pb.CordonRequest(worker_id=worker_id, cordoned=cordoned)
         return worker_from(self._call("Cordon", request).worker)
 
     def deregister(self, worker_id: str) -> bool:
         """Remove ``worker_id``'s current incarnation (its pages leave the index at once);
-        False when no such worker is registered. What a worker pod's preStop hook calls."""
+        False when no such worker is registered. What a worker pod's preStop hook calls.
+        Two calls (ListWorkers, then Deregister): a worker that registered again in between
+        is refused FAILED_PRECONDITION ``REREGISTER`` and its new incarnation stays."""
         current = [w for w in self.workers() if w.worker_id == worker_id]
         if not current:
             return False

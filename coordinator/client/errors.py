@@ -16,8 +16,9 @@ from coordinator.wire import Reason
 class KvcoordError(Exception):
     """A call the coordinator (or the transport) refused. ``code`` is the ``grpc.StatusCode``;
     ``reason`` the server's ``coordinator.wire.Reason`` (None when it gave none);
-    ``retry_after_ms`` its ``RetryInfo`` delay (None: retrying is not advised); ``details`` the
-    status text, for people only."""
+    ``retry_after_ms`` its ``RetryInfo`` delay (None: retrying is not advised); ``metadata`` the
+    ``ErrorInfo`` metadata (e.g. ``peer_version`` for PROTOCOL_VERSION); ``details`` the status
+    text, for people only: branch on ``code`` and ``reason``, never on it."""
 
     def __init__(
         self, code: grpc.StatusCode, details: str, *, reason: Reason | None = None,
@@ -32,6 +33,8 @@ class KvcoordError(Exception):
 
     @classmethod
     def from_rpc(cls, exc: grpc.RpcError) -> KvcoordError:
+        """The error a failed call ``exc`` (blocking or aio) stands for, its status details
+        decoded by ``outcome_of`` (never raises)."""
         outcome = outcome_of(exc)
         return cls(outcome.code, outcome.message, reason=outcome.reason,
                    retry_after_ms=outcome.retry_after_ms, metadata=outcome.metadata)
@@ -46,7 +49,9 @@ its rate limit (RESOURCE_EXHAUSTED)."""
 def retry_pause(error: KvcoordError, deadline: float) -> float | None:
     """Seconds to wait before retrying a call the server asked to retry (a code of
     ``RETRYABLE_WITH_HINT`` with ``RetryInfo``), or None when it must not be retried or the
-    deadline would pass."""
+    deadline (``time.monotonic`` seconds) would pass before the retry could start.
+    A ``RetryInfo`` on any other code is the caller's to act on: POLICY_RESTORED
+    (FAILED_PRECONDITION) is raised, and the trainer begins again after ``retry_after_ms``."""
     if error.code not in RETRYABLE_WITH_HINT or error.retry_after_ms is None:
         return None
     pause = error.retry_after_ms / 1000

@@ -41,7 +41,10 @@ def prompt_pb(tokens: Sequence[int] | PageKeys) -> pb.Prompt:
 
 
 def scope_pb(model: str | None, adapter: str | None, version: int | None) -> pb.Scope:
+    """The request's scope; "" and an unset version mean the coordinator's defaults."""
     scope = pb.Scope(model=model or "", adapter=adapter or "")
+    # NOTE: optional fields are set only when given: the server reads their presence
+    # (``HasField``), so version 0 is a real request and unset leaves it to the coordinator.
     if version is not None:
         scope.policy_version = version
     return scope
@@ -73,6 +76,7 @@ def batch_request(
     min_version: int | None, version: int | None, routing_policy: str,
     report_end: bool = False,
 ) -> pb.RouteBatchRequest:
+    """``route_request`` for many prompts; ValueError for none, or for any bad prompt."""
     if not prompts:
         raise ValueError("route_batch needs at least one prompt")
     request = pb.RouteBatchRequest(
@@ -172,6 +176,7 @@ def stats_from(stats: pb.Stats) -> Stats:
 def begin_request(
     expected_version: int, mode: str, weights_uri: str, abort_running: bool = False
 ) -> pb.BeginPolicyUpdateRequest:
+    """ValueError for a mode other than "sync"/"async" or a negative ``expected_version``."""
     if mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
     if expected_version < 0:

@@ -13,10 +13,14 @@ class Targets(Sequence[str]):
 
     def __init__(self, targets: list[str]) -> None:
         self._targets = targets
+        # NOTE: shared by concurrent calls without a lock: a race only changes which target a
+        # call tries first, and each call still tries every target once (``rotation``).
         self._current = 0
 
     @classmethod
     def parse(cls, spec: str) -> Targets:
+        """Split TARGETS at commas, blanks dropped; ValueError when nothing is left or a part
+        is neither ``host:port`` nor a gRPC name (``scheme://...``)."""
         parts = [p.strip() for p in spec.split(",") if p.strip()]
         if not parts:
             raise ValueError("no coordinator target given (expected HOST:PORT[,HOST:PORT...])")
@@ -32,7 +36,8 @@ class Targets(Sequence[str]):
         return len(self._targets)
 
     def rotation(self, items: Sequence[T]) -> Iterator[T]:
-        """Each item once, starting at the target that last worked."""
+        """Each item once, starting at the target that last worked. Moves the current target
+        as it goes, so the one a caller stops at (it answered) is where the next call starts."""
         start = self._current
         for offset in range(len(items)):
             self._current = (start + offset) % len(items)

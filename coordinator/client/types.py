@@ -36,6 +36,9 @@ class LookupResult:
 
 @dataclass(frozen=True, slots=True)
 class Route:
+    """A ``route`` answer: the chosen worker (its gRPC ``address``), the prompt's tokens it
+    holds (``matched_tokens``, ``matched_pages``) and the ``policy_version`` it serves it at."""
+
     worker_id: str
     address: str
     matched_tokens: int
@@ -62,6 +65,10 @@ class EndedRoutes:
 
 @dataclass(frozen=True, slots=True)
 class RouteBatch:
+    """A ``route_batch`` answer: ``routes[i]`` answers ``prompts[i]`` (identical prompts share
+    one route and its ``route_id``); ``order`` is a permutation of the prompt indices: run them
+    in that order, so prompts sharing a prefix run back to back."""
+
     routes: list[Route]
     order: list[int]
 

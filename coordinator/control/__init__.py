@@ -5,5 +5,7 @@
 - ``policy/``: the weights version as this replica sees it (``PolicyView``), its high-water
   mark, and the acks an update waits for.
 - ``policy_updates``: Begin/Commit/Abort of a policy update across the fleet.
+- ``routing_gate``: what a Route passes before the router (a sync drain waited out, a fresh
+  policy state).
 - ``rollouts``: the rollout log; ``replication_sink``: what the services tell other replicas.
 """

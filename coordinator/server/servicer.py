@@ -64,20 +64,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         result = self._service.router.lookup(prompt, self._scope(request.scope))
         return convert.lookup_to_pb(result)
 
-    async def _await_routable(self, scope: pb.Scope, context: Context) -> None:
-        """A route waits while a sync update drains (``PolicyView.await_routable``)."""
-        await self._service.policy_view.await_routable(
-            pinned_version=scope.HasField("policy_version"), time_left=context.time_remaining
-        )
-
     async def Route(self, request: pb.RouteRequest, context: Context) -> pb.RouteResponse:
+        """The route, once ``control.routing_gate`` admits it (a drain waited out, a fresh
+        policy state)."""
         check_protocol(request.protocol_version)
         prompt = self._prompt(request.prompt)
-        await self._await_routable(request.scope, context)
-        self._service.policy_view.check_fresh()
-        route = self._service.router.route(
+        route = await self._service.routing_gate.route(
             prompt,
             self._scope(request.scope),
+            time_left=context.time_remaining,
             min_policy_version=_optional(request, "min_policy_version"),
             routing=request.routing_policy,
             exclude=convert.excluded_workers(request.exclude_workers),
@@ -103,11 +98,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             raise InvalidArgument(f"batch of {total} tokens is over the limit of "
                                   f"{self._config.max_batch_tokens} (max_batch_tokens)")
         prompts = [self._prompt(p, f"prompts[{i}]") for i, p in enumerate(request.prompts)]
-        await self._await_routable(request.scope, context)
-        self._service.policy_view.check_fresh()
-        batch = self._service.router.route_batch(
+        batch = await self._service.routing_gate.route_batch(
             prompts,
             self._scope(request.scope),
+            time_left=context.time_remaining,
             min_policy_version=_optional(request, "min_policy_version"),
             routing=request.routing_policy,
             report_end=request.report_end,

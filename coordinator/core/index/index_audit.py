@@ -44,7 +44,9 @@ def check_integrity(index: IndexTables) -> None:
         _require(w.bit == 1 << w.slot, f"{name}: bit does not match slot")
         _require(all(holdings.holds(k, w.slot) for k in w.spilled),
                  f"{name}: a spilled key is not held")
-        _require(Counter(w.spilled.values()) == +w.spilled_by_tier,
+        # NOTE: a tier emptied keeps a zero count; `+` drops it. The view types the counts as a
+        # read-only Mapping, so they are copied into a Counter (three entries) for `+`.
+        _require(Counter(w.spilled.values()) == +Counter(w.spilled_by_tier),
                  f"{name}: spilled counts per tier are wrong")
         _require(not any(holdings.holds(k, w.slot) for k in w.pending),
                  f"{name}: a held key is pending")

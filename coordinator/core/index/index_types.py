@@ -5,7 +5,8 @@
   immutable values.
 - :class:`IndexIntegrityError`: raised by ``PrefixIndex.check_integrity`` only, never for input.
 - :class:`WorkerRecord` (one worker's side of the index) and :class:`IndexTables` (the index's
-  tables, read-only, for the audits of ``index_audit``).
+  tables, for the audits of ``index_audit``; read-only by type: ``ReadOnlyWorkerRecord`` and
+  ``ReadOnlyHoldings`` name no mutator, so mypy refuses an audit that writes).
 - ``check_worker`` / ``check_keys`` / ``check_read_keys``: ValueError for a worker id that is
   not a non-empty string, or keys that are not a sequence of 16-byte ``bytes``. Mutators run
   the full checks before changing anything; reads run the cheaper one.
@@ -19,10 +20,10 @@ import enum
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from coordinator.core.hashing import PAGE_KEY_BYTES, PageKeys
-from coordinator.core.index.holdings import Holdings
+from coordinator.core.index.holdings import ReadOnlyHoldings
 
 
 class Tier(enum.StrEnum):
@@ -117,9 +118,25 @@ class WorkerRecord:
     pending: dict[bytes, float] = field(default_factory=dict)
 
 
+class ReadOnlyWorkerRecord(Protocol):
+    """A :class:`WorkerRecord` as an audit sees it: the same fields, none writable."""
+
+    @property
+    def slot(self) -> int: ...
+    @property
+    def bit(self) -> int: ...
+    @property
+    def spilled(self) -> Mapping[bytes, Tier]: ...
+    @property
+    def spilled_by_tier(self) -> Mapping[Tier, int]: ...
+    @property
+    def pending(self) -> Mapping[bytes, float]: ...
+
+
 class IndexTables(NamedTuple):
     """A ``PrefixIndex``'s tables as they are (``PrefixIndex.tables()``), for the whole-index
-    audits. Read-only by contract: a caller that mutates them corrupts the index.
+    audits: views, not copies (an audit allocates nothing per key to get them), typed so that
+    nothing through them can write. A caller that casts that away corrupts the index.
 
     ``slots``: slot -> worker (None when free); ``free_slots``: the free ones; ``lower`` and
     ``pending``: key -> mask of the workers holding it below GPU / with a pending entry;
@@ -127,10 +144,10 @@ class IndexTables(NamedTuple):
     reference (live or not), at most ``max_pending``; ``pending_count``: live pending entries.
     """
 
-    workers: Mapping[str, WorkerRecord]
+    workers: Mapping[str, ReadOnlyWorkerRecord]
     slots: Sequence[str | None]
     free_slots: Sequence[int]
-    holdings: Holdings
+    holdings: ReadOnlyHoldings
     lower: Mapping[bytes, int]
     pending: Mapping[bytes, int]
     pending_count: int

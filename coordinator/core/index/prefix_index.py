@@ -298,7 +298,7 @@ class PrefixIndex:
         return index_audit.digest(self.tables())
 
     def tables(self) -> IndexTables:
-        """The tables as they are, read-only by contract: for ``index_audit`` alone."""
+        """The tables as they are (views, read-only by type): for ``index_audit`` alone."""
         return IndexTables(self._workers, self._slots, self._free_slots, self._holdings,
                            self._lower, self._pending, self._pending_count, self._queue,
                            self._queued, self._max_pending)

@@ -1,7 +1,8 @@
 """Routing: which worker a prompt runs on, and in what order a batch runs.
 
 - ``router``: ``Router``, the decision a ``Route``/``RouteBatch`` gets: the workers eligible at
-  a version, their matches in the index, a chooser's pick, and the reservation of it.
+  a version and their matches in the index (``version_view``), a chooser's pick (``_choose``),
+  and the reservation of it (``_reserve``).
 - ``choosers``: the routing rules (``kv_aware``, ``round_robin``, ``least_loaded``) behind
   one ``RouteChooser`` protocol, and the ``kv_aware`` cost; ``CHOOSERS`` names them. (A
   request's ``routing_policy`` field names one of these rules; "policy" alone means the

@@ -31,7 +31,7 @@ class RouteChooser(Protocol):
     has.
 
     ``idle`` holds further candidates that cache none of the prompt, in ascending
-    ``load_floor`` order under the policy's weights. A policy may stop reading it once no
+    ``load_floor`` order under the chooser's weights. A chooser may stop reading it once no
     later candidate can win (kv_aware does: a fleet's idle workers then cost O(few), not
     O(fleet), per route); the others read it all.
     """
@@ -267,9 +267,11 @@ CHOOSERS: Mapping[str, Callable[[KvAwareWeights], RouteChooser]] = MappingProxyT
 
 
 def make_chooser(name: str, weights: KvAwareWeights | None = None) -> RouteChooser:
-    """A fresh policy named ``name`` (default weights when None); ValueError for an unknown
-    name, listing the known ones."""
+    """A fresh chooser of the routing rule named ``name`` (default weights when None);
+    ValueError for an unknown name, listing the known ones."""
     factory = CHOOSERS.get(name)
     if factory is None:
+        # NOTE: "routing policy" here is the wire's word (the request's ``routing_policy``
+        # field; PROTOCOL.md §6 quotes this message), kept though the code says "routing rule".
         raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(CHOOSERS))}")
     return factory(weights if weights is not None else KvAwareWeights())

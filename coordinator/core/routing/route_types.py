@@ -47,7 +47,7 @@ class RouteResult:
     policy_version: int
     prompt_pages: int
     page_size: int
-    routing_policy: str
+    routing_policy: str  # the routing rule's name (the chooser's), as the wire field says
     http_url: str = ""
     route_id: str = ""
     # The caller asked to report the end and the worker is external: the route is load on it
@@ -67,7 +67,7 @@ class RouteReservation:
     ``awaited`` route is held until ``EndRoutes(route_id)`` (or the TTL), any other until the
     worker's heartbeats report it finished, as on the replica that chose it.
     ``prefill_tokens`` is the prefill work the decision added to the worker's backlog
-    (``routing.prefill_work``); None from a release that did not send it, when the other
+    (``booked_work``); None from a release that did not send it, when the other
     replicas count every copy's uncached tokens instead. ``context_tokens`` is each copy's
     prompt length (the KV it pins while in flight); 0 from such a release."""
 

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.core.errors import InvalidArgument, Unavailable
-from coordinator.core.fleet import Candidate, Fleet, RegisteredWorker, WorkerStatus
+from coordinator.core.fleet import Fleet
 from coordinator.core.hashing import Namespace, PageHasher
-from coordinator.core.index import MatchDetail, PrefixIndex
+from coordinator.core.index import PrefixIndex
 from coordinator.core.routing.awaited_routes import AwaitedRoutes, EndedRoutes
 from coordinator.core.routing.batch_order import execution_order, group_identical
 from coordinator.core.routing.choosers import (
@@ -33,28 +33,12 @@ from coordinator.core.routing.route_types import (
     RouteResult,
     Scope,
 )
-from coordinator.core.routing.routing_values import KvAwareWeights, RoutingRequest
+from coordinator.core.routing.routing_values import Decision, KvAwareWeights, RoutingRequest
+from coordinator.core.routing.version_view import VersionView
 from coordinator.wire import Reason
 
 __all__ = ["BatchResult", "LookupResult", "PromptInput", "RouteReservation", "RouteResult",
            "Router", "RouterCounters", "Scope"]
-
-
-@dataclass(frozen=True, slots=True)
-class _VersionView:
-    """One servable version's side of a route: its namespace, the prompt's keys under it, its
-    eligible workers (load-floor order) and their index depths."""
-
-    ns: Namespace
-    keys: list[bytes]
-    eligible: list[RegisteredWorker]
-    details: dict[str, MatchDetail]
-
-
-def _without(view: _VersionView, workers: frozenset[str]) -> _VersionView:
-    return _VersionView(view.ns, view.keys,
-                        [s for s in view.eligible if s.worker_id not in workers],
-                        {w: d for w, d in view.details.items() if w not in workers})
 
 
 @dataclass(slots=True)
@@ -107,7 +91,7 @@ class Router:
         self._weights = weights or KvAwareWeights()
         self._on_routed = on_routed
         self._on_routes_ended = on_routes_ended
-        self._choosers: dict[str, RouteChooser] = {}  # by routing policy name
+        self._choosers: dict[str, RouteChooser] = {}  # by routing rule name
         self.default_routing = self._chooser(default_routing).name
         self.counters = RouterCounters()
         # Told to callers refused for lack of a worker: about one heartbeat, when load and
@@ -115,7 +99,7 @@ class Router:
         self.retry_after_ms = 500
 
     def _chooser(self, routing: str) -> RouteChooser:
-        """The chooser of the routing policy named ``routing`` (InvalidArgument if unknown)."""
+        """The chooser of the routing rule named ``routing`` (InvalidArgument if unknown)."""
         chooser = self._choosers.get(routing)
         if chooser is None:
             try:
@@ -168,13 +152,13 @@ class Router:
         return self._servable_versions()
 
     def _view(self, scope: Scope, version: int, keys: list[bytes], now: float,
-              min_policy_version: int | None) -> _VersionView:
+              min_policy_version: int | None) -> VersionView:
         ns = self.namespace(replace(scope, policy_version=version))
         eligible = self._fleet.routable(
             now, version=version, min_version=min_policy_version, model=ns.model
         )
         details = self._index.match_detail(keys, include_pending=True) if keys and eligible else {}
-        return _VersionView(ns, keys, eligible, details)
+        return VersionView(ns, keys, eligible, details)
 
     def route(
         self,
@@ -199,7 +183,7 @@ class Router:
         for version in self._versions(scope):
             ns = self.namespace(replace(scope, policy_version=version))
             view = self._view(scope, version, self.keys(prompt, ns), now, min_policy_version)
-            views.append(view if not exclude else _without(view, exclude))
+            views.append(view if not exclude else view.without(exclude))
         return self._route_views(views, prompt.token_count, 1, min_policy_version, routing, now,
                                  report_end)
 
@@ -248,7 +232,7 @@ class Router:
 
     def _route_views(
         self,
-        views: list[_VersionView],
+        views: list[VersionView],
         token_count: int,
         copies: int,
         min_policy_version: int | None,
@@ -256,15 +240,28 @@ class Router:
         now: float,
         report_end: bool = False,
     ) -> RouteResult:
+        """One routing decision over ``views``: choose a worker, then reserve it."""
         self.awaited.expire(now)  # an expired route's load must not weigh on this choice
         chooser = self._chooser(routing or self.default_routing)
-        pages = len(views[0].keys)
         request = RoutingRequest(
-            prompt_pages=pages, prompt_tokens=token_count, page_size=self._page_size,
-            copies=copies,
+            prompt_pages=len(views[0].keys), prompt_tokens=token_count,
+            page_size=self._page_size, copies=copies,
         )
+        decision = self._choose(chooser, request, views, min_policy_version, now)
+        return self._reserve(decision, chooser.name, request, views, report_end, now)
+
+    def _choose(self, chooser: RouteChooser, request: RoutingRequest, views: list[VersionView],
+                min_policy_version: int | None, now: float) -> Decision:
+        """The worker ``chooser`` picks for ``request`` at ``now``: among every version's
+        holders of the prompt (pending entries included), then its idle eligible workers,
+        cheapest load floor first. Reserves nothing and changes no books (only a chooser's own
+        cursor moves); randomness is drawn from the router's ``rng``, by the chooser alone.
+
+        Raises:
+            Unavailable: reason NO_WORKER, with ``retry_after_ms``, when no worker is eligible.
+        """
         holders = [c for view in views
-                   for c in self._holders(view.details, now, view.ns, min_policy_version)]
+                   for c in view.holders(self._fleet, now, min_policy_version)]
         # Each version's eligible list is in load-floor order; merged, idle workers still reach
         # the chooser cheapest first.
         idle_sessions = heapq.merge(
@@ -272,7 +269,7 @@ class Router:
             key=lambda s: s.floor_at(now),
         )
         try:
-            decision = chooser.choose(
+            return chooser.choose(
                 request, holders, self._rng, idle=(s.idle_candidate(now) for s in idle_sessions)
             )
         except NoEligibleWorker:
@@ -284,10 +281,21 @@ class Router:
                 ),
                 reason=Reason.NO_WORKER, retry_after_ms=self.retry_after_ms,
             ) from None
+
+    def _reserve(self, decision: Decision, routing_rule: str, request: RoutingRequest,
+                 views: list[VersionView], report_end: bool, now: float) -> RouteResult:
+        """Reserve ``decision``'s worker for ``request.copies`` routes and answer the route.
+        The prompt's keys under the worker's version that it does not hold yet become pending
+        entries on it; its in-flight load grows by the uncached tokens (held until
+        ``end_routes`` for an external worker asked to ``report_end``, else until heartbeats
+        report them), its prefill backlog by the work the decision counted on; the routing
+        totals count the copies and ``on_routed`` hears of the reservation. Draws no
+        randomness."""
         session = self._fleet.get(decision.worker_id)
         assert session is not None  # candidates come from the fleet
         view = next(v for v in views if v.ns.policy_version == session.policy_version)
         keys = view.keys
+        token_count, copies = request.prompt_tokens, request.copies
         chosen_detail = view.details.get(decision.worker_id)
         confirmed = chosen_detail.confirmed_pages if chosen_detail is not None else 0
         # Pages the worker already holds need no pending entry.
@@ -319,16 +327,10 @@ class Router:
         self.counters.prompt_tokens += token_count * copies
         self.counters.cached_tokens += cached_tokens * copies
         return RouteResult(
-            worker_id=session.worker_id,
-            address=session.address,
-            matched_pages=confirmed,
-            policy_version=session.policy_version,
-            prompt_pages=len(keys),
-            page_size=self._page_size,
-            routing_policy=chooser.name,
-            http_url=session.http_url,
-            route_id=route_id,
-            end_awaited=end_awaited,
+            worker_id=session.worker_id, address=session.address, matched_pages=confirmed,
+            policy_version=session.policy_version, prompt_pages=len(keys),
+            page_size=self._page_size, routing_policy=routing_rule, http_url=session.http_url,
+            route_id=route_id, end_awaited=end_awaited,
         )
 
     def end_routes(self, route_ids: Sequence[str]) -> EndedRoutes:
@@ -371,22 +373,3 @@ class Router:
     def expire_awaited(self) -> None:
         """Release awaited routes past their TTL (the reaper calls this)."""
         self.awaited.expire(self._clock())
-
-    def _holders(
-        self, details: dict[str, MatchDetail], now: float, ns: Namespace, min_version: int | None
-    ) -> list[Candidate]:
-        """Routable workers holding some of the prompt (pending included), as candidates:
-        O(holders), not O(fleet)."""
-        floor = ns.policy_version if min_version is None else max(ns.policy_version, min_version)
-        candidates = []
-        for worker_id, detail in details.items():
-            session = self._fleet.get(worker_id)
-            if (
-                session is not None
-                and session.serves(ns.policy_version, floor, ns.model)
-                and session.status(now) is WorkerStatus.READY
-            ):
-                candidates.append(Candidate(
-                    worker_id, detail.pages, detail.lower_tier_pages, session.current_load(now)
-                ))
-        return candidates

@@ -94,8 +94,8 @@ class KvAwareWeights:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The chosen worker, its ``kv_aware`` cost under the policy's weights (whatever the
-    policy, so policies compare on one scale) and its cached pages of the prompt."""
+    """The chosen worker, its ``kv_aware`` cost under the chooser's weights (whatever the
+    routing rule, so the rules compare on one scale) and its cached pages of the prompt."""
 
     worker_id: str
     cost: float
