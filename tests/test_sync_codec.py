@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 
 from coordinator import sync_codec as codec
 from coordinator.core.errors import InvalidArgument
-from coordinator.core.index import PageEvent, PagesRemoved, PagesStored, Tier, WorkerCleared
+from coordinator.core.index import (
+    PAGE_EVENT_TYPES,
+    PageEvent,
+    PagesRemoved,
+    PagesStored,
+    Tier,
+    WorkerCleared,
+)
 from coordinator.v1 import coordinator_pb2 as pb
 
 K = [bytes([i]) * 16 for i in range(4)]
@@ -34,6 +43,21 @@ def test_the_wire_form_is_the_protocols() -> None:
     assert set(codec.KIND_TO_PB) == {PagesStored, PagesRemoved, WorkerCleared}
     assert set(codec.TIER_TO_PB) == set(Tier)
     assert codec.tier_to_pb(PagesRemoved(())) == pb.TIER_GPU
+
+
+def test_the_kind_map_covers_every_variant_and_reads_both_ways() -> None:
+    assert typing.get_args(PageEvent) == PAGE_EVENT_TYPES
+    assert set(codec.KIND_TO_PB) == set(PAGE_EVENT_TYPES)
+    assert {kind: variant for variant, kind in codec.KIND_TO_PB.items()} == dict(
+        codec.KIND_FROM_PB)
+    assert set(codec.KIND_FROM_PB) == set(pb.PageEvent.Kind.values()) - {
+        pb.PageEvent.KIND_UNSPECIFIED}
+
+
+def test_each_variant_is_built_from_its_wire_parts() -> None:
+    assert PagesStored.of((K[0],), Tier.DISK) == PagesStored((K[0],), Tier.DISK)
+    assert PagesRemoved.of((K[0],), Tier.CPU) == PagesRemoved((K[0],))
+    assert WorkerCleared.of((), Tier.GPU) == WorkerCleared()
 
 
 def test_an_unset_tier_reads_as_gpu() -> None:

@@ -2,12 +2,12 @@
 public face):
 
 - ``hashing/``: token ids -> chained, keyed page keys.
-- ``index/``: which worker holds which page keys (``PrefixIndex``).
+- ``index/``: which worker holds which page keys (``PrefixIndex``), and the typed page events
+  (``PagesStored``, ``PagesRemoved``, ``WorkerCleared``) a batch applies to it.
 - ``fleet/``: the registered workers, their load and serving version.
 - ``routing/``: which worker a prompt runs on (``Router`` and the choosers).
 - ``policy_state``: the weights version's state machine (``PolicyState``: idle, draining,
   applying; sync and async).
-- ``page_events``: a worker's stored/removed/cleared pages, applied to the index.
 - ``rollout_records``, ``tier_costs``, ``errors``: values and domain refusals shared by the above.
 - ``accel`` and ``_*_accel.pyx``: the optional compiled parts (holdings, page-key chain).
 

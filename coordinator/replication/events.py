@@ -22,11 +22,12 @@ import json
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from coordinator.core.fleet import WorkerLoad
 from coordinator.core.hashing import PageKeys, split_page_keys
-from coordinator.core.index import PageEvent, PagesRemoved, PagesStored, Tier, WorkerCleared
+from coordinator.core.index import PAGE_EVENT_TYPES, PageEvent, PagesStored, Tier
 from coordinator.core.routing import RouteReservation
 
 
@@ -164,13 +165,13 @@ class MalformedEvent(ValueError):
     """A stream entry that is not an event of this release (skipped and counted, never fatal)."""
 
 
-_KINDS: dict[str, type[Any]] = {
+_KINDS: Mapping[str, type[Any]] = MappingProxyType({
     "registered": Registered, "attached": Attached, "detached": Detached, "pages": Pages,
     "replaced": Replaced, "state": State, "cordoned": Cordoned, "dropped": Dropped,
     "policy": PolicyChanged, "want": SnapshotWanted, "done": SnapshotDone, "routed": Routed,
     "ended": RoutesEnded,
-}
-_KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
+})
+_KIND_OF = MappingProxyType({cls: kind for kind, cls in _KINDS.items()})
 _LOAD_FIELDS = ("running_requests", "queued_tokens", "free_pages", "total_pages")
 
 
@@ -237,14 +238,13 @@ def _tier_of(event: PageEvent) -> Tier:
 
 
 def _page_event(kind: str, keys: PageKeys, tier: Tier) -> PageEvent:
-    """The page event a Pages body names (``kind`` is the variant's ``kind``)."""
-    if kind == PagesStored.kind:
-        return PagesStored(keys, tier)
-    if kind == PagesRemoved.kind:
-        return PagesRemoved(keys)
-    if kind == WorkerCleared.kind:
-        return WorkerCleared()
-    raise ValueError(f"unknown page event kind {kind!r}")
+    """The page event a Pages body names (``kind`` is the variant's ``kind``); KeyError for an
+    unknown one (``decode`` reports it as a MalformedEvent)."""
+    return _PAGE_EVENT_KINDS[kind].of(keys, tier)
+
+
+_PAGE_EVENT_KINDS: Mapping[str, type[PageEvent]] = MappingProxyType(
+    {variant.kind: variant for variant in PAGE_EVENT_TYPES})
 
 
 def _take(keys: PageKeys, start: int, count: int) -> PageKeys:

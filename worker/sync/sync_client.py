@@ -28,7 +28,7 @@ import structlog
 
 from coordinator.client.channels import channel_options, open_aio_channel
 from coordinator.client.targets import Targets
-from coordinator.core.index import PageEvent
+from coordinator.core.index import PageEvent, PagesRemoved, PagesStored
 from coordinator.sync_codec import KIND_TO_PB, tier_to_pb
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
@@ -155,12 +155,12 @@ class SyncClient:
     def page_event(self, event: PageEvent) -> None:
         """One page event (on the loop): batch it; cut now when a batch is full (or on a
         CLEARED event), else within ``event_flush_ms``."""
-        kind = KIND_TO_PB[type(event)]
-        if kind == pb.PageEvent.KIND_STORED:
-            self.counters.keys_stored += len(event.keys)
-        elif kind == pb.PageEvent.KIND_REMOVED:
-            self.counters.keys_removed += len(event.keys)
-        if self._log.add(kind, event.keys, tier_to_pb(event)):
+        match event:
+            case PagesStored():
+                self.counters.keys_stored += len(event.keys)
+            case PagesRemoved():
+                self.counters.keys_removed += len(event.keys)
+        if self._log.add(KIND_TO_PB[type(event)], event.keys, tier_to_pb(event)):
             self.flush()
         elif self._flush_timer is None:
             loop = asyncio.get_running_loop()

@@ -40,7 +40,7 @@ from coordinator.core.errors import (
 from coordinator.core.fleet import BatchVerdict, Fleet, RegisteredWorker
 from coordinator.core.fleet.fleet import PAGE_BOUND_FACTOR
 from coordinator.core.hashing import HashConfig
-from coordinator.core.index import PageEvent, PrefixIndex
+from coordinator.core.index import PageEvent, PagesStored, PrefixIndex
 from coordinator.store.protocol import MetadataStore, StoreUnavailable
 from coordinator.wire import Reason
 
@@ -281,7 +281,8 @@ class WorkerSync:
         if verdict is BatchVerdict.GAP:
             return [self._start_resync(session, f"sequence gap: got {seq}, "
                                                 f"expected {session.next_seq}")]
-        self._check_page_limit(session, sum(len(e.keys) for e in events if e.kind == "stored"))
+        self._check_page_limit(session, sum(len(e.keys) for e in events
+                                              if type(e) is PagesStored))
         session.advance(seq)
         self._index.apply(session.worker_id, events)
         session.observe_page_events(events, self._clock())

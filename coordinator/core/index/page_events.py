@@ -3,7 +3,9 @@
 The one domain form of a page event, for every side: the reference worker's runtime and the
 engine bridge make them, ``coordinator.sync_codec`` carries them over the ``Sync`` stream,
 ``PrefixIndex.apply`` applies a batch of them, replicas pass them on, and the simulator's
-workers publish them. Each variant's ``kind`` is its name on the replication stream.
+workers publish them. Each variant's ``kind`` is its name on the replication stream, and
+``of(keys, tier)`` builds it from the parts every wire form carries, so a decoder looks the
+variant up in a registry (``PAGE_EVENT_TYPES``) rather than branching on a kind.
 
 Pure core: no I/O.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Self
 
 from coordinator.core.index.index_types import Tier
 
@@ -26,6 +28,11 @@ class PagesStored:
     tier: Tier = Tier.GPU
     kind: ClassVar[str] = "stored"
 
+    @classmethod
+    def of(cls, keys: Sequence[bytes], tier: Tier) -> Self:
+        """The event from its wire parts."""
+        return cls(keys, tier)
+
 
 @dataclass(frozen=True, slots=True)
 class PagesRemoved:
@@ -33,6 +40,11 @@ class PagesRemoved:
 
     keys: Sequence[bytes]
     kind: ClassVar[str] = "removed"
+
+    @classmethod
+    def of(cls, keys: Sequence[bytes], tier: Tier) -> Self:
+        """The event from its wire parts; ``tier`` is ignored (a removal is from every tier)."""
+        return cls(keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +54,15 @@ class WorkerCleared:
     keys: ClassVar[Sequence[bytes]] = ()
     kind: ClassVar[str] = "cleared"
 
+    @classmethod
+    def of(cls, keys: Sequence[bytes], tier: Tier) -> Self:
+        """The event from its wire parts; both are ignored (a decoder that must refuse keys on
+        a clear checks them first)."""
+        return cls()
+
 
 PageEvent = PagesStored | PagesRemoved | WorkerCleared
 """Any one page event; dispatch on its type."""
+
+PAGE_EVENT_TYPES: tuple[type[PageEvent], ...] = (PagesStored, PagesRemoved, WorkerCleared)
+"""Every variant, for registries keyed by a wire kind (a new variant is added here too)."""
