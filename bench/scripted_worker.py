@@ -20,9 +20,8 @@ from coordinator.client.channels import call_metadata
 from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from worker.sync import WorkerIdentity
 from worker.sync.event_log import inventory_chunks
-from worker.sync.sync_protocol import hello_request, register_request
+from worker.sync.sync_protocol import WorkerIdentity, hello_request, register_request
 
 
 class ScriptedWorker:

@@ -27,8 +27,7 @@ from tests.auth_fixtures import write_identities
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 from worker.config import ConfigError, WorkerConfig
 from worker.main import RunningWorker, start_worker
-from worker.sync import WorkerIdentity
-from worker.sync.sync_protocol import register_request
+from worker.sync.sync_protocol import WorkerIdentity, register_request
 from worker.text.tokenizer import reference_tokenizer
 
 PAGE = 16

@@ -25,10 +25,15 @@ from worker.metrics import WorkerMetrics
 from worker.runtime.runtime import WorkerRuntime
 from worker.serving.gate import GenerationGate
 from worker.serving.policy_commands import PolicyCommandHandler
-from worker.sync import SyncClient, SyncSettings, WorkerIdentity
 from worker.sync.event_log import Holdings
 from worker.sync.rollout_reporter import RolloutReporter
-from worker.sync.sync_protocol import RegistrationRefused, SyncCounters
+from worker.sync.sync_client import SyncClient
+from worker.sync.sync_protocol import (
+    RegistrationRefused,
+    SyncCounters,
+    SyncSettings,
+    WorkerIdentity,
+)
 
 __all__ = ["CoordinatorAgent", "RegistrationRefused"]
 

@@ -42,8 +42,9 @@ from worker.bridge.engine_events import (
     decode_payload,
 )
 from worker.bridge.policy_member import PolicyMember, engine_control
-from worker.sync import SyncClient, SyncSettings, WorkerIdentity
 from worker.sync.event_log import Holdings
+from worker.sync.sync_client import SyncClient
+from worker.sync.sync_protocol import SyncSettings, WorkerIdentity
 
 __all__ = ["END_SEQ", "Bridge", "BridgeConfig"]
 
