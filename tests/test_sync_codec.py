@@ -8,14 +8,8 @@ import pytest
 
 from coordinator import sync_codec as codec
 from coordinator.core.errors import InvalidArgument
-from coordinator.core.index import (
-    PAGE_EVENT_TYPES,
-    PageEvent,
-    PagesRemoved,
-    PagesStored,
-    Tier,
-    WorkerCleared,
-)
+from coordinator.core.index import PAGE_EVENT_TYPES, PageEvent, Tier
+from coordinator.core.index.page_events import PagesRemoved, PagesStored, WorkerCleared
 from coordinator.v1 import coordinator_pb2 as pb
 
 K = [bytes([i]) * 16 for i in range(4)]

@@ -86,6 +86,7 @@ def generate_request(tokens: Sequence[int], max_new_tokens: int) -> wpb.Generate
 
 
 def load_weights_request(version: int, path: str | None) -> wpb.LoadWeightsRequest:
+    """ValueError for a version that is not an integer in uint64."""
     if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**64:
         raise ValueError(f"policy version must be an integer in [0, 2**64), got {version!r}")
     return wpb.LoadWeightsRequest(protocol_version=PROTOCOL_VERSION, version=version,
@@ -93,6 +94,8 @@ def load_weights_request(version: int, path: str | None) -> wpb.LoadWeightsReque
 
 
 def _checked(response: Any) -> Any:
+    """``response``, unless a worker newer than this client answered it (KvcoordError
+    FAILED_PRECONDITION: its fields may mean what this client cannot know)."""
     if response.protocol_version > PROTOCOL_VERSION:
         raise KvcoordError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"worker answered protocol version {response.protocol_version}, "
@@ -128,13 +131,21 @@ def stats_from(response: wpb.WorkerStats) -> WorkerStats:
 
 
 class WorkerClient:
-    """Blocking client of one worker (``host:port``). Thread-safe; close it or use ``with``."""
+    """Blocking client of one worker (``host:port``). Thread-safe; close it or use ``with``.
+
+    Any call may raise ``KvcoordError``: UNAUTHENTICATED / PERMISSION_DENIED (the token, its
+    role), DEADLINE_EXCEEDED (``timeout``), UNAVAILABLE (the worker unreachable, or draining
+    past the timeout), FAILED_PRECONDITION ``PROTOCOL_VERSION`` (a worker at another protocol
+    version). There is no failover: one client, one worker.
+    """
 
     def __init__(
         self, target: str, *, timeout: float = DEFAULT_TIMEOUT,
         max_message_bytes: int = 16 * 1024 * 1024, token: str | None = None,
         tls: ClientTls | None = None,
     ) -> None:
+        """The channel connects on the first call. ``timeout``: seconds per call, its retries
+        included. ValueError for a ``target`` without a port."""
         if ":" not in target:
             raise ValueError(f"worker target must be HOST:PORT, got {target!r}")
         self._timeout = timeout
@@ -170,20 +181,38 @@ class WorkerClient:
                 time.sleep(pause)
 
     def generate(self, tokens: Sequence[int], max_new_tokens: int) -> Generation:
-        """Greedy completion of ``tokens`` (``max_new_tokens`` tokens)."""
+        """Greedy completion of ``tokens``: exactly ``max_new_tokens`` tokens.
+
+        Returns:
+            ``Generation``: the completion, the policy version that produced it, and the
+            prompt tokens served from the prefix cache (``cached_tokens``, of them
+            ``host_cached_tokens`` from host memory) and computed.
+
+        Raises:
+            ValueError: an empty prompt, an id outside uint32, ``max_new_tokens`` not >= 1.
+            KvcoordError: INVALID_ARGUMENT (an id outside the vocabulary, ``max_new_tokens``
+                over the worker's limit, prompt plus completion past the context);
+                RESOURCE_EXHAUSTED when the prompt cannot fit the KV pool (not retried);
+                ABORTED when a policy drain with ``abort_running`` stopped it (route it
+                again); UNAVAILABLE ``DRAINING`` once its retries ran past the timeout.
+        """
         return generation_from(self._call("Generate", generate_request(tokens, max_new_tokens)))
 
     def load_weights(self, version: int, path: str | None = None) -> LoadedWeights:
-        """Swap to policy ``version`` (from ``path`` on the worker, else seeded weights)."""
+        """Swap to policy ``version`` (from ``path`` on the worker, else seeded weights), once
+        the running request ends; every reusable cached page is freed (``freed_pages``). Any
+        version is taken, lower ones too. KvcoordError INVALID_ARGUMENT for unusable weights,
+        and then nothing changed."""
         return loaded_from(self._call("LoadWeights", load_weights_request(version, path)))
 
     def stats(self) -> WorkerStats:
+        """The worker's pools, counters and sync state now."""
         request = wpb.GetStatsRequest(protocol_version=PROTOCOL_VERSION)
         return stats_from(self._call("GetStats", request))
 
 
 class AsyncWorkerClient:
-    """The asyncio twin of ``WorkerClient``: same methods, awaited."""
+    """The asyncio twin of ``WorkerClient``: same methods, arguments and refusals, awaited."""
 
     def __init__(
         self, target: str, *, timeout: float = DEFAULT_TIMEOUT,
@@ -207,6 +236,7 @@ class AsyncWorkerClient:
         await self._channel.close()
 
     async def _call(self, method: str, request: Any) -> Any:
+        """``WorkerClient._call``, awaited."""
         deadline = time.monotonic() + self._timeout
         while True:
             try:

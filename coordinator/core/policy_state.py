@@ -44,6 +44,9 @@ __all__ = [
 ]
 
 class PolicyPhase(enum.StrEnum):
+    """SERVING: routes are answered (at the versions ``servable_versions`` allows). DRAINING:
+    a sync update is in progress and routes wait (``routes_blocked``)."""
+
     SERVING = "serving"
     DRAINING = "draining"
 
@@ -59,8 +62,7 @@ class PolicyRecord:
 
     ``restored_at_ms`` (Unix ms, 0 = never) is when a coordinator last put back a state the
     store had lost (``coordinator.control.policy.high_water``): every replica refuses
-    BeginPolicyUpdate for
-    one lease after it, until every live worker has reported its version.
+    BeginPolicyUpdate for one lease after it, until every live worker has reported its version.
     """
 
     version: int = 0
@@ -238,6 +240,8 @@ def barrier(members: Iterable[str], acks: Mapping[str, str], stage: str = "appli
         raise InvalidArgument(f"unknown ack stage {stage!r}; expected one of {', '.join(STAGES)}")
     group = frozenset(members)
     wanted = STAGES.index(stage)
+    # NOTE: the upper bound leaves out a failure, which ranks above every stage
+    # (``stage_rank``) but acknowledged nothing.
     acked = frozenset(m for m in group if wanted <= stage_rank(acks.get(m, "")) < len(STAGES))
     missing = group - acked
     failed = frozenset(m for m in missing if failure_reason(acks.get(m, "")) is not None)

@@ -160,6 +160,7 @@ class IdentitySource:
 
     @property
     def table(self) -> IdentityTable:
+        """The identities in force, after a reload when the file is due a check and changed."""
         if self._interval > 0:
             now = self._clock()
             if now >= self._next_check:
@@ -228,6 +229,9 @@ class Guard:
         return identity
 
     def identify(self, context: Any) -> Identity:
+        """Who is calling: ``ANONYMOUS`` with auth off, else the identity of the bearer token
+        or, without one, of the verified client certificate. Unauthenticated when neither
+        names one. A token wins: a call with both is whoever the token names."""
         if self._identities is None:
             return ANONYMOUS
         identities = self._identities.table
@@ -266,7 +270,8 @@ class Guard:
 
 
 def bearer_token(metadata: Any) -> str | None:
-    """The token of an ``authorization: Bearer <token>`` entry, if any."""
+    """The token of an ``authorization: Bearer <token>`` entry, if any; Unauthenticated for
+    an ``authorization`` entry of another form (never read as "no credentials")."""
     for key, value in metadata:
         if key == "authorization" and isinstance(value, str):
             scheme, _, token = value.partition(" ")

@@ -187,6 +187,8 @@ class IdentityTable:
 
     @classmethod
     def from_entries(cls, entries: Iterable[Any], *, source: str = "identities") -> IdentityTable:
+        """A table of parsed ``[[identity]]`` entries; IdentityFileError (naming ``source``,
+        the entry and the field) for a bad entry, or a name, token or subject used twice."""
         by_digest: dict[bytes, Identity] = {}
         by_subject: dict[str, Identity] = {}
         names: set[str] = set()

@@ -67,6 +67,8 @@ class ErrorMappingInterceptor:
         self, metrics: RpcMetrics, expected: Mapping[type[Exception], Mapped] | None = None,
         guard: Guard | None = None,
     ) -> None:
+        """``expected``: how to answer exception types beside ``DomainError`` (the first
+        ``isinstance`` match, in order); ``guard``: who may call (None: auth off)."""
         self._metrics = metrics
         self._expected = dict(expected or {})
         self._guard = guard or Guard(ServerSecurity())
@@ -145,6 +147,8 @@ class ErrorMappingInterceptor:
                 del request  # see _release
                 await _abort(context, _release(exc), answer)
             finally:
+                # NOTE: set only once open_stream took a slot: a stream refused before (or by)
+                # it has none to give back.
                 if identity is not None:
                     guard.close_stream(identity)
                 self._record(method, code, started)

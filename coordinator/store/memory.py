@@ -217,6 +217,8 @@ class MemoryStore:
     async def append_many(
         self, stream: str, entries: Sequence[Mapping[str, str]], *, maxlen: int
     ) -> list[str]:
+        # No other task's entries land between these (unlike on Redis): ``append`` never
+        # suspends.
         return [await self.append(stream, fields, maxlen=maxlen) for fields in entries]
 
     async def tail(

@@ -19,7 +19,8 @@ STREAMS = frozenset({"events", "rollouts"})
 class StoreUnavailable(Exception):
     """The backing store cannot be reached (connection refused or lost, timeout, loading).
 
-    The outcome of a mutating call that raised it is unknown: re-read before retrying.
+    The outcome of a mutating call that raised it is unknown: re-read before retrying. A
+    coordinator answers it UNAVAILABLE, reason ``STORE_UNAVAILABLE``, with a retry delay.
     """
 
 
@@ -57,6 +58,10 @@ class MetadataStore(Protocol):
     Worker registry: each registration holds a lease (a TTL) and an incarnation. A calling
     worker identifies itself by (worker_id, incarnation); a call from any incarnation but the
     live one is refused (returns False, changes nothing) — that is the fencing.
+
+    Every method but ``ping`` and ``close`` raises ``StoreUnavailable`` when the store cannot
+    be reached (``MemoryStore`` never does), and ``ValueError`` for arguments the contract
+    refuses (an empty worker id, a lease <= 0, an unknown stream), before touching the store.
     """
 
     namespace: str
@@ -153,13 +158,17 @@ class MetadataStore(Protocol):
 
     async def read(self, stream: str, *, after: str | None, count: int) -> list[StreamEntry]:
         """Up to ``count`` entries with ids strictly greater than ``after`` (None: from the
-        oldest kept entry), oldest first. Entries trimmed away are silently skipped."""
+        oldest kept entry), oldest first. Entries trimmed away are silently skipped (a
+        ``stream_bounds().first_id`` above ``after`` tells). ValueError for an ``after`` that
+        is not ``"<ms>-<seq>"``."""
         ...
 
     async def append_many(
         self, stream: str, entries: Sequence[Mapping[str, str]], *, maxlen: int
     ) -> list[str]:
-        """``append`` each entry, in order, in one round trip; their ids, in order."""
+        """``append`` each entry, in order, in one round trip; their ids, in order. Not one
+        atomic change on Redis (a pipeline, not a transaction): another writer's entries may
+        land between them, and ``StoreUnavailable`` may leave some of them appended."""
         ...
 
     async def tail(

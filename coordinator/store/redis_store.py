@@ -103,6 +103,8 @@ class RedisStore:
             decode_responses=False,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
+            # NOTE: no automatic retry: a CAS retried after its reply was lost would report
+            # False for a change it made. The error surfaces as StoreUnavailable instead.
             retry=Retry(NoBackoff(), 0),
             # With maintenance notifications on (redis-py's default, "auto") the pool skips its
             # check for connections the server closed, so every pooled connection would fail
@@ -185,6 +187,8 @@ class RedisStore:
         return decode_worker(worker_id, decode_fields(raw)) if raw else None
 
     async def list_workers(self) -> list[WorkerRecord]:
+        """Reads the set, then each hash; ids whose hash expired are pruned from the set by a
+        script that checks again (the worker may have registered anew in between)."""
         set_key = self._key("workers")
         with self._unavailable():
             ids = sorted(decode(member) for member in await self._redis.smembers(set_key))
@@ -267,6 +271,7 @@ class RedisStore:
 
     async def read(self, stream: str, *, after: str | None, count: int) -> list[StreamEntry]:
         check_stream(stream, count_or_maxlen=count)
+        # "(" makes XRANGE's start exclusive: entries strictly after ``after``.
         start = "-" if after is None else f"({'-'.join(map(str, parse_entry_id(after)))}"
         with self._unavailable():
             raw = await self._redis.xrange(self._key(stream), min=start, max="+", count=count)
@@ -296,6 +301,7 @@ class RedisStore:
         check_stream(stream, count_or_maxlen=count)
         cursor = "-".join(map(str, parse_entry_id(after)))
         with self._unavailable():
+            # NOTE: at least 1 ms: XREAD BLOCK 0 would wait forever.
             raw = await self._redis.xread(
                 {self._key(stream): cursor}, count=count, block=max(block_ms, 1)
             )

@@ -79,6 +79,9 @@ class Observation:
         self.usage: dict[str, Any] | None = None
 
     def chunk(self, data: bytes) -> None:
+        """One piece of the answer, as it passes: the first times the first byte; a stream's
+        ``data:`` lines holding a usage are read now; a JSON body is kept for ``end``, up to
+        1 MiB (a larger one's usage is not counted)."""
         now = time.perf_counter()
         if self._last is None:
             self._metrics.ttft.labels(self._worker).observe(now - self._started)
@@ -93,6 +96,8 @@ class Observation:
             self._body += data
 
     def end(self, status: int) -> None:
+        """The answer is done: its latency, and the token counters from its usage (a JSON body
+        is read only when ``status`` is 200; no usage, no count)."""
         self._metrics.latency.labels(self._worker).observe(time.perf_counter() - self._started)
         if not self._streamed and self._body and status == 200:
             self._take_usage(bytes(self._body))

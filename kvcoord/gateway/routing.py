@@ -65,10 +65,14 @@ class RouteEnds:
         """Route ids sent to be ended, since start."""
 
     def end(self, routes: Iterable[Route], token: str | None) -> None:
+        """End the awaited ones of ``routes`` under ``token``, in a task of its own (never
+        waited on by the request)."""
         ids = sorted({r.route_id for r in routes if r.end_awaited})
         if ids:
             self.sent += len(ids)
             task = asyncio.get_running_loop().create_task(self._send(ids, token))
+            # NOTE: held until done: the loop keeps only a weak reference to a task, and
+            # ``flush`` waits for the ones in flight.
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
@@ -95,11 +99,13 @@ class RouteLedger:
         self._open: dict[str, Route] = {}
 
     def issued(self, routes: Iterable[Route]) -> None:
+        """Remember the awaited ones of ``routes`` (a route given twice is held once)."""
         for route in routes:
             if route.end_awaited:
                 self._open.setdefault(route.route_id, route)
 
     def end(self, route: Route) -> None:
+        """End ``route`` now (a worker that failed it); nothing when it is not held."""
         if self._open.pop(route.route_id, None) is not None:
             self._ends.end([route], self._token)
 
@@ -125,6 +131,9 @@ class RouteFinder:
                     exclude: Sequence[str] = ()) -> Route:
         """The worker for ``prompt``. A sync drain is waited out for up to ``drain_wait_ms``
         (the route then runs at the new version); OpenAIError for every refusal."""
+        # NOTE: the view does not wait out RetryInfo (``as_caller``): only a drain is waited
+        # for, here and bounded; NO_WORKER and the rest reach the client at once, with
+        # Retry-After (``refusal_of``).
         caller = self._client.as_caller(token)
         deadline = time.monotonic() + self._drain_wait_s
         while True:
@@ -137,6 +146,7 @@ class RouteFinder:
 
     async def route_batch(self, prompts: Sequence[Sequence[int]],
                           token: str | None) -> list[Route]:
+        """``route`` for several prompts in one RouteBatch: ``routes[i]`` is ``prompts[i]``'s."""
         caller = self._client.as_caller(token)
         deadline = time.monotonic() + self._drain_wait_s
         while True:

@@ -114,6 +114,8 @@ class GatewayServer:
             timeout=aiohttp.ClientTimeout(total=self._config.upstream_timeout_ms / 1000,
                                           sock_connect=self._config.connect_timeout_ms / 1000),
             auto_decompress=False)
+        # NOTE: handler_cancellation: a client that goes away cancels its handler, whose
+        # ``finally`` releases the worker's answer, closing that request (its generation stops).
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self._config.shutdown_grace_ms / 1000)
         await self._runner.setup()
@@ -185,6 +187,9 @@ class GatewayServer:
 
     async def _forward(self, request: web.Request, path: str, raw: bytes,
                        prompt: list[int]) -> web.StreamResponse:
+        """Route ``prompt`` and pass the client's ``raw`` body to the worker's ``path``; the
+        request's routes end however it ends. OpenAIError for a route refused (or no worker
+        answering)."""
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         token = self._token(request)
         ledger = self._routes.ledger(token)

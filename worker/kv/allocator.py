@@ -80,6 +80,7 @@ class PageAllocator:
         return n <= len(self._free) + len(self._lru)
 
     def refcount(self, page: int) -> int:
+        """References held on ``page`` (0: free or cached); ValueError when out of range."""
         self._check_range((page,))
         return self._refs[page]
 
@@ -156,6 +157,7 @@ class PageAllocator:
         refs = self._refs
         if len(pages) == 1:  # one page (a decode step's): skip the batch checks below
             page = pages[0]
+            # NOTE: a page this test refuses falls through to the checks below, which raise.
             if 0 <= page < self.n_pages and refs[page] > 0:
                 refs[page] -= 1
                 if refs[page] == 0:

@@ -100,7 +100,8 @@ class HostTier:
         for key, page in zip(keys, host_pages, strict=True):
             self._page_of[key] = page
             self._key_of[page] = key
-        # Admitted pages are unreferenced: cached, the coldest of them evicted first.
+        # NOTE: admitted pages are unreferenced: cached. Reversed because ``free`` queues a
+        # list tail first: the LRU then holds them coldest first, the next to be evicted.
         self.allocator.free(host_pages[::-1], keep_cached=True)
         return list(keys)
 

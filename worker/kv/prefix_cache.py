@@ -341,6 +341,7 @@ class PrefixCache:
             kept = self._host.admit(keys, [page for _, page in evicted], self._mover)
             if kept and self.on_moved is not None:
                 self.on_moved(kept, Tier.CPU)
+        # NOTE: ``admit`` keeps the hottest keys, the last ones: those before them were dropped.
         self._report_removed(keys[: len(keys) - len(kept)])
 
     def _copy_back(self, host: HostTier, host_pages: list[int], device_pages: list[int]) -> None:

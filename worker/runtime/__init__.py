@@ -13,16 +13,6 @@ NOTE: this face re-exports only ``runtime_types``: the SDK (``worker.client``) i
 types and must run without torch, so the torch modules are imported by name.
 """
 
-from worker.runtime.runtime_types import (
-    EventSink,
-    Generation,
-    GenerationAborted,
-    GenerationCancelled,
-    InvalidRequest,
-    PoolExhausted,
-    RuntimeStats,
-    TierCopyStats,
-)
-
-__all__ = ["EventSink", "Generation", "GenerationAborted", "GenerationCancelled",
-           "InvalidRequest", "PoolExhausted", "RuntimeStats", "TierCopyStats"]
+# The face re-exports runtime_types' public names, as its __all__ lists them.
+from worker.runtime.runtime_types import *  # noqa: F403
+from worker.runtime.runtime_types import __all__ as __all__

@@ -33,9 +33,6 @@ from worker.runtime.runtime_types import (
 )
 from worker.runtime.strategy import PagedStrategy, ReqToTokenPool, TaskCacheState
 
-__all__ = ["EventSink", "Generation", "GenerationAborted", "GenerationCancelled",
-           "InvalidRequest", "PoolExhausted", "RuntimeStats", "WorkerRuntime"]
-
 
 class WorkerRuntime:
     """One worker's generation runtime: engine + KV buffers + paged strategy + prefix cache.

@@ -11,6 +11,8 @@ from typing import Protocol
 
 from coordinator.core.index import Tier
 
+__all__ = ["EventSink", "Generation", "GenerationAborted", "GenerationCancelled",
+           "InvalidRequest", "PoolExhausted", "RuntimeStats", "TierCopyStats"]
 
 class InvalidRequest(ValueError):
     """Refused input (maps to INVALID_ARGUMENT): empty prompt, token id outside the vocabulary,

@@ -8,21 +8,11 @@
 Pure core: no I/O. ``coordinator.hashing`` re-exports ``page_keys`` as the documented contract.
 """
 
-from coordinator.core.hashing.hash_config import (
-    DEV_HASH_KEY,
-    MAX_PAGE_SIZE,
-    MAX_POLICY_VERSION,
-    PAGE_KEY_BYTES,
-    HashAlgorithm,
-    HashConfig,
-    Namespace,
-    encode_root,
-    load_hash_config,
-)
-from coordinator.core.hashing.page_hasher import PageHasher, PageKeys, page_keys, split_page_keys
+# The face re-exports each module's public names, as its __all__ lists them.
+from coordinator.core.hashing import hash_config, page_hasher
+from coordinator.core.hashing.hash_config import *  # noqa: F403
+from coordinator.core.hashing.page_hasher import *  # noqa: F403
 
-__all__ = [
-    "DEV_HASH_KEY", "MAX_PAGE_SIZE", "MAX_POLICY_VERSION", "PAGE_KEY_BYTES", "HashAlgorithm",
-    "HashConfig", "Namespace", "PageHasher", "PageKeys", "encode_root", "load_hash_config",
-    "page_keys", "split_page_keys",
-]
+__all__: list[str] = []
+__all__ += hash_config.__all__
+__all__ += page_hasher.__all__

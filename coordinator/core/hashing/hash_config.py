@@ -38,6 +38,20 @@ _ROOT_TAG = b"kvcoord.root.v1"
 _FINGERPRINT_TAG = b"kvcoord.fingerprint.v1"
 
 
+__all__ = [
+    "DEV_HASH_KEY",
+    "MAX_KEY_BYTES",
+    "MAX_PAGE_SIZE",
+    "MAX_POLICY_VERSION",
+    "MIN_KEY_BYTES",
+    "PAGE_KEY_BYTES",
+    "HashAlgorithm",
+    "HashConfig",
+    "Namespace",
+    "encode_root",
+    "load_hash_config",
+]
+
 class HashAlgorithm(enum.StrEnum):
     """The page hash ``H``. The value is what goes into the root and on the wire."""
 

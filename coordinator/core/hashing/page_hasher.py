@@ -50,6 +50,8 @@ _BYTES_LIKE = (bytes, bytearray, memoryview)
 CHUNK_PAGES = 16
 
 
+__all__ = ["PageHasher", "PageKeys", "page_keys", "split_page_keys", "tokens_to_bytes"]
+
 def tokens_to_bytes(tokens: Sequence[int] | bytes | bytearray | memoryview) -> bytes:
     """Token ids as little-endian uint32, converted once per prompt.
 
@@ -138,7 +140,9 @@ class PageHasher:
     ) -> list[bytes]:
         """Keys of the full pages of ``tokens`` (cut by ``namespace.page_size``), in order.
 
-        A partial last page gets no key. Updates the ``hits``/``misses`` counters.
+        A partial last page gets no key. Updates the ``hits``/``misses`` counters and the chain
+        cache (every page walked or hashed lands in its young generation). ValueError for a
+        token id outside uint32 or encoded bytes that are not whole ids.
         """
         root = parent = self.root(namespace)
         data = tokens_to_bytes(tokens)
@@ -240,6 +244,8 @@ class PageHasher:
             self._old, self._old_runs = {}, {}
 
 
+# NOTE: built once per process, on the first ``page_keys`` call: changing KVCOORD_HASH_* after
+# that has no effect here (build a PageHasher for another configuration).
 @functools.cache
 def _default_hasher() -> PageHasher:
     return PageHasher(load_hash_config())
@@ -252,6 +258,8 @@ def page_keys(
     """Page keys under the configured deployment key (built once from the environment).
 
     ``namespace=None`` means model "default", version 0 and the configured page size.
+    ValueError for a bad configuration in the environment (see ``load_hash_config``) or a
+    token id outside uint32.
     """
     hasher = _default_hasher()
     if namespace is None:

@@ -15,6 +15,7 @@
 Pure core: no I/O; randomness comes in as a ``random.Random``.
 """
 
+from coordinator.core.routing import route_types
 from coordinator.core.routing.batch_order import BatchGroup, execution_order, group_identical
 from coordinator.core.routing.choosers import (
     CHOOSERS,
@@ -30,21 +31,14 @@ from coordinator.core.routing.choosers import (
     overflow_tokens,
     prefill_work,
 )
-from coordinator.core.routing.route_types import (
-    BatchResult,
-    LookupResult,
-    PromptInput,
-    RouteReservation,
-    RouteResult,
-    Scope,
-)
+from coordinator.core.routing.route_types import *  # noqa: F403 (route_types.__all__, below)
 from coordinator.core.routing.router import Router, RouterCounters
 from coordinator.core.routing.routing_values import Decision, KvAwareWeights, RoutingRequest
 
 __all__ = [
-    "CHOOSERS", "BatchGroup", "BatchResult", "Decision", "KvAwareChooser", "KvAwareWeights",
-    "LeastLoadedChooser", "LookupResult", "NoEligibleWorker", "PromptInput", "RoundRobinChooser",
-    "RouteChooser", "RouteReservation", "RouteResult", "Router", "RouterCounters",
-    "RoutingRequest", "Scope", "booked_work", "execution_order", "group_identical",
+    "CHOOSERS", "BatchGroup", "Decision", "KvAwareChooser", "KvAwareWeights",
+    "LeastLoadedChooser", "NoEligibleWorker", "RoundRobinChooser", "RouteChooser", "Router",
+    "RouterCounters", "RoutingRequest", "booked_work", "execution_order", "group_identical",
     "kv_aware_cost", "load_floor", "make_chooser", "overflow_tokens", "prefill_work",
 ]
+__all__ += route_types.__all__

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from coordinator.core.index import Tier
 
+__all__ = ["BatchResult", "LookupResult", "PromptInput", "RouteReservation",
+           "RouteResult", "Scope"]
 
 @dataclass(frozen=True, slots=True)
 class PromptInput:
