@@ -1,15 +1,30 @@
 """docs/ARCHITECTURE.md's module map is what bench/module_map.py generates from the code now
-(issue 28: the hand-written map had 20 wrong sizes and missed 21 bench modules)."""
+(issue 28: the hand-written map had 20 wrong sizes and missed 21 bench modules), and every
+dotted name of ours the docs put in backticks (``coordinator.replica.CoordinatorReplica``)
+still resolves (the moves of issue 28 left ``coordinator.service`` and the like behind)."""
 
 from __future__ import annotations
 
+import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from bench.module_map import BEGIN, DOC, END, first_sentence, module_map, modules, rewritten
+from bench.module_map import (
+    BEGIN,
+    DOC,
+    END,
+    PACKAGES,
+    first_sentence,
+    module_map,
+    modules,
+    rewritten,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOTTED_NAME = re.compile(rf"`((?:{'|'.join(PACKAGES)})(?:\.[A-Za-z_]\w*)+)(?:\(\))?`")
 
 
 def _check(doc: Path) -> subprocess.CompletedProcess[str]:
@@ -64,3 +79,57 @@ def test_a_module_without_a_docstring_is_refused_by_name(tmp_path: Path) -> None
     silent.write_text("X = 1\n")
     with pytest.raises(MissingDocstring, match=r"coordinator/silent\.py"):
         row(silent, tmp_path)
+
+
+def _resolves(name: str) -> bool:
+    """Whether ``name`` is a module, or an attribute chain on the longest module it starts with."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attribute in parts[cut:]:
+            if not hasattr(target, attribute):
+                return False
+            target = getattr(target, attribute)
+        return True
+    return False
+
+
+def _names_not_python() -> set[str]:
+    """Dotted names of ours that are not Python names: the log events the code emits
+    (``"worker.registered"``) and the gRPC services (``coordinator.v1.Coordinator``)."""
+    quoted = re.compile(rf"[\"']((?:{'|'.join(PACKAGES)})\.[\w.]+)[\"']")
+    names = {name for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+             for name in quoted.findall(path.read_text())}
+    for proto in (ROOT / "proto").rglob("*.proto"):
+        text = proto.read_text()
+        (package,) = re.findall(r"^package ([\w.]+);", text, re.M)
+        names |= {f"{package}.{service}" for service in re.findall(r"^service (\w+)", text, re.M)}
+    return names
+
+
+def unresolved_names(text: str, known: set[str]) -> list[str]:
+    """The backticked dotted names of ours in ``text`` that neither resolve nor are ``known``."""
+    return sorted({name for name in DOTTED_NAME.findall(text)
+                   if name not in known and not _resolves(name)})
+
+
+def test_every_dotted_name_the_docs_give_resolves() -> None:
+    known = _names_not_python()
+    stale = {doc.name: names for doc in DOCS
+             if (names := unresolved_names(doc.read_text(), known))}
+    assert not stale, f"names in the docs that the code no longer has: {stale}"
+    checked = {name for doc in DOCS for name in DOTTED_NAME.findall(doc.read_text())}
+    assert {"coordinator.replica", "coordinator.index.PrefixIndex"} <= checked  # it sees them
+
+
+def test_a_renamed_module_or_attribute_is_reported_and_log_events_are_not() -> None:
+    known = _names_not_python()
+    assert {"worker.registered", "coordinator.v1.Coordinator"} <= known
+    text = ("`coordinator.service.CoordinatorService`, `coordinator.core.routing.POLICIES`, "
+            "`coordinator.replica.CoordinatorReplica`, `worker.main.start_worker()`, "
+            "`worker.registered`, `coordinator.v1.Coordinator`")
+    assert unresolved_names(text, known) == ["coordinator.core.routing.POLICIES",
+                                             "coordinator.service.CoordinatorService"]
