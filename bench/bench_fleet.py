@@ -43,12 +43,30 @@ def _pinning() -> bool:
     return shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started (its sync frontends), from /proc."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            return [int(p) for p in children.read().split()]
+    except OSError:
+        return []
+
+
+def _pin(pid: int, core: str) -> None:
+    subprocess.run(["taskset", "-a", "-p", "-c", core, str(pid)], check=True,
+                   stdout=subprocess.DEVNULL)
+
+
 @contextmanager
 def _replicas(count: int, appendfsync: str | None, ingest_max_share: float | None = None,
-              accelerated: bool = True) -> Iterator[tuple[list[str], list[int]]]:
-    """(targets, pids) of ``count`` coordinator processes; two or more share a redis-server
-    with AOF ``appendfsync``. ``ingest_max_share``: their ingest budget (None: the default);
-    ``accelerated=False``: their index on the pure-Python holdings (``KVCOORD_NO_ACCEL=1``)."""
+              accelerated: bool = True, sync_frontends: int = 0,
+              frontend_core: str = COORDINATOR_CORE,
+              ) -> Iterator[tuple[list[str], list[int], list[int]]]:
+    """(targets, pids, the first replica's frontend pids) of ``count`` coordinator processes;
+    two or more share a redis-server with AOF ``appendfsync``. ``ingest_max_share``: their
+    ingest budget (None: the default); ``accelerated=False``: their index on the pure-Python
+    holdings (``KVCOORD_NO_ACCEL=1``); ``sync_frontends``: each replica's sync frontend
+    processes, pinned to ``frontend_core``."""
     redis = None
     if count > 1:
         redis = RedisServer(appendonly=appendfsync is not None,
@@ -65,15 +83,21 @@ def _replicas(count: int, appendfsync: str | None, ingest_max_share: float | Non
                 env["KVCOORD_INGEST_MAX_SHARE"] = str(ingest_max_share)
             if not accelerated:
                 env[NO_ACCEL_VARIABLE] = "1"
+            if sync_frontends:
+                env["KVCOORD_SYNC_FRONTENDS"] = str(sync_frontends)
             process = start_coordinator_process(port, *extra, env=env)
             processes.append(process)
             wait_healthy(f"127.0.0.1:{port}", process, timeout=60)
             targets.append(f"127.0.0.1:{port}")
+        frontends = child_pids(processes[0].pid)
+        if len(frontends) != sync_frontends:
+            raise RuntimeError(f"expected {sync_frontends} sync frontends, found {frontends}")
         if _pinning():
             for process in processes:
-                subprocess.run(["taskset", "-a", "-p", "-c", COORDINATOR_CORE, str(process.pid)],
-                               check=True, stdout=subprocess.DEVNULL)
-        yield targets, [p.pid for p in processes]
+                _pin(process.pid, COORDINATOR_CORE)
+            for pid in frontends:
+                _pin(pid, frontend_core)
+        yield targets, [p.pid for p in processes], frontends
     finally:
         stop_processes(processes, 10)
         if redis is not None:
@@ -82,13 +106,16 @@ def _replicas(count: int, appendfsync: str | None, ingest_max_share: float | Non
 
 def run_case(workers: int, *, replicas: int = 1, appendfsync: str | None = None,
              seconds: float = 10.0, ingest_max_share: float | None = None,
-             accelerated: bool = True, **load: Any) -> dict[str, Any]:
+             accelerated: bool = True, sync_frontends: int = 0,
+             frontend_core: str = COORDINATOR_CORE, **load: Any) -> dict[str, Any]:
     """One case: the replicas up, the generator run against them, its measures.
     ``accelerated``: the coordinators' index core (compiled where built, else pure Python
-    either way; ``index_core`` in the result says which ran)."""
-    with _replicas(replicas, appendfsync, ingest_max_share, accelerated) as (targets, pids):
+    either way; ``index_core`` in the result says which ran); ``sync_frontends``: processes
+    reading the workers' streams for each replica, on ``frontend_core``."""
+    with _replicas(replicas, appendfsync, ingest_max_share, accelerated, sync_frontends,
+                   frontend_core) as (targets, pids, frontend_pids):
         config = {"targets": targets, "pids": pids, "workers": workers, "seconds": seconds,
-                  **load}
+                  "frontend_pids": frontend_pids, **load}
         argv = [sys.executable, "-m", "bench.fleet_load", json.dumps(config)]
         if _pinning():
             argv = ["taskset", "-c", GENERATOR_CORE, *argv]
@@ -101,6 +128,8 @@ def run_case(workers: int, *, replicas: int = 1, appendfsync: str | None = None,
     result["ingest_max_share"] = "default" if ingest_max_share is None else ingest_max_share
     result["pinned"] = _pinning()
     result["index_core"] = "compiled" if accelerated and compiled_available() else "pure"
+    result["sync_frontends"] = sync_frontends
+    result["frontend_core"] = frontend_core if sync_frontends and _pinning() else None
     for window in ("ingest", "ingest_and_routes"):
         measured = result[window]
         busy = measured["coordinator_cpu_share"][0]
@@ -123,6 +152,15 @@ def fleet_steps(quick: bool) -> list[tuple[str, Any]]:
     if not quick:  # the largest fleet again with ingest unbounded (no budget): what it buys
         steps.append((f"unbounded_1r_{sizes[-1]}", lambda: run_case(
             sizes[-1], seconds=seconds, ingest_max_share=1.0, **load)))
+    # Ingest split off: one sync frontend process reads the streams, on the replica's own core
+    # (routes first by CPU priority, same core budget) and on the generator's core (a second
+    # core for ingest, shared with the generator here).
+    big = sizes[-1]
+    steps.append((f"frontend_same_core_1r_{big}", lambda: run_case(
+        big, seconds=seconds, sync_frontends=1, frontend_core=COORDINATOR_CORE, **load)))
+    if not quick:
+        steps.append((f"frontend_other_core_1r_{big}", lambda: run_case(
+            big, seconds=seconds, sync_frontends=1, frontend_core=GENERATOR_CORE, **load)))
     # The pure-Python index core beside the compiled one (where no compiler exists).
     steps += [(f"pure_1r_{n}", lambda n=n: run_case(n, seconds=seconds, accelerated=False,
                                                     **load))

@@ -31,7 +31,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHa
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from kvcoord.simulate.trace import load_trace, trace_page_keys
+from worker.sync.coordinator_channels import on_port
 
 TRACE = Path(__file__).resolve().parent.parent / "tests" / "data" / "mooncake_300.jsonl"
 HASH = HashConfig(key=DEV_HASH_KEY)
@@ -85,6 +86,8 @@ class Config:
     heartbeat_s: float = 2.0
     requests: int = 300
     floor_calls: int = 2000
+    frontend_pids: list[int] = field(default_factory=list)
+    """The sync frontend processes of replica 0 (``--sync-frontends``), CPU read apart."""
 
 
 class EmulatedWorker:
@@ -137,6 +140,7 @@ class Fleet:
         # probes have connections of their own, as they would in a deployment (a stalled
         # stream's flow-control window must not hold their calls back).
         self.channels = [grpc.aio.insecure_channel(t) for t in config.targets]
+        self.sync_channels: dict[int, grpc.aio.Channel] = {}
         own = [("grpc.use_local_subchannel_pool", 1)]
         self.clients = [grpc.aio.insecure_channel(t, options=own) for t in config.targets]
         self.stubs = [pb_grpc.CoordinatorStub(c) for c in self.clients]
@@ -161,7 +165,13 @@ class Fleet:
             sync = ScriptedWorker(self.config.targets[replica], f"fleet-{i:04d}",
                                   hash_config=HASH, total_pages=self.config.capacity)
             sync._channel = self.channels[replica]  # streams share one connection per replica
-            await sync.start()
+            await sync.register()
+            if sync.sync_port:  # and one per sync frontend
+                if sync.sync_port not in self.sync_channels:
+                    self.sync_channels[sync.sync_port] = grpc.aio.insecure_channel(
+                        on_port(self.config.targets[replica], sync.sync_port))
+                sync._sync_channel = self.sync_channels[sync.sync_port]
+            await sync.connect()
             offset = rng.randrange(len(self.prompt_keys))
             self.workers.append(EmulatedWorker(sync, replica, self.prompt_keys, offset,
                                                self.config))
@@ -288,6 +298,7 @@ async def _window(fleet: Fleet, config: Config, *, with_routes: bool) -> dict[st
         lags.clear()
     fleet.censored = {"owner": 0, "other": 0}
     cpu_before = [cpu_seconds(p) for p in config.pids]
+    frontends_before = [cpu_seconds(p) for p in config.frontend_pids]
     own_before = resource.getrusage(resource.RUSAGE_SELF)
     began = time.monotonic()
     jobs = [fleet.ingest(config.seconds)]
@@ -297,6 +308,8 @@ async def _window(fleet: Fleet, config: Config, *, with_routes: bool) -> dict[st
     elapsed = time.monotonic() - began
     own_after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = [cpu_seconds(p) - b for p, b in zip(config.pids, cpu_before, strict=True)]
+    frontends = [cpu_seconds(p) - b
+                 for p, b in zip(config.frontend_pids, frontends_before, strict=True)]
     marginal = [max(0.0, c - idle * elapsed) for c, idle in zip(cpu, fleet.idle_share,
                                                                  strict=True)]
     own = (own_after.ru_utime + own_after.ru_stime) - (own_before.ru_utime + own_before.ru_stime)
@@ -310,6 +323,9 @@ async def _window(fleet: Fleet, config: Config, *, with_routes: bool) -> dict[st
         "cpu_us_per_key_op": [c / max(1, fleet.key_ops) * 1e6 for c in cpu],
         # Less the idle baseline; still holding heartbeats, acks and the lag probes' Lookups.
         "marginal_cpu_us_per_batch": [c / max(1, fleet.batches) * 1e6 for c in marginal],
+        # Replica 0's sync frontends, each (empty without them): the ingest moved out of it.
+        "frontend_cpu_share": [c / elapsed for c in frontends],
+        "frontend_cpu_us_per_batch": sum(frontends) / max(1, fleet.batches) * 1e6,
         "probe_lookups": fleet.probe_lookups,
         "routes": len(fleet.route_ms), "route_errors": fleet.route_errors,
         "route_p50_ms": quantile(fleet.route_ms, 0.5),
@@ -349,7 +365,7 @@ async def run(config: Config) -> dict[str, Any]:
                                            for r, k in zip(rss, keys, strict=True)]}
     for worker in fleet.workers:
         await worker.sync.disconnect()  # the channels are shared: closed below
-    for channel in [*fleet.channels, *fleet.clients]:
+    for channel in [*fleet.channels, *fleet.clients, *fleet.sync_channels.values()]:
         await channel.close()
     return out
 

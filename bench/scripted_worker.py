@@ -20,6 +20,7 @@ from coordinator.client.channels import call_metadata
 from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from worker.sync.coordinator_channels import on_port
 from worker.sync.event_log import inventory_chunks
 from worker.sync.sync_protocol import WorkerIdentity, hello_request, register_request
 
@@ -53,6 +54,8 @@ class ScriptedWorker:
         self.received: asyncio.Queue[pb.SyncResponse | None] = asyncio.Queue()
         self.stream_error: grpc.RpcError | None = None
         self._channel: grpc.aio.Channel | None = None
+        self.sync_port = 0  # where Register said to open Sync (0: the same target)
+        self._sync_channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
 
@@ -77,6 +80,7 @@ class ScriptedWorker:
         response: pb.RegisterResponse = await stub.Register(
             register_request(identity, self.policy_version), metadata=self.metadata)
         self.incarnation = response.incarnation
+        self.sync_port = response.sync_port
         self.seq = 0
         self.held.clear()
         return response
@@ -84,8 +88,13 @@ class ScriptedWorker:
     async def connect(self, last_acked_seq: int | None = None) -> pb.SyncResponse:
         """Open the Sync stream with a hello; returns the coordinator's welcome."""
         assert self._channel is not None, "register() first"
-        stub = pb_grpc.CoordinatorStub(self._channel)
-        self._call = stub.Sync(metadata=self.metadata)
+        channel = self._channel
+        if self.sync_port:  # a sync frontend of the replica
+            if self._sync_channel is None:
+                self._sync_channel = grpc.aio.insecure_channel(
+                    on_port(self.target, self.sync_port))
+            channel = self._sync_channel
+        self._call = pb_grpc.CoordinatorStub(channel).Sync(metadata=self.metadata)
         self.received = asyncio.Queue()  # nothing from an earlier stream leaks into this one
         self.stream_error = None
         await self._call.write(hello_request(
@@ -187,10 +196,14 @@ class ScriptedWorker:
         keeping the registration and sequence numbers: ``connect()`` next to resume there."""
         await self.close()
         self.target = target
+        self.sync_port = 0  # what this replica's Register said; the new one said nothing
         self._channel = grpc.aio.insecure_channel(target)
 
     async def close(self) -> None:
         await self.disconnect()
+        if self._sync_channel is not None:
+            await self._sync_channel.close()
+            self._sync_channel = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

@@ -244,9 +244,35 @@ def fleet_targets(results: dict[str, Any]) -> list[list[str]]:
          "<= 120 B at 1e7",
          f"{rss:.0f} B" if rss else "n/a", verdict(rss is not None and rss <= 120)],
         [f"batches sent / target ({name})", "-", f"{ingest['achieved_fraction']:.2f}", "-"],
+        *_frontend_rows(results, case["workers"], verdict),
         *_pure_rows(results.get(f"pure_{name}"), floors),
         *_shared_routes_rows(results.get("shared_routes"), verdict),
     ]
+
+
+def _frontend_rows(results: dict[str, Any], workers: int,
+                   verdict: Callable[[bool], str]) -> list[list[str]]:
+    """Issue 29's bars on one replica with its ingest in a sync frontend process: routes
+    under 20 ms and none refused at any ingest load, lag under the bound."""
+    rows = []
+    for where in ("same_core", "other_core"):
+        case = results.get(f"frontend_{where}_1r_{workers}")
+        if case is None:
+            continue
+        loaded = case["ingest_and_routes"]
+        lag, p99 = loaded["lag_owner_p99_ms"], loaded["route_p99_ms"]
+        label = f"frontend_{where}_1r_{workers}"
+        rows += [
+            [f"Route p99 with ingest in a frontend ({label})", "< 20 ms",
+             f"{p99:.1f} ms" if p99 is not None else "none",
+             verdict(p99 is not None and p99 < 20.0)],
+            [f"routes refused ({label})", "0", str(loaded["route_errors"]),
+             verdict(loaded["route_errors"] == 0)],
+            [f"lag p99 owner ({label})", "< 300 ms",
+             f"{lag:.0f} ms" if lag is not None else "no sample",
+             verdict(lag is not None and lag < 300.0)],
+        ]
+    return rows
 
 
 def _pure_rows(pure: dict[str, Any] | None, floors: dict[str, Any]) -> list[list[str]]:

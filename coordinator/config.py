@@ -63,6 +63,10 @@ class CoordinatorConfig:
     max_inflight_per_worker: int = 65_536
     """In-flight routes remembered per worker; beyond it the oldest are assumed finished (a
     worker that never reports completions must not grow the coordinator without bound)."""
+    sync_frontends: int = 0
+    """Processes that terminate workers' Sync streams for this replica (server.sync_frontend),
+    on the ports after ``listen``'s (ephemeral ones when it is 0); 0 = this process reads them.
+    Routes then never share a loop with stream reads, and ingest uses more than one core."""
     ingest_max_share: float = 0.7
     """The share of each 100 ms of the event loop that page-event batches may take; past it
     their streams wait (routes never do). 1 = unbounded (control/ingest_governor.py)."""
@@ -181,6 +185,8 @@ class CoordinatorConfig:
             raise ConfigError(f"page_size must be <= 4096, got {self.page_size}")
         if self.max_inflight_per_worker <= 0:
             raise ConfigError("max_inflight_per_worker must be > 0")
+        if not 0 <= self.sync_frontends <= 64:
+            raise ConfigError(f"sync_frontends must be in [0, 64], got {self.sync_frontends}")
         if not 0 < self.ingest_max_share <= 1:
             raise ConfigError(f"ingest_max_share must be in (0, 1], got {self.ingest_max_share}")
         if self.route_end_ttl_ms <= 0:

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--routing-policy", help="kv_aware (default), round_robin, least_loaded")
     coord.add_argument("--replica-id", help="this replica's name among the replicas sharing "
                        "--redis (default <hostname>-<pid>-<random>)")
+    coord.add_argument("--sync-frontends", type=int, metavar="N",
+                       help="processes that read workers' Sync streams, on the ports after "
+                       "--listen's (default 0: this process reads them)")
     coord.add_argument("--log-level", help="debug, info (default), warning, error")
     add_server_flags(coord)
 

@@ -43,7 +43,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         "listen": args.listen, "redis": args.redis, "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "page_size": args.page_size, "routing_policy": args.routing_policy,
-        "replica_id": args.replica_id,
+        "replica_id": args.replica_id, "sync_frontends": args.sync_frontends,
         "log_level": args.log_level, **server_flags(args),
     }
     try:

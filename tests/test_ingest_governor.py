@@ -77,3 +77,38 @@ async def test_batches_held_back_are_all_applied_in_order_and_routes_still_answe
             assert metrics.registry.get_sample_value("kvcoord_ingest_wait_seconds_count") == waited
         finally:
             await worker.close()
+
+
+async def test_a_heartbeat_behind_held_batches_is_taken_at_once() -> None:
+    # 1 ms of each 100 ms for page events, and 48 batches of 4,096 keys that take several ms
+    # each: applying them all takes seconds. A heartbeat sent behind them must report its load
+    # (and renew the lease) while they are still held, not after the last is applied.
+    async with running_coordinator(ingest_max_share=0.01, lease_ms=30_000) as running, \
+            AsyncCoordinatorClient(target(running)) as client:
+        worker = ScriptedWorker(target(running), "w1", hash_config=DEV_HASH,
+                                total_pages=1 << 18)
+        await worker.start()
+        await worker.heartbeat()
+        try:
+            for _ in range(48):
+                keys = [os.urandom(16) for _ in range(4096)]
+                worker.held.update(keys)
+                await worker.send_events([pb.PageEvent(kind=pb.PageEvent.KIND_STORED,
+                                                       page_keys=b"".join(keys))])
+            await worker.heartbeat(running_requests=7)
+
+            async def load_reported() -> bool:
+                (info,) = await client.workers()
+                return info.running_requests == 7
+
+            await eventually(load_reported, what="the heartbeat's load", timeout=5)
+            indexed = (await client.stats()).index_keys
+            assert indexed < len(worker.held), (
+                "every batch was applied before the heartbeat: it waited behind them")
+
+            async def all_indexed() -> bool:
+                return (await client.stats()).index_keys == len(worker.held)
+
+            await eventually(all_indexed, what="every held batch applied after", timeout=60)
+        finally:
+            await worker.close()

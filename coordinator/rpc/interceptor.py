@@ -77,6 +77,7 @@ class ErrorMappingInterceptor:
     def wrap(
         self, servicer: Any, service: ServiceDescriptor,
         permissions: Mapping[str, frozenset[Role]] | None = None,
+        only: frozenset[str] | None = None,
     ) -> Any:
         """A servicer whose every RPC of ``service`` is admitted by the guard under
         ``permissions`` (method -> roles; a method not named there is admin-only) and goes
@@ -85,6 +86,8 @@ class ErrorMappingInterceptor:
         wrapped = types.SimpleNamespace()
         table = dict(permissions or {})
         for method in service.methods:
+            if only is not None and method.name not in only:
+                continue  # ``only``: the methods this servicer serves (the rest: none)
             behavior = getattr(servicer, method.name)
             if method.server_streaming:
                 wrapper = self._wrap_stream(method.name, behavior, table, method.client_streaming)
@@ -93,7 +96,7 @@ class ErrorMappingInterceptor:
             setattr(wrapped, method.name, wrapper)
         return wrapped
 
-    def _record(self, method: str, code: str, started: float) -> None:
+    def record(self, method: str, code: str, started: float) -> None:
         # Label children resolved once per (method, code): labels() hashes and locks per call.
         children = self._children.get((method, code))
         if children is None:
@@ -116,11 +119,11 @@ class ErrorMappingInterceptor:
                 guard.admit(method, context, permissions)
                 return await behavior(request, context)
             except Exception as exc:
-                code, answer = self._classify(exc, method)
+                code, answer = self.classify(exc, method)
                 del request  # see _release
                 await _abort(context, _release(exc), answer)
             finally:
-                self._record(method, code, started)
+                self.record(method, code, started)
 
         return unary
 
@@ -143,7 +146,7 @@ class ErrorMappingInterceptor:
                 async for response in behavior(request, context):
                     yield response
             except Exception as exc:
-                code, answer = self._classify(exc, method)
+                code, answer = self.classify(exc, method)
                 del request  # see _release
                 await _abort(context, _release(exc), answer)
             finally:
@@ -151,11 +154,11 @@ class ErrorMappingInterceptor:
                 # it has none to give back.
                 if identity is not None:
                     guard.close_stream(identity)
-                self._record(method, code, started)
+                self.record(method, code, started)
 
         return stream
 
-    def _classify(self, exc: Exception, method: str) -> tuple[str, Mapped | None]:
+    def classify(self, exc: Exception, method: str) -> tuple[str, Mapped | None]:
         """The status label for ``exc`` and how to answer it (None: re-raise as it is)."""
         if isinstance(exc, grpc.aio.AbortError):
             return "ABORTED_IN_HANDLER", None  # a handler called context.abort itself

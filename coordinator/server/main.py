@@ -23,6 +23,7 @@ from coordinator.rpc.identities import COORDINATOR_PERMISSIONS
 from coordinator.rpc.interceptor import ErrorMappingInterceptor, Mapped
 from coordinator.server.metrics import CoordinatorMetrics
 from coordinator.server.servicer import CoordinatorServicer
+from coordinator.server.sync_relay import SyncFrontends
 from coordinator.store.protocol import StoreUnavailable
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
@@ -44,10 +45,13 @@ class RunningCoordinator:
     health: health_aio.HealthServicer
     port: int
     metrics_port: int | None
+    sync_frontends: SyncFrontends | None = None
 
     async def stop(self, grace: float = 2.0) -> None:
         """Report NOT_SERVING, let in-flight calls finish for ``grace`` seconds, then close."""
         await self.health.enter_graceful_shutdown()
+        if self.sync_frontends is not None:
+            await self.sync_frontends.stop()
         await self.server.stop(grace)
         await self.service.stop()
         log.info("coordinator.stopped", port=self.port)
@@ -71,7 +75,10 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
         Guard(security),
     )
     descriptor = pb.DESCRIPTOR.services_by_name["Coordinator"]
-    servicer = errors.wrap(CoordinatorServicer(service), descriptor, COORDINATOR_PERMISSIONS)
+    frontends = SyncFrontends(service, errors, config) if config.sync_frontends else None
+    servicer = errors.wrap(
+        CoordinatorServicer(service, frontends.sync_port if frontends else lambda: 0),
+        descriptor, COORDINATOR_PERMISSIONS)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, errors, SERVICE_NAME)
     port = security.bind(server, config.listen)
@@ -87,6 +94,8 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
         metrics_port = serve_metrics(metrics.registry, config.metrics_host
                                      or host_of(config.listen), config.metrics_port)
     await service.start()
+    if frontends is not None:  # before serving: Register names their ports
+        await frontends.start()
     await server.start()
     await service.wait_ready()
     serving = health_pb2.HealthCheckResponse.SERVING
@@ -96,10 +105,11 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
         "coordinator.serving", listen=config.listen, port=port, metrics_port=metrics_port,
         store=type(service.store).__name__, page_size=config.page_size,
         policy_version=service.policy.version, index_core=accel.status(),
+        sync_frontends=frontends.ports if frontends else [],
         **security.describe(),
     )
     warn_if_open(config.listen, security)
-    return RunningCoordinator(server, service, health, port, metrics_port)
+    return RunningCoordinator(server, service, health, port, metrics_port, frontends)
 
 
 async def serve_forever(config: CoordinatorConfig) -> None:

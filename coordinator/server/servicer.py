@@ -5,17 +5,12 @@ No decisions are made here. Errors are domain exceptions; ``coordinator.rpc.inte
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeAlias
 
 import grpc
 
-from coordinator.control.sessions.delayed_acks import DelayedAcks
-from coordinator.control.sessions.sync_messages import Outbound
 from coordinator.core.errors import FailedPrecondition, InvalidArgument
-from coordinator.core.fleet import RegisteredWorker
 from coordinator.core.routing import PromptInput, Scope
 from coordinator.replica import CoordinatorReplica
 from coordinator.rpc.guard import caller
@@ -29,7 +24,7 @@ from coordinator.rpc.identities import (
 from coordinator.rpc.versions import check_protocol
 from coordinator.server import convert
 from coordinator.server.convert import prompt_from, scope_from
-from coordinator.sync_codec import events_from_pb
+from coordinator.server.sync_stream import serve_sync
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from coordinator.wire import PROTOCOL_VERSION, Reason
@@ -38,9 +33,13 @@ Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
-    def __init__(self, service: CoordinatorReplica) -> None:
+    def __init__(self, service: CoordinatorReplica,
+                 sync_port: Callable[[], int] = lambda: 0) -> None:
+        """``sync_port()``: the port a registering worker opens its stream on (a sync
+        frontend's, ``server.sync_relay``; 0 = this server)."""
         self._service = service
         self._config = service.config
+        self._sync_port = sync_port
 
     # ------------------------------------------------------------------ scheduler
 
@@ -145,6 +144,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             heartbeat_ms=registration.heartbeat_ms,
             max_events_per_batch=registration.max_events_per_batch,
             max_message_bytes=registration.max_message_bytes,
+            sync_port=self._sync_port(),
         )
 
     async def Deregister(
@@ -158,103 +158,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def Sync(
         self, request_iterator: AsyncIterator[pb.SyncRequest], context: Context
     ) -> AsyncIterator[pb.SyncResponse]:
-        """One worker's stream. A reader task applies what the worker sends; replies (and, later,
-        coordinator-initiated commands) go out through one queue so writes never interleave.
-        While the replica is busy, acks are merged (``control.delayed_acks``)."""
-        outgoing: asyncio.Queue[pb.SyncResponse | BaseException | None] = asyncio.Queue()
-        reader = asyncio.create_task(self._read_sync(request_iterator, outgoing))
-        try:
-            while True:
-                item = await outgoing.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            reader.cancel()
-
-    async def _read_sync(
-        self,
-        requests: AsyncIterator[pb.SyncRequest],
-        outgoing: asyncio.Queue[pb.SyncResponse | BaseException | None],
-    ) -> None:
-        sessions = self._service.worker_sync
-        ingest = self._service.ingest
-        session: RegisteredWorker | None = None
-        stream_id = 0
-
-        def write(replies: list[Outbound]) -> None:
-            for reply in replies:
-                outgoing.put_nowait(convert.outbound_to_pb(reply))
-
-        acks = DelayedAcks(write, ingest.ack_delay_s, sessions.counters)
-        send = acks.reply
-
-        try:
-            first = await anext(aiter(requests), None)
-            if first is None:
-                outgoing.put_nowait(None)
-                return
-            check_protocol(first.protocol_version)
-            if first.WhichOneof("body") != "hello":
-                raise FailedPrecondition("the first Sync message must be a hello")
-            hello = first.hello
-            check_worker(caller(), hello.worker_id)
-            await self._service.before_hello(hello.worker_id, hello.incarnation,
-                                             hello.last_acked_seq)
-            session, stream_id, replies = sessions.hello(
-                hello.worker_id, hello.incarnation, hello.last_acked_seq,
-                close=outgoing.put_nowait,
-                send=lambda message: send([message]),
-            )
-            send(replies)
-            await self._service.updates.reconnected(session)
-            async for request in requests:
-                check_protocol(request.protocol_version)
-                if not sessions.owns(session, stream_id):
-                    return  # WorkerStreams.close queued the FAILED_PRECONDITION that ends us
-                if request.WhichOneof("body") == "events":
-                    await ingest.admit()  # within the loop's budget for page events
-                    if not sessions.owns(session, stream_id):
-                        return
-                    began = time.perf_counter()
-                    send(await self._dispatch(session, request))
-                    ingest.applied(time.perf_counter() - began)
-                    continue
-                send(await self._dispatch(session, request))
-            acks.flush()
-            outgoing.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            acks.flush()
-            outgoing.put_nowait(exc)
-        finally:
-            acks.discard()
-            if session is not None:
-                sessions.disconnect(session, stream_id)
-
-    async def _dispatch(self, session: RegisteredWorker, request: pb.SyncRequest) -> list[Outbound]:
-        sessions = self._service.worker_sync
-        body = request.WhichOneof("body")
-        if body == "events":
-            events = events_from_pb(request.events)
-            return sessions.events(session, request.events.seq, events)
-        if body == "heartbeat":
-            return await sessions.heartbeat(session, convert.heartbeat_from(request.heartbeat))
-        if body == "inventory":
-            return sessions.inventory(session, convert.inventory_from(request.inventory))
-        if body == "hello":
-            raise FailedPrecondition("hello sent twice on one stream")
-        if body == "policy_ack":
-            stage = convert.ACK_STAGE_FROM_PB.get(request.policy_ack.stage)
-            if stage is None:
-                raise InvalidArgument(f"unknown policy ack stage {request.policy_ack.stage}")
-            await self._service.updates.ack(session, stage, request.policy_ack.version,
-                                            request.policy_ack.reason)
-            return []
-        raise InvalidArgument("empty Sync message: set one body")
+        """One worker's stream (``server.sync_stream``: a reader, an ordered applier, merged
+        acks while the replica is busy)."""
+        async for response in serve_sync(self._service, request_iterator):
+            yield response
 
     async def ReportRollouts(
         self, request: pb.ReportRolloutsRequest, context: Context

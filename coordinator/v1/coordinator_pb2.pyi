@@ -234,7 +234,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., total_pages: _Optional[int] = ..., policy_version: _Optional[int] = ..., external: _Optional[bool] = ..., model: _Optional[str] = ..., http_url: _Optional[str] = ..., host_pages: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("protocol_version", "incarnation", "policy_version", "policy_phase", "lease_ms", "heartbeat_ms", "max_events_per_batch", "max_message_bytes", "weights_uri")
+    __slots__ = ("protocol_version", "incarnation", "policy_version", "policy_phase", "lease_ms", "heartbeat_ms", "max_events_per_batch", "max_message_bytes", "weights_uri", "sync_port")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,7 @@ class RegisterResponse(_message.Message):
     MAX_EVENTS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_URI_FIELD_NUMBER: _ClassVar[int]
+    SYNC_PORT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     incarnation: int
     policy_version: int
@@ -253,7 +254,8 @@ class RegisterResponse(_message.Message):
     max_events_per_batch: int
     max_message_bytes: int
     weights_uri: str
-    def __init__(self, protocol_version: _Optional[int] = ..., incarnation: _Optional[int] = ..., policy_version: _Optional[int] = ..., policy_phase: _Optional[_Union[PolicyPhase, str]] = ..., lease_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., max_events_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., weights_uri: _Optional[str] = ...) -> None: ...
+    sync_port: int
+    def __init__(self, protocol_version: _Optional[int] = ..., incarnation: _Optional[int] = ..., policy_version: _Optional[int] = ..., policy_phase: _Optional[_Union[PolicyPhase, str]] = ..., lease_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., max_events_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., weights_uri: _Optional[str] = ..., sync_port: _Optional[int] = ...) -> None: ...
 
 class SyncRequest(_message.Message):
     __slots__ = ("protocol_version", "hello", "events", "heartbeat", "policy_ack", "inventory")

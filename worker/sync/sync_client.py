@@ -26,13 +26,12 @@ from typing import Any
 import grpc
 import structlog
 
-from coordinator.client.channels import channel_options, open_aio_channel
-from coordinator.client.targets import Targets
 from coordinator.core.index import PageEvent, PagesRemoved, PagesStored
 from coordinator.sync_codec import KIND_TO_PB, tier_to_pb
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from coordinator.wire import PROTOCOL_VERSION
+from worker.sync.coordinator_channels import CoordinatorChannels
 from worker.sync.event_log import EventLog
 from worker.sync.sync_protocol import (
     RegistrationRefused,
@@ -81,9 +80,7 @@ class SyncClient:
             max_message_bytes=settings.max_message_bytes,
             max_pending_keys=settings.max_pending_keys,
         )
-        self._targets = Targets.parse(settings.targets)
-        self._target = 0  # index of the target in use; moves on when it is unreachable
-        self._channels: list[grpc.aio.Channel] = []
+        self._channels = CoordinatorChannels.from_settings(settings)
         self._registration: pb.RegisterResponse | None = None
         self._outbox: asyncio.Queue[pb.SyncRequest] | None = None
         self._announced = False  # this incarnation's holdings are queued (seq 1...)
@@ -96,17 +93,7 @@ class SyncClient:
 
     def start(self) -> None:
         """Open the channels and start registering and syncing in the background."""
-        cfg = self.settings
-        options = [
-            *channel_options(cfg.max_message_bytes),
-            ("grpc.initial_reconnect_backoff_ms", cfg.backoff_initial_ms),
-            ("grpc.min_reconnect_backoff_ms", cfg.backoff_initial_ms),
-            ("grpc.max_reconnect_backoff_ms", cfg.backoff_max_ms),
-        ]
-        # The token goes on through an interceptor: other clients of the worker (the rollout
-        # reporter) call through these channels too, with stubs they build themselves.
-        self._channels = [open_aio_channel(t, options, cfg.tls, token=cfg.token)
-                          for t in self._targets]
+        self._channels.open()
         self._task = asyncio.create_task(self._run(), name=f"sync-{self.identity.worker_id}")
 
     async def stop(self, *, deregister: bool = True) -> None:
@@ -117,7 +104,7 @@ class SyncClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if deregister and self.incarnation and not self.left.is_set() and self._channels:
+        if deregister and self.incarnation and not self.left.is_set() and self._channels.is_open:
             request = pb.DeregisterRequest(
                 protocol_version=PROTOCOL_VERSION, worker_id=self.identity.worker_id,
                 incarnation=self.incarnation,
@@ -129,18 +116,16 @@ class SyncClient:
             except grpc.RpcError as exc:
                 log.warning("sync.deregister_failed", worker=self.identity.worker_id,
                             code=exc.code().name)
-        for channel in self._channels:
-            await channel.close()
-        self._channels = []
+        await self._channels.close()
 
     def stub(self) -> pb_grpc.CoordinatorStub:
         """A stub on the coordinator in use (after ``start``)."""
-        return pb_grpc.CoordinatorStub(self._channels[self._target])
+        return self._channels.stub()
 
     async def cordon_self(self) -> None:
         """Ask the coordinator to stop routing here now (best effort, short): the start of a
         graceful stop, so no route lands here while running generations drain."""
-        if not self.incarnation or self.left.is_set() or not self._channels:
+        if not self.incarnation or self.left.is_set() or not self._channels.is_open:
             return
         request = pb.CordonRequest(protocol_version=PROTOCOL_VERSION,
                                    worker_id=self.identity.worker_id, cordoned=True)
@@ -245,7 +230,7 @@ class SyncClient:
             self.incarnation = 0  # forgotten by the coordinator: a new incarnation
             self._announced = False
         elif end is StreamEnd.NEXT_TARGET:
-            self._target = (self._target + 1) % len(self._channels)
+            self._channels.next_target()
         log.warning("sync.stream_failed", worker=self.identity.worker_id, code=exc.code().name,
                     details=details, reregister=not self.incarnation)
         return False
@@ -283,7 +268,8 @@ class SyncClient:
 
     async def _sync(self) -> None:
         """One Sync stream, from hello until it ends (raises the stream's error)."""
-        call = self.stub().Sync()
+        assert self._registration is not None
+        call = (await self._channels.sync_stub(self._registration.sync_port)).Sync()
         await call.write(hello_request(self.identity.worker_id, self.incarnation,
                                        self._log.last_acked))
         first = await call.read()

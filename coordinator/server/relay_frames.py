@@ -1,0 +1,83 @@
+"""The framing between a replica and its sync frontend processes (``server.sync_relay``,
+``server.sync_frontend``): one Unix socket each, carrying frames of relay messages.
+
+A frame is a 4-byte little-endian length, then a pickled list of messages (tuples whose first
+item names the kind). Both sides write through a ``FrameWriter``, which gathers every message
+queued in one turn of the event loop into one frame: at a thousand streams a frame carries
+dozens of messages, and each costs one pickle item instead of a system call and a wakeup.
+Pickle is safe here only because both ends are the same program, started by the replica, on a
+socket pair no one else holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+_LENGTH = struct.Struct("<I")
+MAX_FRAME_BYTES = 1 << 30
+"""A length past this is a broken peer, not a frame."""
+
+# Message kinds, frontend -> replica.
+OPEN = "open"          # (OPEN, stream, identity): a worker opened a Sync stream
+REQUEST = "req"        # (REQUEST, stream, raw SyncRequest bytes)
+HALF_CLOSE = "eof"     # (HALF_CLOSE, stream): the worker finished sending
+GONE = "gone"          # (GONE, stream): the call ended on the worker's side (cancelled)
+READY = "ready"        # (READY, port): the frontend serves on this port
+# Message kinds, replica -> frontend.
+RESPONSE = "resp"      # (RESPONSE, stream, raw SyncResponse bytes)
+DONE = "done"          # (DONE, stream): end the call with OK
+FAILED = "fail"        # (FAILED, stream, status name, details, rich status bytes or None)
+CREDIT = "credit"      # (CREDIT, stream, n): the replica consumed n more requests
+
+
+class FrameWriter:
+    """Queue messages; one frame per loop turn carries all of them."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._pending: list[tuple[Any, ...]] = []
+        self._scheduled = False
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        self._pending.append(message)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        if not self._pending or self._writer.is_closing():
+            self._pending.clear()
+            return
+        body = pickle.dumps(self._pending, protocol=pickle.HIGHEST_PROTOCOL)
+        self._pending = []
+        self._writer.write(_LENGTH.pack(len(body)) + body)
+
+    async def drain(self) -> None:
+        """Wait while the socket's buffer is over its high-water mark."""
+        await self._writer.drain()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+async def read_frames(reader: asyncio.StreamReader) -> AsyncIterator[list[tuple[Any, ...]]]:
+    """Each frame's messages until the peer closes the socket."""
+    while True:
+        try:
+            header = await reader.readexactly(_LENGTH.size)
+        except asyncio.IncompleteReadError:
+            return
+        (length,) = _LENGTH.unpack(header)
+        if length > MAX_FRAME_BYTES:
+            raise ValueError(f"relay frame of {length} bytes: the peer is broken")
+        try:
+            body = await reader.readexactly(length)
+        except asyncio.IncompleteReadError:
+            return
+        messages: list[tuple[Any, ...]] = pickle.loads(body)
+        yield messages
