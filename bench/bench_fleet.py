@@ -137,7 +137,7 @@ def run_case(workers: int, *, replicas: int = 1, appendfsync: str | None = None,
         measured["achieved_fraction"] = measured["batches"] / measured["batches_target"]
     for section in ("ingest", "ingest_and_routes", "memory"):
         for key, value in list(result[section].items()):  # per replica, as r0, r1
-            if isinstance(value, list):
+            if isinstance(value, list) and not key.startswith("frontend"):
                 result[section][key] = {f"r{i}": v for i, v in enumerate(value)}
     return result
 

@@ -30,7 +30,7 @@ from coordinator.rpc.identities import Identity
 from coordinator.rpc.interceptor import ErrorMappingInterceptor, Mapped, details
 from coordinator.server import relay_frames as frames
 from coordinator.server.sync_frontend import CREDIT_WINDOW
-from coordinator.server.sync_stream import serve_sync
+from coordinator.server.sync_stream import SyncStream
 from coordinator.v1 import coordinator_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -52,7 +52,7 @@ class _Frontend:
         self.port = 0
         self.process: asyncio.subprocess.Process | None = None
         self.writer: frames.FrameWriter | None = None
-        self.streams: dict[int, tuple[asyncio.Queue[bytes | None], asyncio.Task[None]]] = {}
+        self.streams: dict[int, _RelayedStream] = {}
 
     @property
     def up(self) -> bool:
@@ -166,8 +166,9 @@ class SyncFrontends:
         if frontend.writer is not None:
             frontend.writer.close()
             frontend.writer = None
-        for _, task in frontend.streams.values():
-            task.cancel()
+        for relayed in frontend.streams.values():
+            if relayed.task is not None:
+                relayed.task.cancel()
         frontend.streams.clear()
         process, frontend.process = frontend.process, None
         if process is None:
@@ -187,56 +188,103 @@ class SyncFrontends:
         for message in messages:
             kind, stream = message[0], message[1]
             if kind == frames.REQUEST:
-                entry = frontend.streams.get(stream)
-                if entry is not None:
-                    entry[0].put_nowait(message[2])
+                relayed = frontend.streams.get(stream)
+                if relayed is not None:
+                    relayed.receive(message[2])
             elif kind == frames.OPEN:
-                queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-                task = asyncio.create_task(self._serve(frontend, stream, message[2], queue))
-                frontend.streams[stream] = (queue, task)
+                self._open(frontend, stream, message[2])
             elif kind == frames.HALF_CLOSE:
-                entry = frontend.streams.get(stream)
-                if entry is not None:
-                    entry[0].put_nowait(None)
+                relayed = frontend.streams.get(stream)
+                if relayed is not None:
+                    relayed.half_close()
             elif kind == frames.GONE:
-                entry = frontend.streams.pop(stream, None)
-                if entry is not None:
-                    entry[1].cancel()
+                relayed = frontend.streams.pop(stream, None)
+                if relayed is not None and relayed.task is not None:
+                    relayed.task.cancel()
 
-    async def _serve(self, frontend: _Frontend, stream: int, identity: Identity,
-                     queue: asyncio.Queue[bytes | None]) -> None:
-        """One relayed stream, served as ``CoordinatorServicer.Sync`` serves its own."""
-        acting_as(identity)  # this task's context: the stream's code sees its caller
+    def _open(self, frontend: _Frontend, stream: int, identity: Identity) -> None:
         writer = frontend.writer
         assert writer is not None
-        started = time.perf_counter()
-        code = "OK"
+        relayed = _RelayedStream(self._service, self._errors, writer, stream)
+        frontend.streams[stream] = relayed
+        relayed.task = asyncio.create_task(relayed.serve(identity))
+        relayed.task.add_done_callback(lambda _: frontend.streams.pop(stream, None))
+
+
+class _RelayedStream:
+    """One relayed stream: served by a ``SyncStream`` as ``CoordinatorServicer.Sync`` serves
+    its own, except that an event batch with nothing ahead of it is applied as its frame is
+    read (``SyncStream.offer``), with no task switch, and replies go straight into the next
+    frame."""
+
+    def __init__(self, service: CoordinatorReplica, errors: ErrorMappingInterceptor,
+                 writer: frames.FrameWriter, stream: int) -> None:
+        self._errors = errors
+        self._writer = writer
+        self._id = stream
+        self._sync = SyncStream(service, self._emit)
+        self._queue: asyncio.Queue[pb.SyncRequest | None] = asyncio.Queue()
+        self._consumed = 0
+        self._ended = False
+        self._started = time.perf_counter()
+        self.task: asyncio.Task[None] | None = None
+
+    def receive(self, raw: bytes) -> None:
+        """A request relayed by the frontend, in stream order."""
+        if self._ended:
+            return
         try:
-            async for response in serve_sync(self._service, _requests(writer, stream, queue)):
-                writer.send((frames.RESPONSE, stream, response.SerializeToString()))
-            writer.send((frames.DONE, stream))
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        except Exception as exc:
-            code, answer = self._errors.classify(exc, "Sync")
-            answer = answer or Mapped("INTERNAL")
-            message = "internal error" if answer.status == "INTERNAL" else details(exc)
-            writer.send((frames.FAILED, stream, answer.status, message,
-                         answer.reason.value if answer.reason is not None else None,
-                         answer.retry_after_ms, dict(answer.metadata)))
+            request = pb.SyncRequest.FromString(raw)
+            if self._queue.empty() and self._sync.offer(request):
+                self._credit()
+                return
+        except Exception as exc:  # the stream ends with it, as a read of its own would
+            self._emit(exc)
+            if self.task is not None:
+                self.task.cancel()
+            return
+        self._queue.put_nowait(request)
+
+    def half_close(self) -> None:
+        self._queue.put_nowait(None)
+
+    def _credit(self) -> None:
+        self._consumed += 1
+        if self._consumed == CREDIT_CHUNK:
+            self._writer.send((frames.CREDIT, self._id, self._consumed))
+            self._consumed = 0
+
+    async def _requests(self) -> AsyncIterator[pb.SyncRequest]:
+        while (request := await self._queue.get()) is not None:
+            self._credit()
+            yield request
+
+    async def serve(self, identity: Identity) -> None:
+        acting_as(identity)  # this task's context: the stream's code sees its caller
+        try:
+            await self._sync.run(self._requests())
         finally:
-            frontend.streams.pop(stream, None)
-            self._errors.record("Sync", code, started)
+            if not self._ended:  # cancelled: the frontend said the call is gone
+                self._ended = True
+                self._errors.record("Sync", "CANCELLED", self._started)
 
-
-async def _requests(writer: frames.FrameWriter, stream: int,
-                    queue: asyncio.Queue[bytes | None]) -> AsyncIterator[pb.SyncRequest]:
-    """The relayed requests of one stream, parsed, crediting the frontend as they are taken."""
-    consumed = 0
-    while (raw := await queue.get()) is not None:
-        consumed += 1
-        if consumed == CREDIT_CHUNK:
-            writer.send((frames.CREDIT, stream, consumed))
-            consumed = 0
-        yield pb.SyncRequest.FromString(raw)
+    def _emit(self, item: pb.SyncResponse | BaseException | None) -> None:
+        if self._ended:
+            return
+        if isinstance(item, pb.SyncResponse):
+            self._writer.send((frames.RESPONSE, self._id, item.SerializeToString()))
+            return
+        self._ended = True
+        if item is None:
+            self._writer.send((frames.DONE, self._id))
+            self._errors.record("Sync", "OK", self._started)
+            return
+        if not isinstance(item, Exception):
+            item = RuntimeError(repr(item))
+        code, answer = self._errors.classify(item, "Sync")
+        answer = answer or Mapped("INTERNAL")
+        message = "internal error" if answer.status == "INTERNAL" else details(item)
+        self._writer.send((frames.FAILED, self._id, answer.status, message,
+                           answer.reason.value if answer.reason is not None else None,
+                           answer.retry_after_ms, dict(answer.metadata)))
+        self._errors.record("Sync", code, self._started)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from coordinator.control.sessions.delayed_acks import DelayedAcks
 from coordinator.control.sessions.sync_messages import Outbound
@@ -41,12 +41,17 @@ an engine's 5 batches a second, over 12 s of held ingest before the stream pushe
 _END = None
 
 
+Emit = Callable[["pb.SyncResponse | BaseException | None"], None]
+"""Where a stream's output goes, in order: a reply, then at the end None (a clean end) or the
+exception to end the stream with."""
+
+
 async def serve_sync(
     service: CoordinatorReplica, requests: AsyncIterator[pb.SyncRequest],
 ) -> AsyncIterator[pb.SyncResponse]:
     """The replies to one worker's Sync stream, in order; raises the error that ends it."""
     outgoing: asyncio.Queue[pb.SyncResponse | BaseException | None] = asyncio.Queue()
-    stream = SyncStream(service, outgoing)
+    stream = SyncStream(service, outgoing.put_nowait)
     task = asyncio.create_task(stream.run(requests))
     try:
         while True:
@@ -63,42 +68,60 @@ async def serve_sync(
 class SyncStream:
     """The reader and applier of one stream (see the module doc)."""
 
-    def __init__(self, service: CoordinatorReplica,
-                 outgoing: asyncio.Queue[pb.SyncResponse | BaseException | None]) -> None:
+    def __init__(self, service: CoordinatorReplica, emit: Emit) -> None:
         self._service = service
         self._sessions = service.worker_sync
-        self._outgoing = outgoing
+        self._emit = emit
         self._acks = DelayedAcks(self._write, service.ingest.ack_delay_s,
                                  self._sessions.counters)
         self._ordered: asyncio.Queue[pb.SyncRequest | None] = asyncio.Queue(HELD_MESSAGES)
         self._session: RegisteredWorker | None = None
         self._stream_id = 0
+        self._applying = False  # the applier is inside an ordered message (it may await)
 
     def _write(self, replies: list[Outbound]) -> None:
         for reply in replies:
-            self._outgoing.put_nowait(convert.outbound_to_pb(reply))
+            self._emit(convert.outbound_to_pb(reply))
+
+    def offer(self, request: pb.SyncRequest) -> bool:
+        """Apply an event batch now, without a task switch, when nothing is ahead of it: the
+        stream is attached, nothing read waits to be applied and the ingest budget has room
+        (a relayed stream's common case, ``server.sync_relay``). False: nothing was done,
+        feed it to ``run``'s requests instead. Raises what applying it raised (the stream
+        must then end with it)."""
+        if (self._session is None or self._applying or not self._ordered.empty()
+                or request.WhichOneof("body") != "events"):
+            return False
+        ingest = self._service.ingest
+        if not ingest.admits_now() or not self._owned():
+            return False
+        began = time.perf_counter()
+        events = events_from_pb(request.events)
+        self._acks.reply(self._sessions.events(self._session, request.events.seq, events))
+        ingest.applied(time.perf_counter() - began)
+        return True
 
     def _owned(self) -> bool:
         assert self._session is not None
         return self._sessions.owns(self._session, self._stream_id)
 
     async def run(self, requests: AsyncIterator[pb.SyncRequest]) -> None:
-        """Serve the stream until it ends; the outcome goes to ``outgoing`` (None: a clean
+        """Serve the stream until it ends; the outcome goes to ``emit`` (None: a clean
         end, an exception: the error to end the stream with)."""
         applier: asyncio.Task[bool] | None = None
         try:
             if not await self._hello(requests):
-                self._outgoing.put_nowait(None)
+                self._emit(None)
                 return
             applier = asyncio.create_task(self._apply_ordered())
             if await _first_to_fail(self._read(requests), applier):
                 self._acks.flush()
-                self._outgoing.put_nowait(None)
+                self._emit(None)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
             self._acks.flush()
-            self._outgoing.put_nowait(exc)
+            self._emit(exc)
         finally:
             if applier is not None:
                 applier.cancel()
@@ -121,7 +144,7 @@ class SyncStream:
         send = self._acks.reply
         self._session, self._stream_id, replies = self._sessions.hello(
             hello.worker_id, hello.incarnation, hello.last_acked_seq,
-            close=self._outgoing.put_nowait,
+            close=self._emit,
             send=lambda message: send([message]),
         )
         send(replies)
@@ -150,6 +173,7 @@ class SyncStream:
         longer this session's (False)."""
         ingest = self._service.ingest
         while (request := await self._ordered.get()) is not _END:
+            self._applying = True
             if request.WhichOneof("body") == "events":
                 await ingest.admit()  # within the loop's budget for page events
                 if not self._owned():
@@ -157,10 +181,11 @@ class SyncStream:
                 began = time.perf_counter()
                 self._acks.reply(await self._dispatch(request))
                 ingest.applied(time.perf_counter() - began)
-                continue
-            if not self._owned():
-                return False
-            self._acks.reply(await self._dispatch(request))
+            else:
+                if not self._owned():
+                    return False
+                self._acks.reply(await self._dispatch(request))
+            self._applying = False
         return True
 
     async def _dispatch(self, request: pb.SyncRequest) -> list[Outbound]:

@@ -121,6 +121,11 @@ class IngestGovernor:
             else:
                 self.share = min(self.max_share, self.share + STEP)
 
+    def admits_now(self) -> bool:
+        """Whether ``admit()`` would return at once (nobody waiting, budget left): a caller
+        that applies at once on True reports the time with ``applied`` as after ``admit``."""
+        return not self.enabled or (not self._queue and not self._over_budget(self._clock()))
+
     async def admit(self) -> None:
         """Return once this window's budget has room for one more event batch (at once when
         it has and nobody is waiting)."""
