@@ -125,6 +125,7 @@ async def test_a_killed_frontend_restarts_on_its_port_and_its_worker_resumes() -
             return frontends.ports == [port] and frontends.pids() != [pid]
 
         await eventually(restarted, what="the frontend back on its port", timeout=30)
+        assert frontends.restarts == 1
         await worker.disconnect()
         welcome = await worker.connect()
         assert welcome.welcome.next_seq == 2  # nothing applied was lost
@@ -150,3 +151,19 @@ def test_a_frontend_count_out_of_range_is_refused() -> None:
     with pytest.raises(ConfigError, match="sync_frontends"):
         CoordinatorConfig(sync_frontends=-1)
     assert pb.RegisterResponse(sync_port=1).sync_port == 1
+
+
+async def test_the_frontends_are_in_the_metrics() -> None:
+    from coordinator.server.metrics import CoordinatorMetrics
+    async with running_coordinator(sync_frontends=2) as running:
+        metrics = CoordinatorMetrics(running.service)
+        metrics.watch_frontends(_frontends(running))
+        worker = ScriptedWorker(target(running), "w1", hash_config=DEV_HASH)
+        await worker.start()
+        registry = metrics.registry
+        assert registry.get_sample_value("kvcoord_sync_frontends") == 2
+        streams = [registry.get_sample_value("kvcoord_sync_frontend_streams", {"port": str(p)})
+                   for p in _frontends(running).ports]
+        assert sorted(streams) == [0, 1]
+        assert registry.get_sample_value("kvcoord_sync_frontend_restarts_total") == 0
+        await worker.close()

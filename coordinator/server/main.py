@@ -76,6 +76,8 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     )
     descriptor = pb.DESCRIPTOR.services_by_name["Coordinator"]
     frontends = SyncFrontends(service, errors, config) if config.sync_frontends else None
+    if frontends is not None:
+        metrics.watch_frontends(frontends)
     servicer = errors.wrap(
         CoordinatorServicer(service, frontends.sync_port if frontends else lambda: 0),
         descriptor, COORDINATOR_PERMISSIONS)

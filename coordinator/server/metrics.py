@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from coordinator.replica import CoordinatorReplica
+from coordinator.server.sync_relay import SyncFrontends
 
 
 class CoordinatorMetrics:
@@ -38,6 +39,28 @@ class CoordinatorMetrics:
             registry=self.registry,
             buckets=(1e-3, 5e-3, 2.5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
         service.ingest.on_wait = self.ingest_wait.observe
+
+
+    def watch_frontends(self, frontends: SyncFrontends) -> None:
+        """Export the replica's sync frontends (``server.sync_relay``) at scrape time."""
+        self.registry.register(_FrontendCollector(frontends))
+
+
+class _FrontendCollector(Collector):
+    def __init__(self, frontends: SyncFrontends) -> None:
+        self._frontends = frontends
+
+    def collect(self) -> Iterator[Metric]:
+        streams = self._frontends.open_streams()
+        yield GaugeMetricFamily("kvcoord_sync_frontends", "Sync frontend processes serving now",
+                                value=len(streams))
+        by_port = GaugeMetricFamily("kvcoord_sync_frontend_streams",
+                                    "Sync streams each frontend relays now", labels=["port"])
+        for port, count in sorted(streams.items()):
+            by_port.add_metric([str(port)], count)
+        yield by_port
+        yield CounterMetricFamily("kvcoord_sync_frontend_restarts", "Sync frontends started "
+                                  "again after they exited", value=self._frontends.restarts)
 
 
 class _StateCollector(Collector):

@@ -72,6 +72,8 @@ class SyncFrontends:
         self._supervisors: list[asyncio.Task[None]] = []
         self._stopping = False
         self._turn = 0
+        self.restarts = 0
+        """Frontends started again after they exited, since start."""
 
     @property
     def ports(self) -> list[int]:
@@ -156,6 +158,7 @@ class SyncFrontends:
                 await asyncio.sleep(RESTART_DELAY_S)
                 try:
                     reader = await self._spawn(frontend)
+                    self.restarts += 1
                     break
                 except (TimeoutError, OSError) as exc:
                     log.error("sync_frontend.restart_failed", frontend=frontend.index,
