@@ -26,7 +26,9 @@ $(STAMP): pyproject.toml
 # The index's optional compiled core (Cython + the C compiler; coordinator/core/index/holdings.py).
 # Where it cannot build, the pure-Python holdings serve; either way this says which.
 ACCEL := $(VENV)/.accel
-$(ACCEL): $(STAMP) setup.py coordinator/core/_holdings_accel.pyx coordinator/core/_chain_accel.pyx
+$(ACCEL): $(STAMP) setup.py coordinator/core/_holdings_accel.pyx coordinator/core/_chain_accel.pyx \
+  coordinator/core/_slot_positions_accel.pyx coordinator/core/_slot_positions_accel.pxd \
+  coordinator/core/_holdings_entry.pxd
 	@$(PY) setup.py -q build_ext --inplace > $(VENV)/accel-build.log 2>&1 || \
 	  echo "install: the compiled index core did not build (see $(VENV)/accel-build.log)"
 	@$(PY) -c "from coordinator.core import accel; print('install: index core:', accel.status())"

@@ -1,4 +1,5 @@
-"""The optional compiled core: the index's holdings (coordinator/core/_holdings_accel.pyx) and
+"""The optional compiled core: the index's holdings (coordinator/core/_holdings_accel.pyx, with
+each worker slot's positions in its table in _slot_positions_accel.pyx, which it cimports) and
 the page-key chain (coordinator/core/_chain_accel.pyx).
 
 Everything else is declared in pyproject.toml. The extension is built when Cython and a C
@@ -17,7 +18,7 @@ else:
     ext_modules = cythonize(
         [Extension(f"coordinator.core.{name}", [f"coordinator/core/{name}.pyx"],
                    extra_compile_args=["-O2"], optional=True)
-         for name in ("_holdings_accel", "_chain_accel")],
+         for name in ("_slot_positions_accel", "_holdings_accel", "_chain_accel")],
         language_level=3, quiet=True,
     )
 

@@ -256,7 +256,6 @@ def bench_index_memory(unique_keys: int, workers: int = 256,
     """Bytes per unique key of an index holding ``unique_keys`` keys, each on one of
     ``workers`` workers (stored in 64-key batches, round robin), by tracemalloc (every
     allocation the index made, the compiled table's included) and by RSS growth."""
-    import hashlib
     import tracemalloc
 
     def rss_bytes() -> int:
@@ -269,9 +268,7 @@ def bench_index_memory(unique_keys: int, workers: int = 256,
     index = PrefixIndex(clock=time.monotonic, accelerated=accelerated)
     start = time.perf_counter()
     for batch in range(0, unique_keys, 64):
-        keys = [hashlib.blake2b(n.to_bytes(8, "little"), digest_size=16).digest()
-                for n in range(batch, min(batch + 64, unique_keys))]
-        index.store(names[(batch // 64) % workers], keys)
+        index.store(names[(batch // 64) % workers], _unique_keys(batch, unique_keys))
     seconds = time.perf_counter() - start
     traced = tracemalloc.get_traced_memory()[0] - traced_before
     tracemalloc.stop()
@@ -283,6 +280,51 @@ def bench_index_memory(unique_keys: int, workers: int = 256,
         "rss_bytes_per_key": rss / stats.keys,
         "store_s": seconds,
     }
+
+
+def bench_slot_reads(unique_keys: int, workers: int = 64, repeats: int = 5,
+                     accelerated: bool | None = None) -> dict[str, float]:
+    """One worker's keys read (``worker_keys``, ``worker_inventory``) and resynced
+    (``replace_worker`` with the inventory it holds: a reconnect's usual resync) in an index of
+    ``unique_keys`` keys spread over ``workers`` workers (64-key batches, round robin), ms per
+    call, median of ``repeats``.
+
+    The baseline, measured in the same run: ``table_pass_ms``, every worker's inventory at once
+    (``worker_inventories``), the whole table read through the same path. ``table_pass_over_one``
+    is how many one-worker inventories that costs: about ``workers`` or more when a call costs
+    the worker's keys, far fewer when each call scans the table (21 at 10^6 keys before issue
+    29). ``wrong_keys``: keys ``worker_keys`` read back other than those stored (must be 0)."""
+    names = [f"worker-{w}" for w in range(workers)]
+    index = PrefixIndex(clock=time.monotonic, accelerated=accelerated)
+    one, stored = names[1], set[bytes]()
+    for batch in range(0, unique_keys, 64):
+        keys = _unique_keys(batch, unique_keys)
+        index.store(names[(batch // 64) % workers], keys)
+        if (batch // 64) % workers == 1:
+            stored.update(keys)
+    inventory = index.worker_inventory(one)
+    one_ms = _median_us(lambda: index.worker_inventory(one), repeats) / 1e3
+    table_ms = _median_us(lambda: index.worker_inventories(names), repeats) / 1e3
+    return {
+        "unique_keys": unique_keys,
+        "workers": workers,
+        "wrong_keys": len(index.worker_keys(one) ^ stored),
+        "worker_keys_ms": _median_us(lambda: index.worker_keys(one), repeats) / 1e3,
+        "replace_worker_ms": _median_us(lambda: index.replace_worker(one, inventory),
+                                        repeats) / 1e3,
+        "worker_inventory_ms": one_ms,
+        "table_pass_ms": table_ms,
+        "table_pass_over_one": table_ms / one_ms,
+    }
+
+
+def _unique_keys(first: int, end: int, batch: int = 64) -> list[bytes]:
+    """Keys ``first`` up to ``min(first + batch, end)`` (exclusive) of a reproducible set of
+    16-byte keys."""
+    import hashlib
+
+    return [hashlib.blake2b(n.to_bytes(8, "little"), digest_size=16).digest()
+            for n in range(first, min(first + batch, end))]
 
 
 def _bench_radix_tree(load: Workload, keys: list[list[bytes]], repeats: int) -> dict[str, float]:

@@ -38,6 +38,7 @@ def coordinator_steps(quick: bool) -> list[Step]:
         bench_hashing,
         bench_index,
         bench_index_memory,
+        bench_slot_reads,
     )
     from bench.bench_route import bench_route_work
     from bench.bench_rpc import bench_rpc
@@ -57,6 +58,10 @@ def coordinator_steps(quick: bool) -> list[Step]:
         ("index_memory", lambda: bench_index_memory(10**5 if quick else 10**7)),
         ("index_memory_pure", lambda: bench_index_memory(10**5 if quick else 10**7,
                                                          accelerated=False)),
+        # One worker's keys read and resynced among 64 (10^6 keys, 10^5 quick), beside the
+        # whole table read through the same path.
+        ("slot_reads", lambda: bench_slot_reads(10**5 if quick else 10**6,
+                                                repeats=3 if quick else 5)),
         ("dynamo", bench_dynamo_peer),
         ("route_work_64_workers", lambda: bench_route_work(64, quick=quick)),
         ("route_work_1024_workers", lambda: bench_route_work(1024, quick=quick)),

@@ -2,12 +2,16 @@
 """The compiled holdings (``coordinator.core.index.holdings`` states the contract; ``PyHoldings`` is
 the same in pure Python).
 
-One open-addressing table (linear probing, backward-shift deletion, power-of-two capacity,
-grown at 3/4 full) of 32-byte entries: the 16-byte key, its holder count, and its holder slots
-as sorted 16-bit ints, up to six inline and past that in a sorted heap array. The slot hash
-is the key's first 8 bytes mixed with a per-table random seed (keys are keyed BLAKE2b digests,
-but callers may send trusted keys: the seed keeps chosen keys from clustering). A count of
-holdings per slot answers ``count`` in O(1); ``keys_by_slot`` and ``drop_slot`` scan the table.
+One open-addressing table (linear probing, power-of-two capacity) of 32-byte entries
+(``_holdings_entry.pxd``): the 16-byte key, its holder count, and its holder slots as sorted
+16-bit ints, up to six inline and past that in a sorted heap array. The slot hash is the key's
+first 8 bytes mixed with a per-table random seed (keys are keyed BLAKE2b digests, but callers may
+send trusted keys: the seed keeps chosen keys from clustering). A deleted entry becomes a
+tombstone, or empty where the next entry is empty, so live entries stay where they are until
+the table rehashes: when keys and tombstones pass 3/4 of it, at twice the size if keys pass 21/32,
+else at the same size. Staying put is what lets ``_slot_positions_accel`` keep each slot's count
+and its keys' positions, so that ``count`` is O(1) and ``keys_by_slot`` and ``drop_slot`` are
+O(the slot's keys).
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -15,29 +19,22 @@ from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport uint16_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memmove, memset
 
+from coordinator.core._holdings_entry cimport (
+    INLINE,
+    KEY_BYTES,
+    TOMBSTONE,
+    Entry,
+    _ext,
+    _find_slot,
+    _set_ext,
+    _slots,
+)
+from coordinator.core._slot_positions_accel cimport SlotHoldings, SlotPositions
+
 import os
 
-DEF INLINE = 6
-DEF KEY_BYTES = 16
-
-cdef struct Entry:
-    uint64_t k0
-    uint64_t k1
-    uint16_t n        # holders; 0 = an empty entry
-    uint16_t cap      # capacity of the out-of-line array (0: the holders are inline)
-    # The holders, sorted: inline when cap == 0; else the first 8 bytes hold a pointer to a
-    # heap array of cap slots (n used). 16 + 4 + 12 = 32 bytes an entry.
-    uint16_t inl[INLINE]
-
-
-cdef inline uint16_t *_ext(Entry *e) noexcept:
-    cdef uint16_t *p
-    memcpy(&p, e.inl, sizeof(p))
-    return p
-
-
-cdef inline void _set_ext(Entry *e, uint16_t *p) noexcept:
-    memcpy(e.inl, &p, sizeof(p))
+# The most entries a table may have: _slot_positions_accel keeps positions as uint32.
+DEF MAX_CAPACITY = 1 << 32
 
 
 cdef inline uint64_t _mix(uint64_t x) noexcept:
@@ -50,31 +47,13 @@ cdef inline uint64_t _mix(uint64_t x) noexcept:
     return x
 
 
-cdef inline uint16_t *_slots(Entry *e) noexcept:
-    return _ext(e) if e.cap else e.inl
-
-
-cdef inline int _find_slot(const uint16_t *arr, int n, uint16_t slot) noexcept:
-    """Index of ``slot`` in sorted ``arr``, or -(insertion point) - 1."""
-    cdef int lo = 0, hi = n - 1, mid
-    while lo <= hi:
-        mid = (lo + hi) >> 1
-        if arr[mid] < slot:
-            lo = mid + 1
-        elif arr[mid] > slot:
-            hi = mid - 1
-        else:
-            return mid
-    return -lo - 1
-
-
 cdef class CHoldings:
     cdef Entry *table
     cdef uint64_t mask_bits     # capacity - 1
-    cdef uint64_t used
+    cdef uint64_t used          # keys
+    cdef uint64_t tombstones
     cdef uint64_t seed
-    cdef uint64_t *per_slot     # holdings per slot
-    cdef int slot_cap
+    cdef SlotPositions positions  # each slot's count and where its keys are
     cdef uint16_t *scratch      # running intersection for ``runs``
     cdef int scratch_cap
     cdef uint16_t *merge_buf    # a key's holders with its pending slots, for ``runs``
@@ -86,17 +65,17 @@ cdef class CHoldings:
         self.mask_bits = 63
         self.table = <Entry *>PyMem_Calloc(64, sizeof(Entry))
         self.used = 0
+        self.tombstones = 0
         self.seed = int.from_bytes(os.urandom(8), "little")
-        self.slot_cap = 64
-        self.per_slot = <uint64_t *>PyMem_Calloc(self.slot_cap, sizeof(uint64_t))
+        self.positions = SlotPositions()
         self.scratch_cap = 64
         self.scratch = <uint16_t *>PyMem_Malloc(self.scratch_cap * sizeof(uint16_t))
         self.merge_cap = 64
         self.merge_buf = <uint16_t *>PyMem_Malloc(self.merge_cap * sizeof(uint16_t))
         self.pend_cap = 64
         self.pend_buf = <uint16_t *>PyMem_Malloc(self.pend_cap * sizeof(uint16_t))
-        if (self.table is NULL or self.per_slot is NULL or self.scratch is NULL
-                or self.merge_buf is NULL or self.pend_buf is NULL):
+        if (self.table is NULL or self.scratch is NULL or self.merge_buf is NULL
+                or self.pend_buf is NULL):
             raise MemoryError()
 
     def __dealloc__(self):
@@ -106,7 +85,6 @@ cdef class CHoldings:
                 if self.table[i].n and self.table[i].cap:
                     PyMem_Free(_ext(&self.table[i]))
             PyMem_Free(self.table)
-        PyMem_Free(self.per_slot)
         PyMem_Free(self.scratch)
         PyMem_Free(self.merge_buf)
         PyMem_Free(self.pend_buf)
@@ -119,32 +97,34 @@ cdef class CHoldings:
     cdef inline uint64_t _home(self, uint64_t k0, uint64_t k1) noexcept:
         return _mix(k0 ^ self.seed ^ (k1 << 1)) & self.mask_bits
 
-    cdef uint64_t _probe(self, const char *key, uint64_t *k0, uint64_t *k1) noexcept:
-        """Where ``key`` is, or the empty entry ending its probe run; ``k0``, ``k1``: its
-        halves."""
-        cdef uint64_t i
-        memcpy(k0, key, 8)
-        memcpy(k1, key + 8, 8)
-        i = self._home(k0[0], k1[0])
-        while self.table[i].n:
-            if self.table[i].k0 == k0[0] and self.table[i].k1 == k1[0]:
-                return i
-            i = (i + 1) & self.mask_bits
-        return i
-
     cdef Entry *_lookup(self, const char *key) noexcept:
-        cdef uint64_t k0, k1
-        cdef uint64_t i = self._probe(key, &k0, &k1)
-        return &self.table[i] if self.table[i].n else NULL
+        """The entry of ``key``, or NULL."""
+        cdef uint64_t k0, k1, i
+        memcpy(&k0, key, 8)
+        memcpy(&k1, key + 8, 8)
+        i = self._home(k0, k1)
+        while True:
+            if self.table[i].n:
+                if self.table[i].k0 == k0 and self.table[i].k1 == k1:
+                    return &self.table[i]
+            elif not self.table[i].cap:  # empty: the run ends (a tombstone does not end it)
+                return NULL
+            i = (i + 1) & self.mask_bits
 
-    cdef int _grow(self) except -1:
+    cdef int _rehash(self) except -1:
+        """Every key moved to a new table without tombstones: twice the size if keys fill
+        more than 21/32 of this one, else the same size. Slot positions rebuilt."""
         cdef uint64_t old_cap = self.mask_bits + 1, i, j
+        cdef uint64_t new_cap = old_cap * 2 if (self.used + 1) * 32 > old_cap * 21 else old_cap
         cdef Entry *old = self.table
-        cdef Entry *fresh = <Entry *>PyMem_Calloc(old_cap * 2, sizeof(Entry))
+        cdef Entry *fresh
+        if new_cap > MAX_CAPACITY:
+            raise MemoryError("the holdings table would pass 2**32 entries")
+        fresh = <Entry *>PyMem_Calloc(new_cap, sizeof(Entry))
         if fresh is NULL:
             raise MemoryError()
         self.table = fresh
-        self.mask_bits = old_cap * 2 - 1
+        self.mask_bits = new_cap - 1
         for i in range(old_cap):
             if old[i].n:
                 j = self._home(old[i].k0, old[i].k1)
@@ -152,38 +132,55 @@ cdef class CHoldings:
                     j = (j + 1) & self.mask_bits
                 fresh[j] = old[i]
         PyMem_Free(old)
+        self.tombstones = 0
+        self.positions.rebuild(self.table, new_cap)
         return 0
 
     cdef Entry *_insert(self, const char *key) except NULL:
         """The entry of ``key``, created empty-handed (n == 0 until a holder is added) if
-        absent. The caller adds a holder before any other table operation."""
+        absent, in the first tombstone of its probe run if it has one. The caller adds a
+        holder before any other table operation."""
         cdef uint64_t k0, k1, i
-        if (self.used + 1) * 4 > (self.mask_bits + 1) * 3:
-            self._grow()
-        i = self._probe(key, &k0, &k1)
-        if self.table[i].n:
-            return &self.table[i]
-        self.table[i].k0 = k0
-        self.table[i].k1 = k1
-        self.table[i].cap = 0
+        cdef Entry *reuse = NULL
+        if (self.used + self.tombstones + 1) * 4 > (self.mask_bits + 1) * 3:
+            self._rehash()
+        memcpy(&k0, key, 8)
+        memcpy(&k1, key + 8, 8)
+        i = self._home(k0, k1)
+        while True:
+            if self.table[i].n:
+                if self.table[i].k0 == k0 and self.table[i].k1 == k1:
+                    return &self.table[i]
+            elif not self.table[i].cap:
+                break
+            elif reuse is NULL:
+                reuse = &self.table[i]
+            i = (i + 1) & self.mask_bits
+        if reuse is NULL:
+            reuse = &self.table[i]
+        else:
+            self.tombstones -= 1
+        reuse.k0 = k0
+        reuse.k1 = k1
+        reuse.cap = 0
         self.used += 1
-        return &self.table[i]
+        return reuse
 
     cdef void _delete_at(self, uint64_t i) noexcept:
-        """Remove the (holder-less) entry at ``i``, shifting later entries of its probe run
-        back so no lookup stops early."""
-        cdef uint64_t j = i, home
+        """Remove the (holder-less) entry at ``i``: a tombstone, so no lookup stops early,
+        unless the next entry is empty; then no run passes through ``i``, and the tombstones
+        just before it are emptied too. No live entry moves."""
         self.used -= 1
-        while True:
-            j = (j + 1) & self.mask_bits
-            if not self.table[j].n:
-                break
-            home = self._home(self.table[j].k0, self.table[j].k1)
-            # Move j into the hole i unless its home lies cyclically in (i, j].
-            if (i <= j and (home <= i or home > j)) or (i > j and (home <= i and home > j)):
-                self.table[i] = self.table[j]
-                i = j
+        if self.table[(i + 1) & self.mask_bits].n or self.table[(i + 1) & self.mask_bits].cap:
+            self.table[i].cap = TOMBSTONE
+            self.tombstones += 1
+            return
         memset(&self.table[i], 0, sizeof(Entry))
+        i = (i - 1) & self.mask_bits
+        while not self.table[i].n and self.table[i].cap:
+            memset(&self.table[i], 0, sizeof(Entry))
+            self.tombstones -= 1
+            i = (i - 1) & self.mask_bits
 
     # ---- one entry's holders ---------------------------------------------------------
 
@@ -232,36 +229,18 @@ cdef class CHoldings:
             e.cap = 0
         return 1
 
-    cdef int _count_slot(self, uint16_t slot, int delta) except -1:
-        cdef uint64_t *grown
-        cdef int cap
-        if slot >= self.slot_cap:
-            cap = self.slot_cap
-            while cap <= slot:
-                cap *= 2
-            grown = <uint64_t *>PyMem_Realloc(self.per_slot, cap * sizeof(uint64_t))
-            if grown is NULL:
-                raise MemoryError()
-            memset(grown + self.slot_cap, 0, (cap - self.slot_cap) * sizeof(uint64_t))
-            self.per_slot = grown
-            self.slot_cap = cap
-        self.per_slot[slot] += delta
-        return 0
-
     # ---- the contract ----------------------------------------------------------------
 
     def add(self, keys, int slot):
         cdef Py_ssize_t added = 0
         cdef Entry *e
         cdef uint16_t s = _checked_slot(slot)
-        try:
-            for key in keys:
-                _check_stored_key(key)
-                e = self._insert(PyBytes_AS_STRING(key))
-                added += self._add_holder(e, s)
-        finally:  # a bad key part-way leaves the keys before it added, and counted
-            if added:
-                self._count_slot(s, <int>added)
+        for key in keys:  # a bad key part-way leaves the keys before it added, and counted
+            _check_stored_key(key)
+            e = self._insert(PyBytes_AS_STRING(key))
+            if self._add_holder(e, s):
+                added += 1
+                self.positions.added(s, <uint64_t>(e - self.table), self.table)
         return added
 
     def discard(self, keys, int slot):
@@ -277,26 +256,26 @@ cdef class CHoldings:
                     if not e.n:
                         self._delete_at(<uint64_t>(e - self.table))
         finally:
-            if removed:  # then s < slot_cap: the slot was counted when it was added
-                self.per_slot[s] -= removed
+            self.positions.removed(s, removed, self.table)
         return removed
 
     def drop_slot(self, int slot):
+        """O(the slot's keys): the positions of its keys name every entry to visit."""
         cdef uint16_t s = _checked_slot(slot)
-        cdef uint64_t i = 0
+        cdef SlotHoldings *held
+        cdef Entry *e
+        cdef uint64_t i
         cdef Py_ssize_t dropped = 0
-        if s >= self.slot_cap or not self.per_slot[s]:
+        if not self.positions.count(s):
             return 0
-        while i <= self.mask_bits:
-            if self.table[i].n and self._remove_holder(&self.table[i], s):
+        held = self.positions.of(s)
+        for i in range(held.n):  # deletions move no live entry: every position stays right
+            e = &self.table[held.at[i]]
+            if e.n and self._remove_holder(e, s):  # false for a stale or repeated position
                 dropped += 1
-                if not self.table[i].n:
-                    # The shift may move a later entry into i: look at i again. One that
-                    # wraps round from the front was seen already; seeing it twice is harmless.
-                    self._delete_at(i)
-                    continue
-            i += 1
-        self.per_slot[s] = 0
+                if not e.n:
+                    self._delete_at(held.at[i])
+        self.positions.dropped(s)
         return dropped
 
     def holds(self, key, int slot):
@@ -318,32 +297,21 @@ cdef class CHoldings:
         return out
 
     def count(self, int slot):
-        if slot < 0 or slot >= self.slot_cap:
-            return 0
-        return self.per_slot[slot]
+        return self.positions.count(slot)
 
     def keys_by_slot(self, slots):
-        """``{slot: the keys it holds}`` for every slot asked, in one scan of the table."""
-        cdef uint64_t i
-        cdef int j
-        cdef uint16_t *arr
+        """``{slot: the keys it holds}`` for every slot asked: O(the keys they hold)."""
+        cdef uint32_t *at
+        cdef Py_ssize_t i, n
         cdef char buf[KEY_BYTES]
-        out = {_checked_slot(slot): [] for slot in slots}
-        if not out:
-            return out
-        for i in range(self.mask_bits + 1):
-            if not self.table[i].n:
-                continue
-            arr = _slots(&self.table[i])
-            key = None
-            for j in range(self.table[i].n):
-                wanted = out.get(arr[j])
-                if wanted is not None:
-                    if key is None:
-                        memcpy(buf, &self.table[i].k0, 8)
-                        memcpy(buf + 8, &self.table[i].k1, 8)
-                        key = PyBytes_FromStringAndSize(buf, KEY_BYTES)
-                    wanted.append(key)
+        out = {_checked_slot(slot): None for slot in slots}
+        for s in out:
+            n = self.positions.held(s, self.table, &at)
+            keys = out[s] = [None] * n
+            for i in range(n):
+                memcpy(buf, &self.table[at[i]].k0, 8)
+                memcpy(buf + 8, &self.table[at[i]].k1, 8)
+                keys[i] = PyBytes_FromStringAndSize(buf, KEY_BYTES)
         return out
 
     def mask(self, key):
@@ -425,14 +393,20 @@ cdef class CHoldings:
         return [(m, d) for m, d in out]
 
     def check(self):
-        """AssertionError unless the table agrees with itself: counts, order, probe runs."""
-        cdef uint64_t i
+        """AssertionError unless the table agrees with itself: counts, order, probe runs,
+        tombstones, and each slot's positions."""
+        cdef uint64_t i, tombstones = 0
         cdef int j
         cdef uint16_t *arr
         counts = {}
         live = 0
         for i in range(self.mask_bits + 1):
             if not self.table[i].n:
+                if self.table[i].cap:
+                    if self.table[i].cap != TOMBSTONE:
+                        raise AssertionError("an entry without holders is neither empty nor "
+                                             "a tombstone")
+                    tombstones += 1
                 continue
             live += 1
             arr = _slots(&self.table[i])
@@ -446,9 +420,11 @@ cdef class CHoldings:
                 raise AssertionError("an entry is unreachable from its home")
         if live != self.used:
             raise AssertionError("the key count is wrong")
-        for s in range(self.slot_cap):
-            if counts.get(s, 0) != self.per_slot[s]:
-                raise AssertionError(f"slot {s}'s holdings count is wrong")
+        if tombstones != self.tombstones:
+            raise AssertionError("the tombstone count is wrong")
+        if (self.used + self.tombstones) * 4 > (self.mask_bits + 1) * 3:
+            raise AssertionError("keys and tombstones fill more than 3/4 of the table")
+        self.positions.check(self.table, self.mask_bits + 1, counts)
 
     cdef uint64_t _lookup_at(self, uint64_t at):
         cdef char buf[KEY_BYTES]

@@ -1,9 +1,11 @@
 """The optional compiled core: which parts were built, and whether they may be used.
 
 ``make install`` builds the Cython extensions (``setup.py``) where a C compiler is: the index's
-holdings (``_holdings_accel``) and the page-key chain (``_chain_accel``). Each has a pure-Python
-twin with the same contract that serves where it was not built, or everywhere when
-``KVCOORD_NO_ACCEL=1``. Pure core: no I/O beyond importing.
+holdings (``_holdings_accel``, which imports ``_slot_positions_accel``, its per-slot positions:
+without that one built it does not import, and ``status`` names the missing module) and the
+page-key chain (``_chain_accel``). Each part has a pure-Python twin with the same contract that
+serves where it was not built, or everywhere when ``KVCOORD_NO_ACCEL=1``. Pure core: no I/O
+beyond importing.
 """
 
 from __future__ import annotations

@@ -155,6 +155,7 @@ class PrefixIndex:
 
         A key listed under several tiers is kept in the fastest (GPU over CPU over DISK).
         Pending entries for keys in the inventory are confirmed; other pending entries stay.
+        O(the keys it held and the inventory's), not O(the index).
         """
         check_worker(worker_id)
         inventory = {Tier(tier): keys for tier, keys in keys_by_tier.items()}
@@ -250,7 +251,7 @@ class PrefixIndex:
         return {Tier.GPU: gpu, Tier.CPU: lower[Tier.CPU], Tier.DISK: lower[Tier.DISK]}
 
     def worker_keys(self, worker_id: str) -> frozenset[bytes]:
-        """The keys ``worker_id`` holds (confirmed), any tier."""
+        """The keys ``worker_id`` holds (confirmed), any tier. O(those keys)."""
         w = self._workers.get(worker_id)
         return frozenset(self._holdings.keys_by_slot([w.slot])[w.slot] if w else ())
 
@@ -259,8 +260,7 @@ class PrefixIndex:
         return self.worker_inventories([worker_id]).get(worker_id, {})
 
     def worker_inventories(self, worker_ids: Iterable[str]) -> dict[str, dict[str, list[bytes]]]:
-        """``worker_inventory`` of each known worker of ``worker_ids``, in one pass over the
-        holdings (O(index size) however many workers: ask for all of them at once)."""
+        """``worker_inventory`` of each known worker of ``worker_ids``: O(the keys they hold)."""
         known = {w: self._workers[w] for w in worker_ids if w in self._workers}
         by_slot = self._holdings.keys_by_slot([w.slot for w in known.values()])
         inventories: dict[str, dict[str, list[bytes]]] = {}
