@@ -5,9 +5,6 @@ each slot's positions. Then: a slot's keys cost its keys, not the table."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -133,33 +130,6 @@ def test_a_slot_dropped_while_another_holds_its_keys_leaves_the_other_whole() ->
     assert set(c.keys_by_slot([1])[1]) == set(py.keys_by_slot([1])[1]) == set(KEYS[500:1_500])
     assert (len(c), c.count(0), c.count(1)) == (1_000, 0, 1_000)
     c.check()
-
-
-def _fastest_s(call: Callable[[], object], repeats: int = 7) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-@needs_compiled
-def test_a_small_slots_keys_cost_its_keys_not_the_table() -> None:
-    """20 keys among 200,000: reading them, and dropping them, cost a hundredth of reading the
-    200,000 (a scan of the table would cost about as much as that read)."""
-    big = [i.to_bytes(16, "little") for i in range(200_000)]
-    holdings = make_holdings(accelerated=True)
-    holdings.add(big, 0)
-    whole = _fastest_s(lambda: holdings.keys_by_slot([0]))
-
-    def drop_twenty() -> None:
-        holdings.add(big[:20], 1)
-        assert holdings.drop_slot(1) == 20
-
-    assert _fastest_s(lambda: holdings.keys_by_slot([1])) * 100 < whole
-    assert _fastest_s(drop_twenty) * 100 < whole
-    holdings.check()
 
 
 @pytest.mark.parametrize("accelerated", [
