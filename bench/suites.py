@@ -173,6 +173,24 @@ def _routing_invariants(results: Results) -> list[str]:
     return routing_invariants(results)
 
 
+def transport_steps(quick: bool) -> list[Step]:
+    from bench.bench_transport import transport_steps as steps
+
+    return steps(quick)
+
+
+def _transport_targets(results: Results) -> list[list[str]]:
+    from bench.bench_transport import transport_targets
+
+    return transport_targets(results)
+
+
+def _transport_invariants(results: Results) -> list[str]:
+    from bench.bench_transport import transport_invariants
+
+    return transport_invariants(results)
+
+
 SUITES: dict[str, Suite] = {
     "coordinator": Suite(coordinator_steps, targets.coordinator_targets, invariants.coordinator),
     "worker": Suite(worker_steps, targets.worker_targets, invariants.worker),
@@ -183,6 +201,8 @@ SUITES: dict[str, Suite] = {
     "gateway": Suite(gateway_steps, targets.gateway_targets, invariants.gateway),
     "fleet": Suite(fleet_steps, targets.fleet_targets, invariants.fleet),
     "routing": Suite(routing_steps, _routing_targets, _routing_invariants),
+    # The event transport: gRPC streams against Redis Streams and NATS JetStream (issue 29).
+    "transport": Suite(transport_steps, _transport_targets, _transport_invariants),
     # Real vLLM engines and SGLang's smg (optional venvs): run by name, `make test-vllm`
     # runs its quick form; never part of `all`.
     "engines": Suite(engines_steps, engines_report.targets, engines_report.invariants,
