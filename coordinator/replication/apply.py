@@ -15,7 +15,10 @@ Pure core: no grpc, redis or asyncio. Rules that keep every replica's view conve
   dies its workers lapse here after one lease, like a worker whose stream closed;
 - a route another replica chose (``Routed``) counts here whoever owns the worker, its own
   included: its pending entries and in-flight load are the fleet's, not the chooser's
-  (``Router.take_reservation``); heartbeats settle it on every replica alike.
+  (``Router.take_reservation``); heartbeats settle it on every replica alike. A route ended
+  before it arrives here is settled at once (``core.routing.awaited_routes``);
+- the routes in flight to a worker (``InFlight``, part of the owner's snapshot) are taken only
+  by the replica that asked for the snapshot (one that joined): the others counted each route.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from coordinator.replication.events import (
     Cordoned,
     Detached,
     Dropped,
+    InFlight,
     Pages,
     Registered,
     Replaced,
@@ -79,7 +83,7 @@ class ReplicaApplier:
 
     def apply(self, origin: str, event: ReplicaEvent) -> None:
         """Apply one worker event published by replica ``origin`` (not this one)."""
-        if isinstance(event, Routed | RoutesEnded):
+        if isinstance(event, Routed | RoutesEnded | InFlight):
             self._route_event(event)
         elif isinstance(event, Registered):
             self._registered(origin, event)
@@ -116,12 +120,18 @@ class ReplicaApplier:
                 self._sessions.forget(session.worker_id, f"{event.reason} (replica {origin})",
                                       final=event.reason == DEREGISTERED)
 
-    def _route_event(self, event: Routed | RoutesEnded) -> None:
+    def _route_event(self, event: Routed | RoutesEnded | InFlight) -> None:
         if self._router is None:
             self.counters.ignored += 1
         elif isinstance(event, RoutesEnded):
             self._router.end_remote_routes(event.route_ids)
             self.counters.applied += 1
+        elif isinstance(event, InFlight):
+            if (event.requester == self._sessions.replica_id
+                    and self._router.restore_inflight(event.routes)):
+                self.counters.applied += 1
+            else:
+                self.counters.ignored += 1  # another replica's snapshot, or a stale one
         elif self._router.take_reservation(event.reservation):
             self.counters.applied += 1
         else:

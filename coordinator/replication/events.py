@@ -28,7 +28,7 @@ from typing import Any
 from coordinator.core.fleet import WorkerLoad
 from coordinator.core.hashing import PageKeys, split_page_keys
 from coordinator.core.index import PAGE_EVENT_TYPES, PageEvent, PagesStored, Tier
-from coordinator.core.routing import RouteReservation
+from coordinator.core.routing import HeldRoute, InFlightRoutes, RouteReservation
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +112,16 @@ class RoutesEnded:
 
 
 @dataclass(frozen=True, slots=True)
+class InFlight:
+    """The routes in flight to a worker by the origin's books (its owner), for the replica that
+    asked for a snapshot (``requester``; ``Router.restore_inflight``). The others ignore it:
+    they counted each route as it was shared."""
+
+    requester: str
+    routes: InFlightRoutes
+
+
+@dataclass(frozen=True, slots=True)
 class Cordoned:
     worker_id: str
     cordoned: bool
@@ -150,7 +160,7 @@ class SnapshotDone:
 
 ReplicaEvent = (
     Registered | Attached | Detached | Pages | Replaced | State | Cordoned | Dropped
-    | PolicyChanged | SnapshotWanted | SnapshotDone | Routed | RoutesEnded
+    | PolicyChanged | SnapshotWanted | SnapshotDone | Routed | RoutesEnded | InFlight
 )
 
 
@@ -169,7 +179,7 @@ _KINDS: Mapping[str, type[Any]] = MappingProxyType({
     "registered": Registered, "attached": Attached, "detached": Detached, "pages": Pages,
     "replaced": Replaced, "state": State, "cordoned": Cordoned, "dropped": Dropped,
     "policy": PolicyChanged, "want": SnapshotWanted, "done": SnapshotDone, "routed": Routed,
-    "ended": RoutesEnded,
+    "ended": RoutesEnded, "inflight": InFlight,
 })
 _KIND_OF = MappingProxyType({cls: kind for kind, cls in _KINDS.items()})
 _LOAD_FIELDS = ("running_requests", "queued_tokens", "free_pages", "total_pages")
@@ -203,6 +213,12 @@ def encode(origin: str, published_ms: int, event: ReplicaEvent) -> dict[str, str
         blob = b"".join(r.pending_keys)
     elif isinstance(event, RoutesEnded):
         body = {"r": list(event.route_ids)}
+    elif isinstance(event, InFlight):
+        routes = event.routes
+        body = {"q": event.requester, "w": routes.worker_id, "i": routes.incarnation,
+                "h": [list(route) for route in routes.settled_by_heartbeats],
+                "a": [[h.route_id, h.uncached_tokens, h.copies, h.context_tokens, h.expires_in_s]
+                      for h in routes.awaited]}
     else:
         body = {name: getattr(event, name) for name in event.__slots__}
     parts = (origin, str(published_ms), _KIND_OF[type(event)],
@@ -288,6 +304,12 @@ def _decode_body(kind: type[Any], body: dict[str, Any], keys: PageKeys) -> Repli
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise ValueError("RoutesEnded.route_ids must be a list of strings")
         return RoutesEnded(tuple(ids))
+    if kind is InFlight:
+        held = tuple(HeldRoute(str(i), int(u), int(c), int(x), float(t))
+                     for i, u, c, x, t in body["a"])
+        settled = tuple((int(u), int(x)) for u, x in body["h"])
+        return InFlight(str(body["q"]),
+                        InFlightRoutes(str(body["w"]), int(body["i"]), settled, held))
     hints = _hints(kind)
     if not _required(kind) <= set(body) <= set(hints):
         raise ValueError(f"{kind.__name__} fields {sorted(body)}, expected {sorted(hints)}")

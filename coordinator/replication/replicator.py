@@ -9,6 +9,8 @@ in stream order. Lag (publish to apply, wall clock) is measured on every applied
 Bootstrap: a starting replica notes the stream's end, asks every live replica for a snapshot
 of the workers it owns (``SnapshotWanted``), and reports ready once each has answered
 (``SnapshotDone``) or ``bootstrap_timeout_ms`` passed; the server reports SERVING only then.
+With shared routes a snapshot asked for carries the routes in flight to each worker too
+(``InFlight``, for the asker only), so the joiner counts the load the others count.
 
 Faults: a failed publish drops the queued events and marks this replica's view dirty; once the
 store answers again every owned worker is re-published as a snapshot (registration, stream
@@ -41,6 +43,7 @@ from coordinator.replication.events import (
     Attached,
     Cordoned,
     Detached,
+    InFlight,
     MalformedEvent,
     PolicyChanged,
     Replaced,
@@ -109,6 +112,7 @@ class Replicator:
             clock=clock, want_snapshot=outbox.snapshot_wanted, router=router,
         )
         self._outbox = outbox
+        self._router = router
         self._publishing = False
         self._cursor = "0-0"
         self._tasks: list[asyncio.Task[None]] = []
@@ -190,13 +194,18 @@ class Replicator:
 
     # ------------------------------------------------------------------ publishing
 
-    def _snapshots(self, sessions: list[RegisteredWorker]) -> list[ReplicaEvent]:
+    def _snapshots(self, sessions: list[RegisteredWorker],
+                   requester: str = "") -> list[ReplicaEvent]:
         """What another replica needs to hold exactly our view of ``sessions`` (their
-        inventories read in one pass over the index)."""
+        inventories read in one pass over the index); for a ``requester`` that asked, with
+        shared routes, the routes in flight to them as well."""
         inventories = self._index.worker_inventories(
             s.worker_id for s in sessions if s.resync_id is None)
-        return [event for s in sessions
-                for event in self._snapshot(s, inventories.get(s.worker_id, {}))]
+        events = [event for s in sessions
+                  for event in self._snapshot(s, inventories.get(s.worker_id, {}))]
+        if requester and self._router is not None:
+            events += [InFlight(requester, r) for r in self._router.inflight(sessions)]
+        return events
 
     def _snapshot(self, session: RegisteredWorker,
                   inventory: dict[str, list[bytes]]) -> list[ReplicaEvent]:
@@ -307,7 +316,7 @@ class Replicator:
             sessions = self._own_sessions() if not event.worker_id else [
                 s for s in self._own_sessions() if s.worker_id == event.worker_id
             ]
-            for snapshot_event in self._snapshots(sessions):
+            for snapshot_event in self._snapshots(sessions, requester=origin):
                 self._outbox.put(snapshot_event)
             if not event.worker_id:
                 self._outbox.put(SnapshotDone(origin))

@@ -10,12 +10,16 @@
 - ``routing_values``: what a chooser reads and returns (``RoutingRequest``, ``KvAwareWeights``,
   ``Decision``); ``route_types``: what the router returns (``RouteResult``, ``BatchResult``, ...).
 - ``batch_order``: identical prompts grouped, and the order a batch runs in.
-- ``awaited_routes``: routes issued and not yet ended, held until their end or their TTL.
+- ``awaited_routes``: routes issued and not yet ended, held until their end or their TTL;
+  ends are remembered, so a route that arrives after its end is settled at once.
+- ``inflight_snapshot``: a worker's in-flight routes as one value (``InFlightRoutes``), for a
+  replica that joins later.
 
 Pure core: no I/O; randomness comes in as a ``random.Random``.
 """
 
 from coordinator.core.routing import route_types
+from coordinator.core.routing.awaited_routes import HeldRoute
 from coordinator.core.routing.batch_order import BatchGroup, execution_order, group_identical
 from coordinator.core.routing.choosers import (
     CHOOSERS,
@@ -31,14 +35,16 @@ from coordinator.core.routing.choosers import (
     overflow_tokens,
     prefill_work,
 )
+from coordinator.core.routing.inflight_snapshot import InFlightRoutes
 from coordinator.core.routing.route_types import *  # noqa: F403 (route_types.__all__, below)
 from coordinator.core.routing.router import Router, RouterCounters
 from coordinator.core.routing.routing_values import Decision, KvAwareWeights, RoutingRequest
 
 __all__ = [
-    "CHOOSERS", "BatchGroup", "Decision", "KvAwareChooser", "KvAwareWeights",
-    "LeastLoadedChooser", "NoEligibleWorker", "RoundRobinChooser", "RouteChooser", "Router",
-    "RouterCounters", "RoutingRequest", "booked_work", "execution_order", "group_identical",
-    "kv_aware_cost", "load_floor", "make_chooser", "overflow_tokens", "prefill_work",
+    "CHOOSERS", "BatchGroup", "Decision", "HeldRoute", "InFlightRoutes", "KvAwareChooser",
+    "KvAwareWeights", "LeastLoadedChooser", "NoEligibleWorker", "RoundRobinChooser",
+    "RouteChooser", "Router", "RouterCounters", "RoutingRequest", "booked_work",
+    "execution_order", "group_identical", "kv_aware_cost", "load_floor", "make_chooser",
+    "overflow_tokens", "prefill_work",
 ]
 __all__ += route_types.__all__

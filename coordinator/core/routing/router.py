@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.core.errors import InvalidArgument, Unavailable
-from coordinator.core.fleet import Fleet
+from coordinator.core.fleet import Fleet, RegisteredWorker
 from coordinator.core.hashing import Namespace, PageHasher
 from coordinator.core.index import PrefixIndex
 from coordinator.core.routing.awaited_routes import AwaitedRoutes, EndedRoutes
@@ -24,6 +24,11 @@ from coordinator.core.routing.choosers import (
     RouteChooser,
     booked_work,
     make_chooser,
+)
+from coordinator.core.routing.inflight_snapshot import (
+    InFlightRoutes,
+    inflight_of,
+    restore_inflight,
 )
 from coordinator.core.routing.route_types import (
     BatchResult,
@@ -364,6 +369,19 @@ class Router:
             work = reservation.uncached_tokens * reservation.copies
         keys = reservation.pending_keys
         session.queue_prefill(work, now, keys[-1] if keys else None)
+        return True
+
+    def inflight(self, sessions: Iterable[RegisteredWorker]) -> list[InFlightRoutes]:
+        """The routes in flight to each of ``sessions`` here (for a replica that joins)."""
+        return inflight_of(sessions, self.awaited, self._clock())
+
+    def restore_inflight(self, routes: InFlightRoutes) -> bool:
+        """Take another replica's in-flight routes of a worker (``inflight_snapshot``); False,
+        changing nothing, when the worker is not that incarnation here."""
+        session = self._fleet.get(routes.worker_id)
+        if session is None or session.incarnation != routes.incarnation:
+            return False
+        restore_inflight(session, routes, self.awaited, self._clock(), self.max_inflight)
         return True
 
     def end_remote_routes(self, route_ids: Sequence[str]) -> EndedRoutes:
