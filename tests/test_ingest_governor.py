@@ -112,3 +112,29 @@ async def test_a_heartbeat_behind_held_batches_is_taken_at_once() -> None:
             await eventually(all_indexed, what="every held batch applied after", timeout=60)
         finally:
             await worker.close()
+
+
+async def test_a_stream_held_back_past_its_lease_stays_live_without_heartbeats() -> None:
+    # A lease of 1.5 s, and batches the 1% budget takes several seconds to apply: the worker
+    # sends no heartbeat at all after the first, and its stream is held back all along. The
+    # replica renews the lease of a stream it holds back, so the worker stays routable.
+    async with running_coordinator(ingest_max_share=0.01, lease_ms=1500,
+                                   heartbeat_ms=300) as running, \
+            AsyncCoordinatorClient(target(running)) as client:
+        worker = ScriptedWorker(target(running), "w1", hash_config=DEV_HASH,
+                                total_pages=1 << 18)
+        await worker.start()
+        await worker.heartbeat()
+        try:
+            for _ in range(48):
+                keys = [os.urandom(16) for _ in range(4096)]
+                worker.held.update(keys)
+                await worker.send_events([pb.PageEvent(kind=pb.PageEvent.KIND_STORED,
+                                                       page_keys=b"".join(keys))])
+            for _ in range(6):  # 3 s: two leases
+                await asyncio.sleep(0.5)
+                (info,) = await client.workers()
+                assert info.state == "ready", info
+            assert (await client.stats()).index_keys < len(worker.held)  # still held back
+        finally:
+            await worker.close()

@@ -34,19 +34,33 @@ FAILED = "fail"        # (FAILED, stream, status name, details, rich status byte
 CREDIT = "credit"      # (CREDIT, stream, n): the replica consumed n more requests
 
 
-class FrameWriter:
-    """Queue messages; one frame per loop turn carries all of them."""
+LINGER_S = 0.005
+"""How long a frame waits for more messages after its first. A frame's fixed cost (a system
+call and a wakeup on each side, a pickle) is most of a small one's: sent at once, frames
+carried one or two messages each, and the replica spent twice the CPU per event batch that it
+does on frames gathered over 5 ms (``kvcoord bench fleet``, 1,024 workers). 5 ms against an
+ingest lag bound of 300 ms."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+
+class FrameWriter:
+    """Queue messages; one frame carries every message queued within ``linger_s`` of the
+    first (0: within one turn of the event loop)."""
+
+    def __init__(self, writer: asyncio.StreamWriter, linger_s: float = LINGER_S) -> None:
         self._writer = writer
         self._pending: list[tuple[Any, ...]] = []
         self._scheduled = False
+        self._linger_s = linger_s
 
     def send(self, message: tuple[Any, ...]) -> None:
         self._pending.append(message)
         if not self._scheduled:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            loop = asyncio.get_running_loop()
+            if self._linger_s > 0:
+                loop.call_later(self._linger_s, self._flush)
+            else:
+                loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._scheduled = False

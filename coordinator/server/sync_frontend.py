@@ -51,8 +51,11 @@ log = structlog.get_logger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
 CREDIT_WINDOW = 16
 """Requests of one stream forwarded to the replica and not yet consumed by it."""
-NICE = 5
-"""How much lower than its replica a frontend's CPU priority is (see the module doc)."""
+NICE = 19
+"""How much lower than its replica a frontend's CPU priority is (see the module doc): the
+lowest, so that on a core they share the replica takes what routes need and the frontend the
+rest (at 5 it still took a quarter of the core and routes waited seconds at 1,024 workers,
+``kvcoord bench fleet``'s frontend_same_core case)."""
 
 
 class RelayedError(DomainError):

@@ -12,7 +12,10 @@ budget (``control.sessions.ingest_governor``) in the applier, so a heartbeat beh
 batch is not held with it: the reader takes it at once (it renews the lease and reports
 load, neither of which depends on the pages before it). The ordered queue is bounded
 (``HELD_MESSAGES``): past it the reader stops reading, and HTTP/2 flow control pushes back
-on the worker, whose agent holds and coalesces what it has not sent.
+on the worker, whose agent holds and coalesces what it has not sent. Its heartbeats may then
+wait behind page events, but its liveness does not: while the replica holds anything of a
+stream back, it renews the worker's lease itself every heartbeat period (the worker is
+talking; we are not reading).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from coordinator.control.sessions.delayed_acks import DelayedAcks
 from coordinator.control.sessions.sync_messages import Outbound
@@ -68,8 +72,12 @@ async def serve_sync(
 class SyncStream:
     """The reader and applier of one stream (see the module doc)."""
 
-    def __init__(self, service: CoordinatorReplica, emit: Emit) -> None:
+    def __init__(self, service: CoordinatorReplica, emit: Emit,
+                 backlog: Callable[[], int] = lambda: 0) -> None:
+        """``emit``: where the output goes; ``backlog()``: messages of this stream read
+        before ``run``'s requests deliver them (a relay's queue), held back as well."""
         self._service = service
+        self._backlog = backlog
         self._sessions = service.worker_sync
         self._emit = emit
         self._acks = DelayedAcks(self._write, service.ingest.ack_delay_s,
@@ -78,6 +86,7 @@ class SyncStream:
         self._session: RegisteredWorker | None = None
         self._stream_id = 0
         self._applying = False  # the applier is inside an ordered message (it may await)
+        self._keeper: asyncio.Task[None] | None = None
 
     def _write(self, replies: list[Outbound]) -> None:
         for reply in replies:
@@ -114,7 +123,8 @@ class SyncStream:
                 self._emit(None)
                 return
             applier = asyncio.create_task(self._apply_ordered())
-            if await _first_to_fail(self._read(requests), applier):
+            self._keeper = asyncio.create_task(self._keep_alive_while_held())
+            if await _first_to_fail(self._read(requests), applier, self._keeper):
                 self._acks.flush()
                 self._emit(None)
         except asyncio.CancelledError:
@@ -125,9 +135,28 @@ class SyncStream:
         finally:
             if applier is not None:
                 applier.cancel()
+            if self._keeper is not None:
+                self._keeper.cancel()
             self._acks.discard()
             if self._session is not None:
                 self._sessions.disconnect(self._session, self._stream_id)
+
+    def held(self) -> bool:
+        """Whether this replica holds back something the worker sent (its heartbeats may
+        be behind it)."""
+        return self._applying or not self._ordered.empty() or self._backlog() > 0
+
+    async def _keep_alive_while_held(self) -> None:
+        """Renew the lease of a stream held back for a heartbeat period: the worker is
+        talking and we are not reading, so its heartbeats may wait behind page events, but
+        its liveness never does. A heartbeat that arrives renews it anyway."""
+        period_s = self._service.config.heartbeat_ms / 1000
+        session = self._session
+        assert session is not None
+        while True:
+            await asyncio.sleep(period_s)
+            if self.held():
+                await self._sessions.held_alive(session)
 
     async def _hello(self, requests: AsyncIterator[pb.SyncRequest]) -> bool:
         """Attach the stream to its worker's session; False when it ended before a hello."""
@@ -212,21 +241,23 @@ class SyncStream:
         raise InvalidArgument("empty Sync message: set one body")
 
 
-async def _first_to_fail(reading: Awaitable[bool], applier: asyncio.Task[bool]) -> bool:
-    """Run the reader beside the applier; True when both ended cleanly, False when the stream
-    was superseded; raises the first error of either. A clean end waits for the applier to
-    reach the end mark the reader queued, so every batch read is applied first."""
+async def _first_to_fail(reading: Awaitable[bool], applier: asyncio.Task[bool],
+                         keeper: asyncio.Task[None]) -> bool:
+    """Run the reader beside the applier (and the keeper, which ends only by failing); True
+    when both ended cleanly, False when the stream was superseded; raises the first error of
+    any. A clean end waits for the applier to reach the end mark the reader queued, so every
+    batch read is applied first."""
     reader = asyncio.ensure_future(reading)
-    pending: set[asyncio.Future[bool]] = {reader, applier}
+    pending: set[asyncio.Future[Any]] = {reader, applier, keeper}
     try:
-        while pending:
+        while reader in pending or applier in pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                if not task.result():  # raises the task's error, if it failed
+                if not task.result() and task is not keeper:  # raises the task's error
                     return False
         return True
     finally:
-        for task in (reader, applier):
+        for task in (reader, applier, keeper):
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(reader, applier, return_exceptions=True)
+            await asyncio.gather(reader, applier, keeper, return_exceptions=True)

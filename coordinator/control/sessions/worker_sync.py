@@ -309,6 +309,24 @@ class WorkerSync:
 
     async def heartbeat(self, session: RegisteredWorker, beat: HeartbeatIn) -> list[Outbound]:
         """Renew the lease (in the store, so every replica sees it) and take the load report."""
+        await self.keep_alive(session)
+        try:
+            if not session.external:
+                await self._policy.worker_reported(beat.policy_version)
+        except StoreUnavailable as exc:  # checked again at the next heartbeat or poll
+            log.warning("worker.version_not_checked", worker=session.worker_id,
+                        version=beat.policy_version, error=str(exc))
+        session.report_load(beat.load, beat.completed_routes)
+        if beat.policy_version != session.policy_version:
+            # The worker says which weights it has loaded (after a LoadWeights, an APPLY, or a
+            # fenced worker catching up): route it under that version from now on.
+            self.set_version(session, beat.policy_version, publish=False)
+        self._replication.state(session, beat.completed_routes)
+        return []
+
+    async def keep_alive(self, session: RegisteredWorker) -> None:
+        """Renew the worker's lease: on its heartbeat, or while this replica holds its stream
+        back (``server.sync_stream``: the worker is talking, we are not reading)."""
         cfg = self._config
         try:
             renewed = await self._store.renew_lease(
@@ -326,19 +344,12 @@ class WorkerSync:
                 "is gone (expired or superseded): re-register", reason=Reason.REREGISTER,
             )
         session.lease_deadline = self._clock() + cfg.lease_ms / 1000
-        try:
-            if not session.external:
-                await self._policy.worker_reported(beat.policy_version)
-        except StoreUnavailable as exc:  # checked again at the next heartbeat or poll
-            log.warning("worker.version_not_checked", worker=session.worker_id,
-                        version=beat.policy_version, error=str(exc))
-        session.report_load(beat.load, beat.completed_routes)
-        if beat.policy_version != session.policy_version:
-            # The worker says which weights it has loaded (after a LoadWeights, an APPLY, or a
-            # fenced worker catching up): route it under that version from now on.
-            self.set_version(session, beat.policy_version, publish=False)
-        self._replication.state(session, beat.completed_routes)
-        return []
+
+    async def held_alive(self, session: RegisteredWorker) -> None:
+        """``keep_alive`` for a stream this replica holds back, told to the other replicas
+        too (as a heartbeat's ``State`` would, with no load report of its own)."""
+        await self.keep_alive(session)
+        self._replication.state(session, 0)
 
     def set_version(self, session: RegisteredWorker, version: int, *, publish: bool = True) -> None:
         """The worker now serves ``version`` (its keys are hashed under it); ``publish`` tells
