@@ -258,6 +258,12 @@ class Guard:
     def close_stream(self, identity: Identity) -> None:
         self._streams.release(identity.name)
 
+    @property
+    def paces(self) -> bool:
+        """Whether client streams are paced (a rate limit is on): when not, ``paced`` would
+        only add a generator hop to every message."""
+        return self._limiter.enabled
+
     async def paced(self, identity: Identity, messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """``messages`` (a client stream), each taking a token from ``identity``'s bucket. Over
         the rate, reading waits for the bucket instead of failing: the stream is throttled

@@ -141,7 +141,7 @@ class ErrorMappingInterceptor:
                 caller = guard.admit(method, context, permissions)
                 guard.open_stream(caller, method)
                 identity = caller
-                if client_streaming:
+                if client_streaming and guard.paces:
                     request = guard.paced(caller, request)
                 async for response in behavior(request, context):
                     yield response
