@@ -23,6 +23,7 @@ from coordinator.control.replication_sink import NoReplication, ReplicationSink
 from coordinator.control.rollouts import RolloutLog
 from coordinator.control.routing_gate import RoutingGate
 from coordinator.control.sessions import WorkerStreams, WorkerSync
+from coordinator.control.sessions.held_streams import HeldStreams
 from coordinator.control.sessions.ingest_governor import IngestGovernor
 from coordinator.core.errors import NotFound
 from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
@@ -167,6 +168,8 @@ class CoordinatorReplica:
             clock=clock,
             replica_id=config.replica_id or default_replica_id(),
         )
+        # Streams waiting for the ingest budget: the reaper renews their workers' leases.
+        self.held_streams = HeldStreams(self.worker_sync, config.heartbeat_ms / 1000, clock)
         self.updates = PolicyUpdates(
             config=config, store=store, fleet=self.fleet, view=self.policy_view,
             streams=self.streams, replication=replication, clock=clock,
@@ -257,6 +260,7 @@ class CoordinatorReplica:
             await asyncio.sleep(interval)
             try:
                 self.worker_sync.reap()
+                await self.held_streams.renew(self.config.lease_ms / 1000)
                 self.router.expire_awaited()
                 await self.updates.expire()
             except Exception:  # the reaper must outlive any one bad pass

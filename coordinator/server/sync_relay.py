@@ -234,7 +234,7 @@ class _RelayedStream:
         self._writer = writer
         self._id = stream
         self._queue: asyncio.Queue[pb.SyncRequest | None] = asyncio.Queue()
-        self._sync = SyncStream(service, self._emit, backlog=self._queue.qsize)
+        self._sync = SyncStream(service, self._emit)
         self._consumed = 0
         self._ended = False
         self._started = time.perf_counter()

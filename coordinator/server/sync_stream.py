@@ -15,7 +15,10 @@ load, neither of which depends on the pages before it). The ordered queue is bou
 on the worker, whose agent holds and coalesces what it has not sent. Its heartbeats may then
 wait behind page events, but its liveness does not: while the replica holds anything of a
 stream back, it renews the worker's lease itself every heartbeat period (the worker is
-talking; we are not reading).
+talking; we are not reading): every hold is a wait for the ingest budget, and the reaper
+renews the leases of the streams waiting (``control.sessions.held_streams``). A batch with
+nothing ahead of it and budget to spare is applied by the reader itself (``offer``), with no
+hop to the applier: the common case costs what one task did.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 from coordinator.control.sessions.delayed_acks import DelayedAcks
 from coordinator.control.sessions.sync_messages import Outbound
@@ -72,12 +74,9 @@ async def serve_sync(
 class SyncStream:
     """The reader and applier of one stream (see the module doc)."""
 
-    def __init__(self, service: CoordinatorReplica, emit: Emit,
-                 backlog: Callable[[], int] = lambda: 0) -> None:
-        """``emit``: where the output goes; ``backlog()``: messages of this stream read
-        before ``run``'s requests deliver them (a relay's queue), held back as well."""
+    def __init__(self, service: CoordinatorReplica, emit: Emit) -> None:
+        """``emit``: where the output goes, in order."""
         self._service = service
-        self._backlog = backlog
         self._sessions = service.worker_sync
         self._emit = emit
         self._acks = DelayedAcks(self._write, service.ingest.ack_delay_s,
@@ -86,7 +85,6 @@ class SyncStream:
         self._session: RegisteredWorker | None = None
         self._stream_id = 0
         self._applying = False  # the applier is inside an ordered message (it may await)
-        self._keeper: asyncio.Task[None] | None = None
 
     def _write(self, replies: list[Outbound]) -> None:
         for reply in replies:
@@ -123,8 +121,7 @@ class SyncStream:
                 self._emit(None)
                 return
             applier = asyncio.create_task(self._apply_ordered())
-            self._keeper = asyncio.create_task(self._keep_alive_while_held())
-            if await _first_to_fail(self._read(requests), applier, self._keeper):
+            if await _first_to_fail(self._read(requests), applier):
                 self._acks.flush()
                 self._emit(None)
         except asyncio.CancelledError:
@@ -135,28 +132,25 @@ class SyncStream:
         finally:
             if applier is not None:
                 applier.cancel()
-            if self._keeper is not None:
-                self._keeper.cancel()
             self._acks.discard()
             if self._session is not None:
                 self._sessions.disconnect(self._session, self._stream_id)
 
-    def held(self) -> bool:
-        """Whether this replica holds back something the worker sent (its heartbeats may
-        be behind it)."""
-        return self._applying or not self._ordered.empty() or self._backlog() > 0
-
-    async def _keep_alive_while_held(self) -> None:
-        """Renew the lease of a stream held back for a heartbeat period: the worker is
-        talking and we are not reading, so its heartbeats may wait behind page events, but
-        its liveness never does. A heartbeat that arrives renews it anyway."""
-        period_s = self._service.config.heartbeat_ms / 1000
-        session = self._session
-        assert session is not None
-        while True:
-            await asyncio.sleep(period_s)
-            if self.held():
-                await self._sessions.held_alive(session)
+    async def _admit_keeping_alive(self) -> None:
+        """Wait for the ingest budget to admit this stream's next batch. Everything held back
+        of the stream is behind this wait (the ordered queue, a relay's queue, the worker's
+        own sends), its heartbeats included, so meanwhile the replica renews the worker's
+        lease itself (``control.sessions.held_streams``)."""
+        ingest = self._service.ingest
+        if ingest.admits_now():
+            return
+        held = self._service.held_streams
+        assert self._session is not None
+        held.hold(self._session)
+        try:
+            await ingest.admit()
+        finally:
+            held.release(self._session)
 
     async def _hello(self, requests: AsyncIterator[pb.SyncRequest]) -> bool:
         """Attach the stream to its worker's session; False when it ended before a hello."""
@@ -189,10 +183,12 @@ class SyncStream:
             check_protocol(request.protocol_version)
             if not self._owned():
                 return False  # WorkerStreams.close queued the FAILED_PRECONDITION that ends us
-            if (request.WhichOneof("body") == "heartbeat"
-                    and request.heartbeat.policy_version == session.policy_version):
+            body = request.WhichOneof("body")
+            if body == "heartbeat" and request.heartbeat.policy_version == session.policy_version:
                 self._acks.reply(await self._dispatch(request))
                 continue
+            if body == "events" and self.offer(request):
+                continue  # nothing ahead of it and the budget had room: applied here
             await self._ordered.put(request)
         await self._ordered.put(_END)
         return True
@@ -204,7 +200,7 @@ class SyncStream:
         while (request := await self._ordered.get()) is not _END:
             self._applying = True
             if request.WhichOneof("body") == "events":
-                await ingest.admit()  # within the loop's budget for page events
+                await self._admit_keeping_alive()  # within the loop's budget for page events
                 if not self._owned():
                     return False
                 began = time.perf_counter()
@@ -241,23 +237,21 @@ class SyncStream:
         raise InvalidArgument("empty Sync message: set one body")
 
 
-async def _first_to_fail(reading: Awaitable[bool], applier: asyncio.Task[bool],
-                         keeper: asyncio.Task[None]) -> bool:
-    """Run the reader beside the applier (and the keeper, which ends only by failing); True
-    when both ended cleanly, False when the stream was superseded; raises the first error of
-    any. A clean end waits for the applier to reach the end mark the reader queued, so every
-    batch read is applied first."""
+async def _first_to_fail(reading: Awaitable[bool], applier: asyncio.Task[bool]) -> bool:
+    """Run the reader beside the applier; True when both ended cleanly, False when the stream
+    was superseded; raises the first error of either. A clean end waits for the applier to
+    reach the end mark the reader queued, so every batch read is applied first."""
     reader = asyncio.ensure_future(reading)
-    pending: set[asyncio.Future[Any]] = {reader, applier, keeper}
+    pending: set[asyncio.Future[bool]] = {reader, applier}
     try:
-        while reader in pending or applier in pending:
+        while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                if not task.result() and task is not keeper:  # raises the task's error
+                if not task.result():  # raises the task's error, if it failed
                     return False
         return True
     finally:
-        for task in (reader, applier, keeper):
+        for task in (reader, applier):
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(reader, applier, keeper, return_exceptions=True)
+            await asyncio.gather(reader, applier, return_exceptions=True)
