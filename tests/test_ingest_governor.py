@@ -85,16 +85,9 @@ async def test_a_heartbeat_behind_held_batches_is_taken_at_once() -> None:
     # (and renew the lease) while they are still held, not after the last is applied.
     async with running_coordinator(ingest_max_share=0.01, lease_ms=30_000) as running, \
             AsyncCoordinatorClient(target(running)) as client:
-        worker = ScriptedWorker(target(running), "w1", hash_config=DEV_HASH,
-                                total_pages=1 << 18)
-        await worker.start()
-        await worker.heartbeat()
+        worker = await _started_worker(target(running))
         try:
-            for _ in range(48):
-                keys = [os.urandom(16) for _ in range(4096)]
-                worker.held.update(keys)
-                await worker.send_events([pb.PageEvent(kind=pb.PageEvent.KIND_STORED,
-                                                       page_keys=b"".join(keys))])
+            await _send_batches_unacked(worker, 48, 4096)
             await worker.heartbeat(running_requests=7)
 
             async def load_reported() -> bool:
@@ -121,16 +114,9 @@ async def test_a_stream_held_back_past_its_lease_stays_live_without_heartbeats()
     async with running_coordinator(ingest_max_share=0.01, lease_ms=1500,
                                    heartbeat_ms=300) as running, \
             AsyncCoordinatorClient(target(running)) as client:
-        worker = ScriptedWorker(target(running), "w1", hash_config=DEV_HASH,
-                                total_pages=1 << 18)
-        await worker.start()
-        await worker.heartbeat()
+        worker = await _started_worker(target(running))
         try:
-            for _ in range(48):
-                keys = [os.urandom(16) for _ in range(4096)]
-                worker.held.update(keys)
-                await worker.send_events([pb.PageEvent(kind=pb.PageEvent.KIND_STORED,
-                                                       page_keys=b"".join(keys))])
+            await _send_batches_unacked(worker, 48, 4096)
             for _ in range(6):  # 3 s: two leases
                 await asyncio.sleep(0.5)
                 (info,) = await client.workers()
@@ -138,3 +124,20 @@ async def test_a_stream_held_back_past_its_lease_stays_live_without_heartbeats()
             assert (await client.stats()).index_keys < len(worker.held)  # still held back
         finally:
             await worker.close()
+
+
+async def _started_worker(coordinator: str) -> ScriptedWorker:
+    """A worker streaming to ``coordinator``, room for 2^18 pages, one heartbeat sent."""
+    worker = ScriptedWorker(coordinator, "w1", hash_config=DEV_HASH, total_pages=1 << 18)
+    await worker.start()
+    await worker.heartbeat()
+    return worker
+
+
+async def _send_batches_unacked(worker: ScriptedWorker, batches: int, keys: int) -> None:
+    """``batches`` batches of ``keys`` new keys each, sent without waiting for their acks."""
+    for _ in range(batches):
+        batch = [os.urandom(16) for _ in range(keys)]
+        worker.held.update(batch)
+        await worker.send_events([pb.PageEvent(kind=pb.PageEvent.KIND_STORED,
+                                               page_keys=b"".join(batch))])
