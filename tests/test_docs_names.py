@@ -17,7 +17,9 @@ from bench.engines_fleet import SMG_VAR, VLLM_PYTHON_VAR
 from coordinator.config import CoordinatorConfig
 from coordinator.core.accel import NO_ACCEL_VARIABLE
 from coordinator.replica import CoordinatorReplica
+from coordinator.rpc.interceptor import ErrorMappingInterceptor
 from coordinator.server.metrics import CoordinatorMetrics
+from coordinator.server.sync_relay import SyncFrontends
 from coordinator.store.memory import MemoryStore
 from kvcoord.cli_security import CLIENT_FILE_VARIABLES, TOKEN_VARIABLE
 from kvcoord.gateway.metrics import GatewayMetrics
@@ -47,6 +49,10 @@ def exposed_metric_names() -> set[str]:
     coordinator = CoordinatorMetrics(service)
     coordinator.requests.labels("Route", "OK").inc()
     coordinator.latency.labels("Route").observe(0.001)
+    # A replica with a sync frontend (configured, not started: its gauges read 0).
+    coordinator.watch_frontends(SyncFrontends(
+        service, ErrorMappingInterceptor(coordinator),
+        CoordinatorConfig(replica_id="r", sync_frontends=1)))
     text = generate_latest(coordinator.registry).decode()
     worker = WorkerMetrics(lambda: stats, sync=SyncCounters())
     worker.requests.labels("Generate", "OK").inc()

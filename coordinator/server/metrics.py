@@ -51,14 +51,14 @@ class _FrontendCollector(Collector):
         self._frontends = frontends
 
     def collect(self) -> Iterator[Metric]:
-        streams = self._frontends.open_streams()
         yield GaugeMetricFamily("kvcoord_sync_frontends", "Sync frontend processes serving now",
-                                value=len(streams))
-        by_port = GaugeMetricFamily("kvcoord_sync_frontend_streams",
-                                    "Sync streams each frontend relays now", labels=["port"])
-        for port, count in sorted(streams.items()):
-            by_port.add_metric([str(port)], count)
-        yield by_port
+                                value=len(self._frontends.ports))
+        by_frontend = GaugeMetricFamily("kvcoord_sync_frontend_streams",
+                                        "Sync streams each frontend relays now (0 while down)",
+                                        labels=["frontend"])
+        for index, count in sorted(self._frontends.streams_by_frontend().items()):
+            by_frontend.add_metric([str(index)], count)
+        yield by_frontend
         yield CounterMetricFamily("kvcoord_sync_frontend_restarts", "Sync frontends started "
                                   "again after they exited", value=self._frontends.restarts)
 

@@ -85,6 +85,10 @@ class SyncFrontends:
         """Streams each frontend that is up relays now, by its port."""
         return {f.port: len(f.streams) for f in self._frontends if f.up}
 
+    def streams_by_frontend(self) -> dict[int, int]:
+        """Streams each frontend relays now, by its index (0 for one that is down)."""
+        return {f.index: len(f.streams) for f in self._frontends}
+
     def pids(self) -> list[int]:
         """The frontend processes running now."""
         return [f.process.pid for f in self._frontends if f.process is not None]
