@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -47,7 +48,7 @@ async def test_real_workers_sync_through_frontends_and_the_policy_barrier_holds(
             workers.append(running)
         for w in workers:
             await asyncio.wait_for(w.agent.synced.wait(), 10)
-        streams = _frontends(coord).open_streams()
+        streams = _frontends(coord).streams_by_frontend()
         assert sum(streams.values()) == 3 and min(streams.values()) >= 1, streams
         # A generation's pages reach the index through a frontend.
         first = await AsyncWorkerClient(f"127.0.0.1:{workers[0].port}").generate(PROMPT, 4)
@@ -167,3 +168,18 @@ async def test_the_frontends_are_in_the_metrics() -> None:
         assert sorted(streams) == [0, 1]
         assert registry.get_sample_value("kvcoord_sync_frontend_restarts_total") == 0
         await worker.close()
+
+
+async def test_a_frontend_port_in_use_is_refused_at_start_naming_it() -> None:
+    from coordinator.config import ConfigError
+    from kvcoord.fleet_procs import free_port
+    port = free_port()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", port + 1))
+    taken.listen()
+    try:
+        with pytest.raises(ConfigError, match=f"127.0.0.1:{port + 1}.*in use"):
+            async with running_coordinator(listen=f"127.0.0.1:{port}", sync_frontends=1):
+                pass
+    finally:
+        taken.close()

@@ -95,9 +95,9 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     if config.metrics_port is not None:  # before serving: a bad host exits with nothing up
         metrics_port = serve_metrics(metrics.registry, config.metrics_host
                                      or host_of(config.listen), config.metrics_port)
+    if frontends is not None:  # before serving (Register names their ports) and before the
+        await frontends.start()  # service, so a port in use leaves nothing running
     await service.start()
-    if frontends is not None:  # before serving: Register names their ports
-        await frontends.start()
     await server.start()
     await service.wait_ready()
     serving = health_pb2.HealthCheckResponse.SERVING

@@ -75,10 +75,6 @@ class FrameWriter:
         self._pending = []
         self._writer.write(_LENGTH.pack(len(body)) + body)
 
-    async def drain(self) -> None:
-        """Wait while the socket's buffer is over its high-water mark."""
-        await self._writer.drain()
-
     def close(self) -> None:
         self._writer.close()
 

@@ -165,9 +165,12 @@ async def serve(fd: int, listen: str, config: CoordinatorConfig) -> None:
     # No (de)serializers: the frontend relays each message's bytes as they came.
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
         SERVICE.full_name, {"Sync": grpc.stream_stream_rpc_method_handler(wrapped.Sync)})])
-    port = security.bind(server, listen)
+    try:
+        port = security.bind(server, listen)
+    except RuntimeError:  # grpc's "Failed to bind"
+        port = 0
     if port == 0:
-        raise OSError(f"sync frontend could not bind {listen}")
+        raise OSError(f"sync frontend: cannot bind {listen}")
     await server.start()
     writer.send((frames.READY, port))
     log.info("sync_frontend.serving", port=port, pid=os.getpid())
@@ -187,7 +190,11 @@ def main() -> None:
     config = CoordinatorConfig(**{k: v for k, v in settings.items() if k in names})
     configure_logging(config.log_level)
     os.nice(NICE)
-    asyncio.run(serve(fd, listen, config))
+    try:
+        asyncio.run(serve(fd, listen, config))
+    except OSError as exc:  # its replica says which port, and why, in one line
+        print(exc, file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

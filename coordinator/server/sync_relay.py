@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.replica import CoordinatorReplica
 from coordinator.rpc.guard import acting_as
 from coordinator.rpc.identities import Identity
@@ -81,10 +81,6 @@ class SyncFrontends:
         """The ports of the frontends that are up."""
         return [f.port for f in self._frontends if f.up]
 
-    def open_streams(self) -> dict[int, int]:
-        """Streams each frontend that is up relays now, by its port."""
-        return {f.port: len(f.streams) for f in self._frontends if f.up}
-
     def streams_by_frontend(self) -> dict[int, int]:
         """Streams each frontend relays now, by its index (0 for one that is down)."""
         return {f.index: len(f.streams) for f in self._frontends}
@@ -104,10 +100,15 @@ class SyncFrontends:
         return live[self._turn % len(live)].port
 
     async def start(self) -> None:
-        """Start every frontend; returns once each serves (OSError when one cannot)."""
-        for frontend in self._frontends:
-            reader = await self._spawn(frontend)
-            self._supervisors.append(asyncio.create_task(self._supervise(frontend, reader)))
+        """Start every frontend; returns once each serves. ConfigError naming the port when
+        one cannot serve (the ones started are stopped again)."""
+        try:
+            for frontend in self._frontends:
+                reader = await self._spawn(frontend)
+                self._supervisors.append(asyncio.create_task(self._supervise(frontend, reader)))
+        except BaseException:
+            await self.stop()
+            raise
 
     async def stop(self) -> None:
         self._stopping = True
@@ -136,8 +137,9 @@ class SyncFrontends:
                                        START_TIMEOUT_S)
         if not first or first[0][0] != frames.READY:
             await self._end(frontend)
-            raise OSError(f"sync frontend {frontend.index} did not start on {frontend.listen} "
-                          f"(exit status {process.returncode}; its log says why)")
+            raise ConfigError(
+                f"sync frontend {frontend.index} cannot serve on {frontend.listen} "
+                "(--sync-frontends takes the ports after --listen's: is one in use?)")
         frontend.port = first[0][1]
         frontend.writer = frames.FrameWriter(writer)
         log.info("sync_frontend.started", frontend=frontend.index, port=frontend.port,
@@ -165,7 +167,7 @@ class SyncFrontends:
                     reader = await self._spawn(frontend)
                     self.restarts += 1
                     break
-                except (TimeoutError, OSError) as exc:
+                except (ConfigError, OSError, TimeoutError) as exc:
                     log.error("sync_frontend.restart_failed", frontend=frontend.index,
                               error=str(exc))
 

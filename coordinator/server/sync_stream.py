@@ -99,14 +99,18 @@ class SyncStream:
         if (self._session is None or self._applying or not self._ordered.empty()
                 or request.WhichOneof("body") != "events"):
             return False
-        ingest = self._service.ingest
-        if not ingest.admits_now() or not self._owned():
+        if not self._service.ingest.admits_now() or not self._owned():
             return False
+        self._apply_batch(request)
+        return True
+
+    def _apply_batch(self, request: pb.SyncRequest) -> None:
+        """Apply an admitted event batch, reply, and charge its time to the ingest budget."""
+        assert self._session is not None
         began = time.perf_counter()
         events = events_from_pb(request.events)
         self._acks.reply(self._sessions.events(self._session, request.events.seq, events))
-        ingest.applied(time.perf_counter() - began)
-        return True
+        self._service.ingest.applied(time.perf_counter() - began)
 
     def _owned(self) -> bool:
         assert self._session is not None
@@ -196,19 +200,16 @@ class SyncStream:
     async def _apply_ordered(self) -> bool:
         """Apply ordered messages until the reader's end mark (True) or the stream is no
         longer this session's (False)."""
-        ingest = self._service.ingest
         while (request := await self._ordered.get()) is not _END:
             self._applying = True
-            if request.WhichOneof("body") == "events":
+            events = request.WhichOneof("body") == "events"
+            if events:
                 await self._admit_keeping_alive()  # within the loop's budget for page events
-                if not self._owned():
-                    return False
-                began = time.perf_counter()
-                self._acks.reply(await self._dispatch(request))
-                ingest.applied(time.perf_counter() - began)
+            if not self._owned():
+                return False
+            if events:
+                self._apply_batch(request)
             else:
-                if not self._owned():
-                    return False
                 self._acks.reply(await self._dispatch(request))
             self._applying = False
         return True
@@ -217,10 +218,7 @@ class SyncStream:
         sessions = self._sessions
         session = self._session
         assert session is not None
-        body = request.WhichOneof("body")
-        if body == "events":
-            events = events_from_pb(request.events)
-            return sessions.events(session, request.events.seq, events)
+        body = request.WhichOneof("body")  # event batches: _apply_batch
         if body == "heartbeat":
             return await sessions.heartbeat(session, convert.heartbeat_from(request.heartbeat))
         if body == "inventory":
