@@ -9,6 +9,7 @@ run with sub-second values.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from coordinator.core.tier_costs import TierCosts
 
 ENV_PREFIX = "KVCOORD_"
+_SHARD_NAME = re.compile(r"[a-z0-9-]{1,32}")
 
 
 class ConfigError(ValueError):
@@ -105,6 +107,18 @@ class CoordinatorConfig:
     routes it chose, and a route can be ended only through the replica that issued it)."""
     replica_id: str | None = None
     """This replica's name in the events stream and ``kvcoord status`` (unset: host-pid-rand)."""
+    shard: str = ""
+    """This replica's shard: with ``redis``, replicas of one shard share an events stream of
+    their own (``events:<shard>``) and apply only their shard's workers' batches, while leases,
+    incarnations, the policy record, acks and rollouts stay shared by every shard of the
+    namespace. Empty = unsharded (the ``events`` stream). 1..32 of ``[a-z0-9-]``."""
+    peer_shards: str = ""
+    """The other shards' replicas, ``NAME=HOST:PORT[,HOST:PORT...]`` separated by ``;``: a route
+    asks every shard for its best candidates and reserves the cheapest (``shard_routing``);
+    empty = routes see this shard's workers only."""
+    routing_seed: int | None = None
+    """Seeds the router's tie-breaks (unset: from the OS): two coordinators given the same
+    seed, state and requests make the same decisions (the sharded bench compares them)."""
     bootstrap_timeout_ms: int = 5_000
     """A new replica waits this long for the others' snapshots before reporting SERVING."""
     max_replication_events: int = 1_000_000
@@ -195,11 +209,41 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"store_namespace must be non-empty without braces, got {self.store_namespace!r}"
             )
+        self._check_shards()
         if self.replica_id is not None and not (
                 self.replica_id.isprintable() and 0 < len(self.replica_id) <= 128):
             raise ConfigError(
                 f"replica_id must be 1..128 printable characters, got {self.replica_id!r}"
             )
+
+    def _check_shards(self) -> None:
+        if self.shard and not _SHARD_NAME.fullmatch(self.shard):
+            raise ConfigError(f"shard must be 1..32 of [a-z0-9-], got {self.shard!r}")
+        if self.shard and not self.redis:
+            raise ConfigError("shard needs redis: shards share leases, the policy record and "
+                              "acks through it")
+        peers = self.peer_shard_targets()
+        if peers and not self.shard:
+            raise ConfigError("peer_shards needs shard: name this replica's own shard")
+        if self.shard in peers:
+            raise ConfigError(f"peer_shards names this replica's own shard {self.shard!r}")
+
+    def peer_shard_targets(self) -> dict[str, tuple[str, ...]]:
+        """``peer_shards`` parsed: shard name -> its replicas' HOST:PORT targets, in order
+        (ConfigError naming the bad part)."""
+        peers: dict[str, tuple[str, ...]] = {}
+        for part in filter(None, (p.strip() for p in self.peer_shards.split(";"))):
+            name, sep, targets = part.partition("=")
+            name = name.strip()
+            hosts = tuple(filter(None, (t.strip() for t in targets.split(","))))
+            if not sep or not _SHARD_NAME.fullmatch(name) or not hosts or any(
+                    ":" not in h for h in hosts):
+                raise ConfigError(f"peer_shards: expected NAME=HOST:PORT[,HOST:PORT], got "
+                                  f"{part!r}")
+            if name in peers:
+                raise ConfigError(f"peer_shards names shard {name!r} twice")
+            peers[name] = hosts
+        return peers
 
     def _check_choices(self) -> None:
         # Imported here: config is read by every entry point; keep its import light.

@@ -140,7 +140,8 @@ class CoordinatorReplica:
             serving_version=self.policy_view.serving_version,
             servable_versions=self.policy_view.servable_versions,
             clock=clock,
-            rng=rng,
+            rng=rng if rng is not None or config.routing_seed is None
+            else random.Random(config.routing_seed),
             weights=weights,
             max_inflight=config.max_inflight_per_worker,
             awaited=AwaitedRoutes(ttl_s=config.route_end_ttl_ms / 1000,

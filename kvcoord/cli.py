@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--sync-frontends", type=int, metavar="N",
                        help="processes that read workers' Sync streams, on the ports after "
                        "--listen's (default 0: this process reads them)")
+    coord.add_argument("--shard", help="this replica's shard (needs --redis): it applies only "
+                       "its own workers' batches; leases and the policy are shared")
+    coord.add_argument("--peer-shards", metavar="NAME=HOST:PORT[,...][;...]",
+                       help="the other shards' replicas: routes take the cheapest worker of all")
     coord.add_argument("--log-level", help="debug, info (default), warning, error")
     add_server_flags(coord)
 

@@ -44,6 +44,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         "metrics_host": args.metrics_host,
         "page_size": args.page_size, "routing_policy": args.routing_policy,
         "replica_id": args.replica_id, "sync_frontends": args.sync_frontends,
+        "shard": args.shard, "peer_shards": args.peer_shards,
         "log_level": args.log_level, **server_flags(args),
     }
     try:

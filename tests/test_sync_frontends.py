@@ -172,14 +172,29 @@ async def test_the_frontends_are_in_the_metrics() -> None:
 
 async def test_a_frontend_port_in_use_is_refused_at_start_naming_it() -> None:
     from coordinator.config import ConfigError
-    from kvcoord.fleet_procs import free_port
-    port = free_port()
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", port + 1))
-    taken.listen()
+    taken, port = _listening_socket_after_a_free_port()
     try:
         with pytest.raises(ConfigError, match=f"127.0.0.1:{port + 1}.*in use"):
             async with running_coordinator(listen=f"127.0.0.1:{port}", sync_frontends=1):
                 pass
     finally:
         taken.close()
+
+
+def _listening_socket_after_a_free_port() -> tuple[socket.socket, int]:
+    """A socket listening on some port P+1 while P is free: the frontend's port is taken, the
+    replica's is not. The taken port is bound first, so nothing else can hold it (a free port
+    picked first leaves P+1 to chance, which failed a CI run)."""
+    for _ in range(100):
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1] - 1
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                taken.close()
+                continue
+        taken.listen()
+        return taken, port
+    raise RuntimeError("no free port found below a free ephemeral port in 100 tries")
