@@ -20,6 +20,7 @@ from coordinator.store.protocol import (
     StoreUnavailable,
     StreamBounds,
     WorkerRecord,
+    events_stream,
     parse_entry_id,
 )
 from coordinator.store.redis_store import RedisStore, redact_url
@@ -243,6 +244,23 @@ async def test_streams_refuse_bad_arguments(store: MetadataStore) -> None:
         await store.read("events", after="yesterday", count=10)
 
 
+async def test_each_shard_has_an_events_stream_of_its_own(store: MetadataStore) -> None:
+    assert (events_stream(""), events_stream("a")) == ("events", "events:a")
+    first = await store.append(events_stream("a"), {"n": "a1"}, maxlen=10)
+    await store.append(events_stream("b"), {"n": "b1"}, maxlen=10)
+    assert [dict(e.fields) for e in await store.read("events:a", after=None, count=10)] == [
+        {"n": "a1"}]
+    assert [dict(e.fields) for e in await store.read("events:b", after=None, count=10)] == [
+        {"n": "b1"}]
+    assert await store.read("events", after=None, count=10) == []
+    assert (await store.stream_bounds("events:a")).last_id == first
+    for bad in ("events:", "events:A", "rollouts:a", f"events:{'a' * 33}"):
+        with pytest.raises(ValueError, match="unknown stream"):
+            await store.append(bad, {"n": "1"}, maxlen=10)
+    with pytest.raises(ValueError, match="shard"):
+        events_stream("Shard A")
+
+
 async def test_append_keeps_the_stream_bounded(store: MetadataStore) -> None:
     maxlen = 50
     ids = [await store.append("events", {"n": str(i)}, maxlen=maxlen) for i in range(300)]
@@ -311,6 +329,19 @@ async def test_replicas_are_live_until_their_announcement_runs_out(
     assert await store.live_replicas() == ["c2"]
     with pytest.raises(ValueError, match="replica id"):
         await store.announce_replica("", LEASE_MS)
+
+
+async def test_each_shard_lists_its_own_replicas(store: MetadataStore) -> None:
+    await store.announce_replica("c1", LEASE_MS)
+    await store.announce_replica("a1", LEASE_MS, shard="a")
+    await store.announce_replica("a2", LEASE_MS, shard="a")
+    await store.announce_replica("b1", LEASE_MS, shard="b")
+    assert await store.live_replicas() == ["c1"]
+    assert await store.live_replicas(shard="a") == ["a1", "a2"]
+    assert await store.live_replicas(shard="b") == ["b1"]
+    assert await store.live_replicas(shard="c") == []
+    with pytest.raises(ValueError, match="shard"):
+        await store.announce_replica("x1", LEASE_MS, shard="{a}")
 
 
 async def test_memory_stream_ids_increase_when_the_wall_clock_steps_back() -> None:

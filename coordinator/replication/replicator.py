@@ -1,5 +1,9 @@
 """Coordinator replicas kept identical through the store's ``events`` stream.
 
+A shard's replicas (``CoordinatorConfig.shard``) use a stream and a replica set of their own
+(``events:<shard>``, announced in ``replicas:<shard>``), so they apply only their own shard's
+workers' events; unsharded replicas use ``events`` and ``replicas``.
+
 Each replica publishes what its own services queued (``ReplicationOutbox``: the
 ``ReplicationSink`` the worker sessions and policy updates report to) and applies what the
 others publish (``ReplicaApplier``). One publisher task sends events in the order they happened,
@@ -55,11 +59,16 @@ from coordinator.replication.events import (
     origin_of,
 )
 from coordinator.replication.outbox import ReplicationOutbox, registered_event, state_event
-from coordinator.store.protocol import MetadataStore, StoreUnavailable, parse_entry_id
+from coordinator.store.protocol import (
+    MetadataStore,
+    StoreUnavailable,
+    events_stream,
+    parse_entry_id,
+)
 
 log = structlog.get_logger(__name__)
 
-STREAM = "events"
+STREAM = events_stream("")  # an unsharded replica's; a shard's is events:<shard>
 _PUBLISH_BATCH = 512  # events per pipelined round trip
 _READ_BATCH = 1024
 _BLOCK_MS = 200  # the tailer's XREAD BLOCK; below any store command timeout we use
@@ -100,6 +109,8 @@ class Replicator:
         policy changes are applied here; ``router``: where their routes are counted."""
         self.replica_id = sessions.replica_id
         self._config = config
+        self._shard = config.shard
+        self._stream = events_stream(config.shard)
         self._store = store
         self._fleet = fleet
         self._index = index
@@ -131,11 +142,12 @@ class Replicator:
     async def start(self) -> None:
         """Note the stream's end, start the tasks, ask the live replicas for snapshots. Returns
         at once; ``ready`` is set when the bootstrap is done (see ``wait_ready``)."""
-        bounds = await self._store.stream_bounds(STREAM)
+        bounds = await self._store.stream_bounds(self._stream)
         self._cursor = bounds.last_id or "0-0"
-        self._waiting_for = set(await self._store.live_replicas()) - {self.replica_id}
+        live = await self._store.live_replicas(shard=self._shard)
+        self._waiting_for = set(live) - {self.replica_id}
         self.peers = sorted(self._waiting_for)
-        await self._store.announce_replica(self.replica_id, self._config.lease_ms)
+        await self._announce()
         self.live = sorted({*self.peers, self.replica_id})
         self._outbox.put(SnapshotWanted(""))
         if not self._waiting_for:
@@ -144,7 +156,7 @@ class Replicator:
                            ("announce", self._announce_forever)):
             self._tasks.append(asyncio.create_task(loop(), name=f"kvcoord-replication-{name}"))
         log.info("replication.started", replica=self.replica_id, peers=self.peers,
-                 cursor=self._cursor)
+                 stream=self._stream, cursor=self._cursor)
 
     async def wait_ready(self) -> bool:
         """Wait for the bootstrap (at most ``bootstrap_timeout_ms``); False when it timed out
@@ -179,7 +191,7 @@ class Replicator:
         """Wait until everything in the stream now has been applied here (at most ``timeout``
         seconds); False when it was not, or the store could not say."""
         try:
-            last = (await self._store.stream_bounds(STREAM)).last_id
+            last = (await self._store.stream_bounds(self._stream)).last_id
         except StoreUnavailable:
             return False
         if last is None:
@@ -257,7 +269,7 @@ class Replicator:
             entries = [encode(self.replica_id, now_ms, event) for event in batch]
             self._publishing = True
             try:
-                await self._store.append_many(STREAM, entries,
+                await self._store.append_many(self._stream, entries,
                                               maxlen=self._config.max_replication_events)
                 self.counters.published += len(entries)
                 attempt = 0
@@ -276,8 +288,8 @@ class Replicator:
         attempt = 0
         while not self._stopping:
             try:
-                entries = await self._store.tail(STREAM, after=self._cursor, count=_READ_BATCH,
-                                                 block_ms=_BLOCK_MS)
+                entries = await self._store.tail(self._stream, after=self._cursor,
+                                                 count=_READ_BATCH, block_ms=_BLOCK_MS)
                 if attempt:
                     await self._check_stream()
                     attempt = 0
@@ -336,7 +348,7 @@ class Replicator:
         # The cursor as it was before asking: the tailer moves it on meanwhile, and a cursor
         # read after the answer could be past a last id that was current when Redis answered.
         cursor = parse_entry_id(self._cursor)
-        bounds = await self._store.stream_bounds(STREAM)
+        bounds = await self._store.stream_bounds(self._stream)
         lost = (bounds.last_id is None and cursor != (0, 0)) or (
             bounds.last_id is not None and parse_entry_id(bounds.last_id) < cursor
         ) or (bounds.first_id is not None and parse_entry_id(bounds.first_id) > cursor
@@ -356,13 +368,17 @@ class Replicator:
         while not self._stopping:
             await asyncio.sleep(period)
             try:
-                await self._store.announce_replica(self.replica_id, self._config.lease_ms)
-                self.live = await self._store.live_replicas()
+                await self._announce()
+                self.live = await self._store.live_replicas(shard=self._shard)
                 await self._check_stream()
             except StoreUnavailable:
                 pass  # the tailer and publisher log the outage and recover from it
             except Exception:
                 log.exception("replication.announce_failed")
+
+    async def _announce(self) -> None:
+        await self._store.announce_replica(self.replica_id, self._config.lease_ms,
+                                           shard=self._shard)
 
     # ------------------------------------------------------------------ observations
 

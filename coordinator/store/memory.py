@@ -30,6 +30,7 @@ from coordinator.store.protocol import (
     check_policy_restore,
     check_policy_transition,
     check_replica_id,
+    check_shard,
     check_stream,
     check_worker_id,
     parse_entry_id,
@@ -69,7 +70,8 @@ class MemoryStore:
         self._streams: dict[str, deque[StreamEntry]] = {}
         self._last_ids: dict[str, tuple[int, int]] = {}
         self._appended: dict[str, asyncio.Event] = {}  # set (and replaced) on every append
-        self._replicas: dict[str, float] = {}  # replica id -> expiry, in ``clock`` seconds
+        # shard -> replica id -> expiry, in ``clock`` seconds
+        self._replicas: dict[str, dict[str, float]] = {}
         # A fresh logger each time, so log capture in tests works even with cached loggers.
         structlog.get_logger(__name__).warning(
             "store.embedded",
@@ -241,16 +243,18 @@ class MemoryStore:
         last_ms, last_seq = self._last_ids[stream]
         return StreamBounds(entries[0].entry_id if entries else None, f"{last_ms}-{last_seq}")
 
-    async def announce_replica(self, replica_id: str, ttl_ms: int) -> None:
+    async def announce_replica(self, replica_id: str, ttl_ms: int, *, shard: str = "") -> None:
         check_replica_id(replica_id)
         check_lease(ttl_ms)
-        self._replicas[replica_id] = self._clock() + ttl_ms / 1000
+        self._replicas.setdefault(check_shard(shard), {})[replica_id] = (
+            self._clock() + ttl_ms / 1000)
 
-    async def live_replicas(self) -> list[str]:
+    async def live_replicas(self, *, shard: str = "") -> list[str]:
         now = self._clock()
-        for replica_id in [r for r, expiry in self._replicas.items() if expiry <= now]:
-            del self._replicas[replica_id]
-        return sorted(self._replicas)
+        replicas = self._replicas.get(check_shard(shard), {})
+        for replica_id in [r for r, expiry in replicas.items() if expiry <= now]:
+            del replicas[replica_id]
+        return sorted(replicas)
 
     async def read(self, stream: str, *, after: str | None, count: int) -> list[StreamEntry]:
         check_stream(stream, count_or_maxlen=count)

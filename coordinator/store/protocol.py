@@ -6,6 +6,7 @@ machine; the store only keeps it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -13,7 +14,23 @@ from typing import Protocol
 from coordinator.core.policy_state import PolicyRecord
 
 STREAMS = frozenset({"events", "rollouts"})
-"""The streams ``append``/``read`` accept; anything else is refused with ValueError."""
+"""The streams ``append``/``read`` accept, beside a shard's ``events:<shard>``
+(``events_stream``); anything else is refused with ValueError."""
+
+_SHARD = re.compile(r"[a-z0-9-]{1,32}")  # as ``CoordinatorConfig.shard``
+
+
+def events_stream(shard: str) -> str:
+    """The replication stream of ``shard``'s replicas: ``events`` unsharded (""), else
+    ``events:<shard>``. ValueError for a name that is not 1..32 of ``[a-z0-9-]``."""
+    return "events" if not shard else f"events:{check_shard(shard)}"
+
+
+def check_shard(shard: str) -> str:
+    """A shard name ("" = unsharded) or ValueError."""
+    if shard and not _SHARD.fullmatch(shard):
+        raise ValueError(f"shard must be 1..32 of [a-z0-9-], got {shard!r}")
+    return shard
 
 
 class StoreUnavailable(Exception):
@@ -183,12 +200,13 @@ class MetadataStore(Protocol):
         """The stream's first kept and last generated ids (see ``StreamBounds``)."""
         ...
 
-    async def announce_replica(self, replica_id: str, ttl_ms: int) -> None:
-        """Mark coordinator replica ``replica_id`` alive for ``ttl_ms`` from now."""
+    async def announce_replica(self, replica_id: str, ttl_ms: int, *, shard: str = "") -> None:
+        """Mark coordinator replica ``replica_id`` of ``shard`` ("" = unsharded) alive for
+        ``ttl_ms`` from now. Each shard has a replica set of its own."""
         ...
 
-    async def live_replicas(self) -> list[str]:
-        """Replicas whose announcement has not run out, sorted."""
+    async def live_replicas(self, *, shard: str = "") -> list[str]:
+        """``shard``'s replicas whose announcement has not run out, sorted."""
         ...
 
 
@@ -258,8 +276,10 @@ def split_worker_update(fields: Mapping[str, str]) -> tuple[dict[str, str], dict
 
 
 def check_stream(stream: str, *, count_or_maxlen: int) -> None:
-    if stream not in STREAMS:
-        raise ValueError(f"unknown stream {stream!r}; expected one of {sorted(STREAMS)}")
+    prefix, sep, shard = stream.partition(":")
+    if stream not in STREAMS and not (sep and prefix == "events" and _SHARD.fullmatch(shard)):
+        raise ValueError(f"unknown stream {stream!r}; expected one of {sorted(STREAMS)} "
+                         "or events:<shard>")
     if count_or_maxlen <= 0:
         raise ValueError(f"count/maxlen must be positive, got {count_or_maxlen}")
 

@@ -3,7 +3,9 @@
 Keys (all under ``kvcoord:{<namespace>}:``, one Redis Cluster slot per namespace):
 ``policy`` (hash), ``workers`` (set of ids), ``worker:<id>`` (hash; its TTL is the lease),
 ``incarnation:<id>`` (counter, never expires), ``events`` / ``rollouts`` (streams),
-``acks:<version>`` (hash worker_id -> stage).
+``acks:<version>`` (hash worker_id -> stage), ``replicas`` (sorted set: live coordinator
+replicas, scored by expiry). A shard's replicas use ``events:<shard>`` and ``replicas:<shard>``
+instead; every other key is shared by all shards of the namespace.
 
 Every change that reads before it writes is one Lua script, so it is atomic across any number
 of clients (the scripts, and how records are encoded as hash fields, are in
@@ -43,6 +45,7 @@ from coordinator.store.protocol import (
     check_policy_restore,
     check_policy_transition,
     check_replica_id,
+    check_shard,
     check_stream,
     check_worker_id,
     parse_entry_id,
@@ -324,13 +327,18 @@ class RedisStore:
             decode(first[0]) if first else None, decode(info["last-generated-id"])
         )
 
-    async def announce_replica(self, replica_id: str, ttl_ms: int) -> None:
+    def _replicas_key(self, shard: str) -> str:
+        return self._key(f"replicas:{check_shard(shard)}" if shard else "replicas")
+
+    async def announce_replica(self, replica_id: str, ttl_ms: int, *, shard: str = "") -> None:
         check_replica_id(replica_id)
         check_lease(ttl_ms)
+        key = self._replicas_key(shard)
         with self._unavailable():
-            await self._replicas(keys=[self._key("replicas")], args=[replica_id, ttl_ms])
+            await self._replicas(keys=[key], args=[replica_id, ttl_ms])
 
-    async def live_replicas(self) -> list[str]:
+    async def live_replicas(self, *, shard: str = "") -> list[str]:
+        key = self._replicas_key(shard)
         with self._unavailable():
-            ids = await self._replicas(keys=[self._key("replicas")], args=["", 0])
+            ids = await self._replicas(keys=[key], args=["", 0])
         return sorted(decode(replica_id) for replica_id in ids)
