@@ -9,6 +9,8 @@
   weights version.)
 - ``routing_values``: what a chooser reads and returns (``RoutingRequest``, ``KvAwareWeights``,
   ``Decision``); ``route_types``: what the router returns (``RouteResult``, ``BatchResult``, ...).
+- ``shortlists``: a rule's choice in two steps (the candidates tied at the lowest rank, then
+  the pick among several such lists), so the shards of a fleet decide as one coordinator.
 - ``batch_order``: identical prompts grouped, and the order a batch runs in.
 - ``awaited_routes``: routes issued and not yet ended, held until their end or their TTL;
   ends are remembered, so a route that arrives after its end is settled at once.
@@ -25,7 +27,6 @@ from coordinator.core.routing.choosers import (
     CHOOSERS,
     KvAwareChooser,
     LeastLoadedChooser,
-    NoEligibleWorker,
     RoundRobinChooser,
     RouteChooser,
     booked_work,
@@ -39,12 +40,18 @@ from coordinator.core.routing.inflight_snapshot import InFlightRoutes
 from coordinator.core.routing.route_types import *  # noqa: F403 (route_types.__all__, below)
 from coordinator.core.routing.router import Router, RouterCounters
 from coordinator.core.routing.routing_values import Decision, KvAwareWeights, RoutingRequest
+from coordinator.core.routing.shortlists import (
+    NoEligibleWorker,
+    Shortlist,
+    ShortlistEntry,
+    decide,
+)
 
 __all__ = [
     "CHOOSERS", "BatchGroup", "Decision", "HeldRoute", "InFlightRoutes", "KvAwareChooser",
     "KvAwareWeights", "LeastLoadedChooser", "NoEligibleWorker", "RoundRobinChooser",
-    "RouteChooser", "Router", "RouterCounters", "RoutingRequest", "booked_work",
-    "execution_order", "group_identical", "kv_aware_cost", "load_floor", "make_chooser",
-    "overflow_tokens", "prefill_work",
+    "RouteChooser", "Router", "RouterCounters", "RoutingRequest", "Shortlist",
+    "ShortlistEntry", "booked_work", "decide", "execution_order", "group_identical",
+    "kv_aware_cost", "load_floor", "make_chooser", "overflow_tokens", "prefill_work",
 ]
 __all__ += route_types.__all__

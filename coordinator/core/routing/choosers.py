@@ -15,28 +15,45 @@ from itertools import chain
 from types import MappingProxyType
 from typing import Protocol
 
-from coordinator.core.errors import Unavailable
 from coordinator.core.fleet import Candidate, WorkerLoad
 from coordinator.core.routing.routing_values import Decision, KvAwareWeights, RoutingRequest
-
-
-class NoEligibleWorker(Unavailable):
-    """No candidate to choose from; the interceptor answers UNAVAILABLE."""
+from coordinator.core.routing.shortlists import (
+    Shortlist,
+    ShortlistEntry,
+    decide,
+    duplicate_cost,
+)
 
 
 class RouteChooser(Protocol):
-    """Chooses one of ``candidates`` (and ``idle``) for ``request``. Never mutates the
-    arguments; draws randomness only from ``rng``; raises NoEligibleWorker when there is no
-    candidate at all and ValueError when a candidate claims more cached pages than the prompt
-    has.
+    """A routing rule. ``shortlist`` ranks ``candidates`` (and ``idle``) for ``request`` and
+    returns those tied at the lowest rank (``core.routing.shortlists``); ``decide`` picks one
+    from the shortlists of one or more shards; ``choose`` is both over one set of candidates.
+    None of them mutates the arguments; randomness is drawn only from ``rng``, in ``decide``;
+    ``decide`` and ``choose`` raise NoEligibleWorker when there is no candidate at all, and
+    every method ValueError when a candidate claims more cached pages than the prompt has.
 
     ``idle`` holds further candidates that cache none of the prompt, in ascending
     ``load_floor`` order under the chooser's weights. A chooser may stop reading it once no
     later candidate can win (kv_aware does: a fleet's idle workers then cost O(few), not
     O(fleet), per route); the others read it all.
+
+    ``after``: round robin's cursor, the last worker id chosen (a shard asked by another
+    replica is given that replica's); None = the chooser's own.
     """
 
     name: str
+
+    def shortlist(
+        self,
+        request: RoutingRequest,
+        candidates: Sequence[Candidate],
+        idle: Iterable[Candidate] = (),
+        after: str | None = None,
+    ) -> Shortlist: ...
+
+    def decide(self, request: RoutingRequest, shortlists: Sequence[Shortlist],
+               rng: random.Random) -> Decision: ...
 
     def choose(
         self,
@@ -45,6 +62,40 @@ class RouteChooser(Protocol):
         rng: random.Random,
         idle: Iterable[Candidate] = (),
     ) -> Decision: ...
+
+    @property
+    def cursor(self) -> str | None: ...
+
+
+class _ShortlistChooser:
+    """What every rule shares: ``choose`` is ``decide`` over the rule's own shortlist, and
+    ``decide`` is ``shortlists.decide`` (round robin also moves its cursor there)."""
+
+    name = ""
+
+    def __init__(self, weights: KvAwareWeights) -> None:
+        self.weights = weights
+
+    @property
+    def cursor(self) -> str | None:
+        return None
+
+    def shortlist(self, request: RoutingRequest, candidates: Sequence[Candidate],
+                  idle: Iterable[Candidate] = (), after: str | None = None) -> Shortlist:
+        raise NotImplementedError
+
+    def decide(self, request: RoutingRequest, shortlists: Sequence[Shortlist],
+               rng: random.Random) -> Decision:
+        return decide(shortlists, request, self.weights, rng)
+
+    def choose(
+        self,
+        request: RoutingRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        idle: Iterable[Candidate] = (),
+    ) -> Decision:
+        return self.decide(request, [self.shortlist(request, candidates, idle)], rng)
 
 
 def load_floor(load: WorkerLoad, weights: KvAwareWeights) -> float:
@@ -84,6 +135,30 @@ def overflow_tokens(request: RoutingRequest, load: WorkerLoad) -> int:
                - load.total_pages * request.page_size)
 
 
+def own_cost(request: RoutingRequest, candidate: Candidate, weights: KvAwareWeights) -> float:
+    """``kv_aware_cost`` without the duplicate term: every term that depends on the candidate
+    alone (``shortlists``: what a shard can compute without knowing the others)."""
+    if candidate.cached_pages > request.prompt_pages:
+        raise ValueError(f"worker {candidate.worker_id!r} caches more pages than the prompt has")
+    page, load = request.page_size, candidate.load
+    tail_tokens = request.prompt_tokens - request.prompt_pages * page
+    missing_pages = request.prompt_pages - candidate.cached_pages
+    cost = (
+        weights.prefill_token * prefill_work(request, candidate.cached_pages)
+        + weights.lower_tier_token * candidate.lower_tier_pages * page
+        + load_floor(load, weights)
+    )
+    if load.total_pages > 0:
+        needed = (
+            missing_pages
+            + candidate.lower_tier_pages
+            + request.copies * math.ceil(tail_tokens / page)
+        )
+        cost += weights.memory_pressure * (max(0, needed - load.free_pages) * page
+                                           + overflow_tokens(request, load))
+    return cost
+
+
 def kv_aware_cost(
     request: RoutingRequest,
     candidate: Candidate,
@@ -97,28 +172,17 @@ def kv_aware_cost(
     its own tail past them. GPU pages needed are the uncached and lower-tier pages plus each
     copy's tail pages; only those beyond the free pages are charged, and so are the tokens that
     overflow what the routes in flight leave (``overflow_tokens``). The pages the best holder
-    caches beyond this worker's are charged ``duplicate_token`` each.
+    caches beyond this worker's are charged ``duplicate_token`` each (added last:
+    ``own_cost`` is the rest).
     """
-    if candidate.cached_pages > request.prompt_pages:
-        raise ValueError(f"worker {candidate.worker_id!r} caches more pages than the prompt has")
-    page, load = request.page_size, candidate.load
-    tail_tokens = request.prompt_tokens - request.prompt_pages * page
-    missing_pages = request.prompt_pages - candidate.cached_pages
-    cost = (
-        weights.prefill_token * prefill_work(request, candidate.cached_pages)
-        + weights.lower_tier_token * candidate.lower_tier_pages * page
-        + load_floor(load, weights)
-        + weights.duplicate_token * max(0, best_cached_pages - candidate.cached_pages) * page
-    )
-    if load.total_pages > 0:
-        needed = (
-            missing_pages
-            + candidate.lower_tier_pages
-            + request.copies * math.ceil(tail_tokens / page)
-        )
-        cost += weights.memory_pressure * (max(0, needed - load.free_pages) * page
-                                           + overflow_tokens(request, load))
-    return cost
+    return own_cost(request, candidate, weights) + duplicate_cost(
+        weights, request.page_size, best_cached_pages, candidate.cached_pages)
+
+
+def _entry(request: RoutingRequest, candidate: Candidate,
+           weights: KvAwareWeights) -> ShortlistEntry:
+    return ShortlistEntry(candidate.worker_id, candidate.cached_pages,
+                          own_cost(request, candidate, weights))
 
 
 def _best_cached(candidates: Iterable[Candidate]) -> int:
@@ -126,57 +190,29 @@ def _best_cached(candidates: Iterable[Candidate]) -> int:
     return max((c.cached_pages for c in candidates), default=0)
 
 
-def _lowest(
-    candidates: Sequence[Candidate],
-    key: Callable[[Candidate], tuple[float, ...]],
-    rng: random.Random,
-) -> tuple[Candidate, tuple[float, ...]]:
-    """The candidate with the smallest key, and that key; exact ties broken uniformly with
-    ``rng`` (not drawn from without a tie). NoEligibleWorker when there is no candidate."""
-    best: tuple[float, ...] = ()
-    tied: list[Candidate] = []
-    for candidate in candidates:
-        k = key(candidate)
-        if not tied or k < best:
-            best, tied = k, [candidate]
-        elif k == best:
-            tied.append(candidate)
-    if not tied:
-        raise NoEligibleWorker("no eligible worker for this request")
-    return (tied[0] if len(tied) == 1 else rng.choice(tied)), best
-
-
-class KvAwareChooser:
+class KvAwareChooser(_ShortlistChooser):
     """Lowest ``kv_aware_cost`` wins, with ``best_cached_pages`` the longest prefix any
-    candidate caches; exact ties are broken at random. Stateless."""
+    candidate caches; exact ties are broken at random. Ranks by the cost less
+    ``duplicate_token`` x its own cached tokens: the cost less a constant, so the same order
+    whoever knows the best holder. Stateless."""
 
     name = "kv_aware"
 
-    def __init__(self, weights: KvAwareWeights) -> None:
-        self.weights = weights
-
-    def choose(
-        self,
-        request: RoutingRequest,
-        candidates: Sequence[Candidate],
-        rng: random.Random,
-        idle: Iterable[Candidate] = (),
-    ) -> Decision:
-        # kv_aware_cost with the request's constant terms hoisted out of the loop: this runs
-        # for every eligible worker on every route. Same arithmetic, so costs (and ties) are
-        # identical to kv_aware_cost's.
+    def shortlist(self, request: RoutingRequest, candidates: Sequence[Candidate],
+                  idle: Iterable[Candidate] = (), after: str | None = None) -> Shortlist:
+        # own_cost with the request's constant terms hoisted out of the loop: this runs for
+        # every eligible worker on every route. Same arithmetic, so costs (and ties) are
+        # identical to own_cost's.
         w, page, pages = self.weights, request.page_size, request.prompt_pages
         tail = request.prompt_tokens - pages * page
         tail_pages = request.copies * math.ceil(tail / page)
         tail_cost = request.copies * tail
         footprint = request.copies * request.prompt_tokens
-        best_cached = _best_cached(candidates)
-        # Any worker caching nothing pays at least the whole prefill, the copy of the best
-        # holder's prefix and its load floor.
-        idle_base = (w.prefill_token * (pages * page + tail_cost)
-                     + w.duplicate_token * best_cached * page)
+        dup_per_page = w.duplicate_token * page
+        # Any worker caching nothing ranks at least at the whole prefill plus its load floor.
+        idle_base = w.prefill_token * (pages * page + tail_cost)
         best = math.inf
-        tied: list[Candidate] = []
+        tied: list[ShortlistEntry] = []
         holders = len(candidates)
         for i, c in enumerate(chain(candidates, idle)):
             if i >= holders and idle_base + load_floor(c.load, w) > best:
@@ -190,75 +226,73 @@ class KvAwareChooser:
                 + w.lower_tier_token * lower * page
                 + (w.queued_token * load.prefill_backlog_tokens
                    + w.running_request * (load.running_requests + load.inflight_routes))
-                + w.duplicate_token * (best_cached - cached) * page
             )
             if load.total_pages > 0:
                 cost += w.memory_pressure * (
                     max(0, missing + lower + tail_pages - load.free_pages) * page
                     + max(0, load.active_tokens + footprint - load.total_pages * page))
-            if cost < best:
-                best, tied = cost, [c]
-            elif cost == best:
-                tied.append(c)
-        if not tied:
-            raise NoEligibleWorker("no eligible worker for this request")
-        chosen = tied[0] if len(tied) == 1 else rng.choice(tied)
-        return Decision(chosen.worker_id, best, chosen.cached_pages)
+            rank = cost - dup_per_page * cached
+            if rank < best:
+                best, tied = rank, [ShortlistEntry(c.worker_id, cached, cost)]
+            elif rank == best:
+                tied.append(ShortlistEntry(c.worker_id, cached, cost))
+        return Shortlist((best,) if tied else (), tuple(tied), _best_cached(candidates))
 
 
-class RoundRobinChooser:
+class RoundRobinChooser(_ShortlistChooser):
     """The first worker id after the last one chosen, wrapping to the smallest: a cursor over
     worker ids in sorted order that stays fair when workers come and go. Mutates only that
-    cursor; not thread-safe (the coordinator routes from one event loop)."""
+    cursor (in ``decide``); not thread-safe (the coordinator routes from one event loop)."""
 
     name = "round_robin"
 
     def __init__(self, weights: KvAwareWeights) -> None:
-        self.weights = weights
+        super().__init__(weights)
         self._last: str | None = None
 
-    def choose(
-        self,
-        request: RoutingRequest,
-        candidates: Sequence[Candidate],
-        rng: random.Random,
-        idle: Iterable[Candidate] = (),
-    ) -> Decision:
-        candidates = [*candidates, *idle]
-        if not candidates:
-            raise NoEligibleWorker("no eligible worker for this request")
-        last = self._last
-        later = [c for c in candidates if last is None or c.worker_id > last]
-        chosen = min(later or candidates, key=lambda c: c.worker_id)
-        cost = kv_aware_cost(request, chosen, self.weights, _best_cached(candidates))
-        self._last = chosen.worker_id
-        return Decision(chosen.worker_id, cost, chosen.cached_pages)
+    @property
+    def cursor(self) -> str | None:
+        return self._last
+
+    def shortlist(self, request: RoutingRequest, candidates: Sequence[Candidate],
+                  idle: Iterable[Candidate] = (), after: str | None = None) -> Shortlist:
+        everyone = [*candidates, *idle]
+        if not everyone:
+            return Shortlist((), (), 0, lowest_id_wins=True)
+        last = self._last if after is None else after
+
+        def order(c: Candidate) -> tuple[float, str]:  # after the cursor first, then wrapped
+            return (0.0 if last is None or c.worker_id > last else 1.0), c.worker_id
+
+        chosen = min(everyone, key=order)
+        return Shortlist((order(chosen)[0],), (_entry(request, chosen, self.weights),),
+                         _best_cached(everyone), lowest_id_wins=True)
+
+    def decide(self, request: RoutingRequest, shortlists: Sequence[Shortlist],
+               rng: random.Random) -> Decision:
+        decision = super().decide(request, shortlists, rng)
+        self._last = decision.worker_id
+        return decision
 
 
-class LeastLoadedChooser:
+class LeastLoadedChooser(_ShortlistChooser):
     """Fewest running + in-flight requests, then fewest queued + in-flight tokens; ties at
     random. Ignores the cache (a baseline). Stateless."""
 
     name = "least_loaded"
 
-    def __init__(self, weights: KvAwareWeights) -> None:
-        self.weights = weights
-
-    def choose(
-        self,
-        request: RoutingRequest,
-        candidates: Sequence[Candidate],
-        rng: random.Random,
-        idle: Iterable[Candidate] = (),
-    ) -> Decision:
+    def shortlist(self, request: RoutingRequest, candidates: Sequence[Candidate],
+                  idle: Iterable[Candidate] = (), after: str | None = None) -> Shortlist:
         def load(c: Candidate) -> tuple[float, ...]:
             w = c.load
             return (w.running_requests + w.inflight_routes, w.queued_tokens + w.inflight_tokens)
 
         everyone = [*candidates, *idle]
-        chosen, _ = _lowest(everyone, load, rng)
-        cost = kv_aware_cost(request, chosen, self.weights, _best_cached(everyone))
-        return Decision(chosen.worker_id, cost, chosen.cached_pages)
+        if not everyone:
+            return Shortlist((), (), 0)
+        best = min(load(c) for c in everyone)
+        tied = tuple(_entry(request, c, self.weights) for c in everyone if load(c) == best)
+        return Shortlist(best, tied, _best_cached(everyone))
 
 
 CHOOSERS: Mapping[str, Callable[[KvAwareWeights], RouteChooser]] = MappingProxyType(

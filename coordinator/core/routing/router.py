@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.core.errors import InvalidArgument, Unavailable
-from coordinator.core.fleet import Fleet, RegisteredWorker
+from coordinator.core.fleet import Candidate, Fleet, RegisteredWorker
 from coordinator.core.hashing import Namespace, PageHasher
 from coordinator.core.index import PrefixIndex
 from coordinator.core.routing.awaited_routes import AwaitedRoutes, EndedRoutes
-from coordinator.core.routing.batch_order import execution_order, group_identical
+from coordinator.core.routing.batch_order import BatchGroup, execution_order, group_identical
 from coordinator.core.routing.choosers import (
-    NoEligibleWorker,
+    KvAwareChooser,
     RouteChooser,
     booked_work,
     make_chooser,
@@ -39,6 +39,7 @@ from coordinator.core.routing.route_types import (
     Scope,
 )
 from coordinator.core.routing.routing_values import Decision, KvAwareWeights, RoutingRequest
+from coordinator.core.routing.shortlists import NoEligibleWorker, Shortlist, decide
 from coordinator.core.routing.version_view import VersionView
 from coordinator.wire import Reason
 
@@ -97,6 +98,8 @@ class Router:
         self._on_routed = on_routed
         self._on_routes_ended = on_routes_ended
         self._choosers: dict[str, RouteChooser] = {}  # by routing rule name
+        # Prices the one worker a shard reserves for a decision made elsewhere (``reserve``).
+        self._sole_chooser = KvAwareChooser(self._weights)
         self.default_routing = self._chooser(default_routing).name
         self.counters = RouterCounters()
         # Told to callers refused for lack of a worker: about one heartbeat, when load and
@@ -184,13 +187,105 @@ class Router:
         hashed under each and every eligible worker of every version competes; the answer says
         which version serves it."""
         now = self._clock()
-        views = []
-        for version in self._versions(scope):
-            ns = self.namespace(replace(scope, policy_version=version))
-            view = self._view(scope, version, self.keys(prompt, ns), now, min_policy_version)
-            views.append(view if not exclude else view.without(exclude))
+        views = self._views(prompt, scope, now, min_policy_version, exclude)
         return self._route_views(views, prompt.token_count, 1, min_policy_version, routing, now,
                                  report_end)
+
+    def _views(self, prompt: PromptInput, scope: Scope, now: float,
+               min_policy_version: int | None, exclude: frozenset[str],
+               first_keys: list[bytes] | None = None) -> list[VersionView]:
+        """Every servable version's view of ``prompt``, without the workers in ``exclude``.
+        ``first_keys``: the prompt's keys under the first version, already hashed."""
+        views = []
+        for i, version in enumerate(self._versions(scope)):
+            ns = self.namespace(replace(scope, policy_version=version))
+            keys = first_keys if i == 0 and first_keys is not None else self.keys(prompt, ns)
+            view = self._view(scope, version, keys, now, min_policy_version)
+            views.append(view if not exclude else view.without(exclude))
+        return views
+
+    # ------------------------------------------------------------------ shards
+
+    def shortlist(
+        self,
+        prompt: PromptInput,
+        scope: Scope,
+        *,
+        copies: int = 1,
+        min_policy_version: int | None = None,
+        routing: str = "",
+        exclude: frozenset[str] = frozenset(),
+        after: str | None = None,
+    ) -> tuple[RoutingRequest, Shortlist]:
+        """This coordinator's best candidates for ``copies`` of ``prompt`` (``shortlists``),
+        for a decision over several shards; reserves nothing and draws no randomness.
+        ``after``: round robin's cursor, the deciding replica's."""
+        now = self._clock()
+        self.awaited.expire(now)
+        chooser = self._chooser(routing or self.default_routing)
+        views = self._views(prompt, scope, now, min_policy_version, exclude)
+        request = self._request(views, prompt.token_count, copies)
+        holders, idle = self._candidates(views, min_policy_version, now)
+        return request, chooser.shortlist(request, holders, idle, after)
+
+    def decide(self, routing: str, request: RoutingRequest,
+               shortlists: Sequence[Shortlist]) -> Decision:
+        """The decision over several shards' shortlists, drawn with this router's ``rng``
+        (round robin's cursor moves here). NoEligibleWorker when none has a candidate."""
+        return self._chooser(routing or self.default_routing).decide(request, shortlists,
+                                                                      self._rng)
+
+    def cursor(self, routing: str) -> str | None:
+        """Round robin's last choice here (for the shards asked), else None."""
+        return self._chooser(routing or self.default_routing).cursor
+
+    def reserve(
+        self,
+        prompt: PromptInput,
+        scope: Scope,
+        worker_id: str,
+        *,
+        copies: int = 1,
+        min_policy_version: int | None = None,
+        routing: str = "",
+        report_end: bool = False,
+    ) -> RouteResult:
+        """Reserve ``worker_id`` for ``copies`` of ``prompt`` as ``route`` reserves its choice
+        (the decision was made over several shards' shortlists).
+
+        Raises:
+            Unavailable: reason NO_WORKER when the worker is no longer eligible here.
+        """
+        now = self._clock()
+        self.awaited.expire(now)
+        rule = self._chooser(routing or self.default_routing).name
+        views = [v.only(worker_id) for v in
+                 self._views(prompt, scope, now, min_policy_version, frozenset())]
+        request = self._request(views, prompt.token_count, copies)
+        holders, idle = self._candidates(views, min_policy_version, now)
+        shortlist = self._sole_chooser.shortlist(request, holders, idle)
+        if not shortlist.tied:
+            raise Unavailable(f"worker {worker_id!r} is no longer eligible for this route",
+                              reason=Reason.NO_WORKER, retry_after_ms=self.retry_after_ms)
+        decision = decide([shortlist], request, self._weights, self._rng)
+        return self._reserve(decision, rule, request, views, report_end, now)
+
+    def group_batch(self, prompts: Sequence[PromptInput], scope: Scope,
+                    ) -> tuple[list[list[bytes]], list[BatchGroup]]:
+        """A batch's prompts' keys under its first servable version and its groups of
+        identical prompts, in the order ``route_batch`` routes them."""
+        version = self._versions(scope)[0]
+        ns = self.namespace(replace(scope, policy_version=version))
+        memo: dict[bytes | tuple[bytes, ...], list[bytes]] = {}
+        first_keys = []
+        for p in prompts:
+            body = p.token_bytes if p.token_bytes is not None else p.page_keys
+            assert body is not None  # PromptInput always carries one body
+            found = memo.get(body)
+            if found is None:
+                found = memo[body] = self.keys(p, ns)
+            first_keys.append(found)
+        return first_keys, group_identical(first_keys, [p.token_count for p in prompts])
 
     def route_batch(
         self,
@@ -204,27 +299,13 @@ class Router:
         """Route many prompts: identical prompts (GRPO siblings) go to one worker as a group,
         groups are routed in order so later ones see earlier ones' pending entries, and the
         returned order runs prompts sharing a prefix back to back."""
-        versions = self._versions(scope)
-        # Siblings in a batch are byte-identical: hash each distinct prompt once per version.
-        memo: dict[tuple[int, bytes | tuple[bytes, ...]], list[bytes]] = {}
-
-        def keys_of(p: PromptInput, version: int) -> list[bytes]:
-            body = p.token_bytes if p.token_bytes is not None else p.page_keys
-            assert body is not None  # PromptInput always carries one body
-            found = memo.get((version, body))
-            if found is None:
-                ns = self.namespace(replace(scope, policy_version=version))
-                found = memo[(version, body)] = self.keys(p, ns)
-            return found
-
-        first_keys = [keys_of(p, versions[0]) for p in prompts]
-        counts = [p.token_count for p in prompts]
+        first_keys, groups = self.group_batch(prompts, scope)
         routes: list[RouteResult | None] = [None] * len(prompts)
-        for group in group_identical(first_keys, counts):
+        for group in groups:
             lead = prompts[group.members[0]]
             now = self._clock()
-            views = [self._view(scope, v, keys_of(lead, v), now, min_policy_version)
-                     for v in versions]
+            views = self._views(lead, scope, now, min_policy_version, frozenset(),
+                                first_keys[group.members[0]])
             result = self._route_views(
                 views, lead.token_count, len(group.members), min_policy_version, routing, now,
                 report_end,
@@ -248,10 +329,7 @@ class Router:
         """One routing decision over ``views``: choose a worker, then reserve it."""
         self.awaited.expire(now)  # an expired route's load must not weigh on this choice
         chooser = self._chooser(routing or self.default_routing)
-        request = RoutingRequest(
-            prompt_pages=len(views[0].keys), prompt_tokens=token_count,
-            page_size=self._page_size, copies=copies,
-        )
+        request = self._request(views, token_count, copies)
         decision = self._choose(chooser, request, views, min_policy_version, now)
         return self._reserve(decision, chooser.name, request, views, report_end, now)
 
@@ -265,18 +343,9 @@ class Router:
         Raises:
             Unavailable: reason NO_WORKER, with ``retry_after_ms``, when no worker is eligible.
         """
-        holders = [c for view in views
-                   for c in view.holders(self._fleet, now, min_policy_version)]
-        # Each version's eligible list is in load-floor order; merged, idle workers still reach
-        # the chooser cheapest first.
-        idle_sessions = heapq.merge(
-            *[(s for s in view.eligible if s.worker_id not in view.details) for view in views],
-            key=lambda s: s.floor_at(now),
-        )
+        holders, idle = self._candidates(views, min_policy_version, now)
         try:
-            return chooser.choose(
-                request, holders, self._rng, idle=(s.idle_candidate(now) for s in idle_sessions)
-            )
+            return chooser.choose(request, holders, self._rng, idle=idle)
         except NoEligibleWorker:
             versions = ", ".join(str(v.ns.policy_version) for v in views)
             raise Unavailable(
@@ -286,6 +355,25 @@ class Router:
                 ),
                 reason=Reason.NO_WORKER, retry_after_ms=self.retry_after_ms,
             ) from None
+
+    def _request(self, views: list[VersionView], token_count: int,
+                 copies: int) -> RoutingRequest:
+        return RoutingRequest(prompt_pages=len(views[0].keys), prompt_tokens=token_count,
+                              page_size=self._page_size, copies=copies)
+
+    def _candidates(self, views: list[VersionView], min_policy_version: int | None,
+                    now: float) -> tuple[list[Candidate], Iterator[Candidate]]:
+        """Every version's holders of the prompt (pending entries included), and then its idle
+        eligible workers, cheapest load floor first (lazily: a chooser may stop early)."""
+        holders = [c for view in views
+                   for c in view.holders(self._fleet, now, min_policy_version)]
+        # Each version's eligible list is in load-floor order; merged, idle workers still reach
+        # the chooser cheapest first.
+        idle_sessions = heapq.merge(
+            *[(s for s in view.eligible if s.worker_id not in view.details) for view in views],
+            key=lambda s: s.floor_at(now),
+        )
+        return holders, (s.idle_candidate(now) for s in idle_sessions)
 
     def _reserve(self, decision: Decision, routing_rule: str, request: RoutingRequest,
                  views: list[VersionView], report_end: bool, now: float) -> RouteResult:
