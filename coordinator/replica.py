@@ -25,6 +25,7 @@ from coordinator.control.routing_gate import RoutingGate
 from coordinator.control.sessions import WorkerStreams, WorkerSync
 from coordinator.control.sessions.held_streams import HeldStreams
 from coordinator.control.sessions.ingest_governor import IngestGovernor
+from coordinator.control.shard_members import ShardRecords
 from coordinator.core.errors import NotFound
 from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
 from coordinator.core.hashing import DEV_HASH_KEY, HashAlgorithm, HashConfig, PageHasher
@@ -155,6 +156,10 @@ class CoordinatorReplica:
                                      max_ack_delay_s=config.max_ack_delay_ms / 1000)
         self.streams = WorkerStreams()
         replication: ReplicationSink = self.outbox or NoReplication()
+        # With shards, the other shards read this shard's workers from their store records.
+        self.shard_records = ShardRecords(replication, store, refresh_s=config.lease_ms / 1000,
+                                          clock=clock) if config.shard else None
+        replication = self.shard_records or replication
         self.replication = replication
         self.worker_sync = WorkerSync(
             config=config,
@@ -250,6 +255,8 @@ class CoordinatorReplica:
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
         await self.ingest.stop()
+        if self.shard_records is not None:
+            await self.shard_records.stop()
         if self.replicator is not None:
             await self.replicator.flush()
             await self.replicator.stop()

@@ -1,22 +1,35 @@
-"""Shards: replica sets of one namespace on one Redis, each ingesting only its own workers.
+"""Shards: replica sets of one namespace on one Redis, each ingesting only its own workers,
+with one policy barrier across them.
 
 In one process, against a real redis-server: shard ``a`` (replicas A1, A2) and shard ``b``
 (replica B1). A worker's pages reach its own shard's replicas through ``events:<shard>`` and
-never the other shard's; each shard lists only its own replicas.
+never the other shard's; each shard lists only its own replicas. A policy update begun through
+shard a's replica waits for shard b's worker too (its members are read from the workers'
+records in the store), which B1 drains, reloads and resumes; one that never acks is fenced by
+its own shard's replica; an abort through B1 reaches A1's.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
+import grpc
 import pytest
 import redis
 
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
+from coordinator.client.outcomes import outcome_of
+from coordinator.control.shard_members import members_elsewhere
+from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
 from coordinator.server.main import RunningCoordinator
+from coordinator.store.protocol import WorkerRecord
+from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.wire import Reason
 from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
+from tests.test_replication import PAGE, workers_on
 
 pytestmark = pytest.mark.redis
 
@@ -25,16 +38,43 @@ PROMPT = list(range(64))
 
 
 @asynccontextmanager
-async def sharded(url: str, **shards: tuple[str, ...]) -> AsyncIterator[
-        dict[str, RunningCoordinator]]:
+async def sharded(url: str, shards: dict[str, tuple[str, ...]], **knobs: object
+                  ) -> AsyncIterator[dict[str, RunningCoordinator]]:
     """Replicas by id, ``shards`` naming each shard's replica ids (started in that order)."""
     async with AsyncExitStack() as stack:
         started = {}
         for shard, names in shards.items():
             for name in names:
                 started[name] = await stack.enter_async_context(running_coordinator(
-                    redis=url, replica_id=name, shard=shard, bootstrap_timeout_ms=2_000))
+                    redis=url, replica_id=name, shard=shard, bootstrap_timeout_ms=2_000,
+                    **knobs))
         yield started
+
+
+@asynccontextmanager
+async def two_shards_two_workers(url: str) -> AsyncIterator[
+        tuple[RunningCoordinator, RunningCoordinator]]:
+    """A1 (shard a) with worker wa and B1 (shard b) with wb, both workers ready at version 0."""
+    async with sharded(url, {"a": ("A1",), "b": ("B1",)}, page_size=PAGE,
+                       barrier_timeout_ms=5_000, route_wait_ms=3_000) as replicas:
+        a1, b1 = replicas["A1"], replicas["B1"]
+        async with workers_on({"wa": target(a1), "wb": target(b1)}):
+            await listed(a1, {"wa": (0, "ready")})
+            await listed(b1, {"wb": (0, "ready")})
+            yield a1, b1
+
+
+async def states(coordinator: RunningCoordinator) -> dict[str, tuple[int, str]]:
+    """Worker -> (version, state), as ``coordinator`` lists its workers."""
+    async with AsyncCoordinatorClient(target(coordinator)) as client:
+        return {w.worker_id: (w.policy_version, w.state) for w in await client.workers()}
+
+
+async def listed(coordinator: RunningCoordinator, expected: dict[str, tuple[int, str]]) -> None:
+    async def done() -> bool:
+        return await states(coordinator) == expected
+
+    await eventually(done, what=f"{expected} listed")
 
 
 async def matches(coordinator: RunningCoordinator) -> dict[str, int]:
@@ -42,8 +82,28 @@ async def matches(coordinator: RunningCoordinator) -> dict[str, int]:
         return (await client.lookup(PROMPT)).matches
 
 
+def test_members_in_other_shards_are_attached_unfenced_internal_workers_at_the_version() -> None:
+    def record(worker_id: str, *, version: int = 3, external: bool = False,
+               **info: str) -> WorkerRecord:
+        return WorkerRecord(worker_id, 1, "addr", version, external, 0, info)
+
+    records = [
+        record("b-ready", shard="b", status="ready"),
+        record("c-ready", shard="c", status="ready"),
+        record("unsharded", status="ready"),
+        record("a-own", shard="a", status="ready"),  # this replica's shard: its fleet says
+        record("b-fenced", shard="b", status="fenced"),
+        record("b-gone", shard="b", status="disconnected"),
+        record("b-new", shard="b"),  # registered, no stream attached yet
+        record("b-old", shard="b", status="ready", version=2),
+        record("b-bridge", shard="b", status="ready", external=True),
+    ]
+    assert members_elsewhere(records, shard="a", version=3) == ["b-ready", "c-ready",
+                                                                 "unsharded"]
+
+
 async def test_pages_reach_their_own_shards_replicas_only(redis_url: str) -> None:
-    async with sharded(redis_url, a=("A1", "A2"), b=("B1",)) as replicas:
+    async with sharded(redis_url, {"a": ("A1", "A2"), "b": ("B1",)}) as replicas:
         worker = ScriptedWorker(target(replicas["A1"]), "wa", hash_config=DEV_HASH)
         await worker.start()
         await worker.store(worker.keys(PROMPT))
@@ -64,3 +124,62 @@ async def test_pages_reach_their_own_shards_replicas_only(redis_url: str) -> Non
             streams = sorted(k.decode() for k in store.keys("kvcoord:{default}:events*"))
         assert streams == ["kvcoord:{default}:events:a", "kvcoord:{default}:events:b"]
         await worker.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_an_update_begun_in_one_shard_waits_for_and_moves_the_other_shards_worker(
+    redis_url: str, mode: str,
+) -> None:
+    async with two_shards_two_workers(redis_url) as (a1, b1):
+        async with AsyncCoordinatorClient(target(a1)) as trainer:
+            assert (await trainer.begin_policy_update(0, mode=mode)).target_version == 1
+            result = await trainer.commit_policy_update(1, timeout=5.0)
+        assert (result.acked_workers, result.fenced_workers) == (("wa", "wb"), ())
+        await listed(a1, {"wa": (1, "ready")})
+        await listed(b1, {"wb": (1, "ready")})
+
+
+async def test_an_update_begun_in_one_shard_is_aborted_through_another(redis_url: str) -> None:
+    async with two_shards_two_workers(redis_url) as (a1, b1):
+        async with AsyncCoordinatorClient(target(a1)) as begin:
+            await begin.begin_policy_update(0)
+        async def drained() -> bool:  # B1 relayed A1's DRAIN (and, as wb drained, its APPLY)
+            return await states(b1) == {"wb": (1, "draining")}
+
+        await eventually(drained, what="wb drained and at version 1 on B1")
+        async with AsyncCoordinatorClient(target(b1)) as abort:
+            assert (await abort.abort_policy_update(1)).version == 0
+        await listed(a1, {"wa": (0, "ready")})
+        await listed(b1, {"wb": (0, "ready")})
+
+
+async def test_a_member_in_another_shard_that_never_acks_is_fenced_by_its_own_replica(
+    redis_url: str,
+) -> None:
+    async with sharded(redis_url, {"a": ("A1",), "b": ("B1",)}, page_size=PAGE,
+                       barrier_timeout_ms=5_000) as replicas:
+        a1, b1 = replicas["A1"], replicas["B1"]
+        mute = ScriptedWorker(target(b1), "wb", hash_config=HashConfig(key=DEV_HASH_KEY,
+                                                                        page_size=PAGE))
+        await mute.start()  # it heartbeats only when told, and never acks a command
+        async with workers_on({"wa": target(a1)}):
+            await mute.heartbeat()
+
+            def record_ready() -> bool:  # B1 writes wb's record a round trip after the attach
+                with redis.Redis.from_url(redis_url) as store:
+                    record = store.hgetall("kvcoord:{default}:worker:wb")
+                return (record.get(b"info:shard"), record.get(b"info:status")) == (
+                    b"b", b"ready")
+
+            await eventually(lambda: asyncio.to_thread(record_ready), what="wb's record")
+            async with AsyncCoordinatorClient(target(a1)) as trainer:
+                await trainer.begin_policy_update(0)
+                drain = (await mute.next_message()).command
+                assert (drain.kind, drain.version) == (pb.PolicyCommand.KIND_DRAIN, 1)
+                result = await trainer.commit_policy_update(1, timeout=1.0)
+            assert (result.acked_workers, result.fenced_workers) == (("wa",), ("wb",))
+            with pytest.raises(grpc.RpcError) as ended:
+                await mute.next_message()
+            assert outcome_of(ended.value).reason is Reason.FENCED
+            await listed(a1, {"wa": (1, "ready")})
+        await mute.close()

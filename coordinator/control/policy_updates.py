@@ -11,6 +11,8 @@ SERVING(v+1) and sends RESUME. Routes wait (or fail UNAVAILABLE, reason DRAINING
 meanwhile.
 Async mode: no drain; workers get APPLY one at a time while routes keep flowing to any version
 within ``max_staleness``; Commit waits for the same barrier.
+Shards: the members are every shard's (``control.shard_members``), recorded in the store with
+their acks; each shard's replicas relay the commands to their own members as they follow.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from coordinator.control.policy.policy_acks import await_barrier, failures_of
 from coordinator.control.replication_sink import ReplicationSink
 from coordinator.control.sessions import WorkerStreams
 from coordinator.control.sessions.sync_messages import Command
+from coordinator.control.shard_members import members_elsewhere
 from coordinator.core import policy_state
 from coordinator.core.errors import Aborted, FailedPrecondition
 from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
@@ -117,12 +120,16 @@ class PolicyUpdates:
             if not s.external and s.policy_version == record.version
             and s.status(now) in (WorkerStatus.READY, WorkerStatus.CORDONED)
         ]
+        # With shards this replica holds its own shard's workers only: the others' members are
+        # read from their records in the store (their owners send them the commands).
+        elsewhere = members_elsewhere(await self._store.list_workers(), shard=self._config.shard,
+                                      version=record.version) if self._config.shard else []
         stages = self._stages.setdefault(target, {})
-        for session in members:
-            stages[session.worker_id] = "member"
-            await self._store.record_ack(target, session.worker_id, "member")
+        for worker_id in [*(s.worker_id for s in members), *elsewhere]:
+            stages[worker_id] = "member"
+            await self._store.record_ack(target, worker_id, "member")
         log.info("policy_state.begin", version=record.version, target=target, mode=record.mode,
-                 members=[s.worker_id for s in members])
+                 members=[s.worker_id for s in members], other_shards=elsewhere)
         relayed = self._relayed.setdefault(target, set())
         relayed.update(s.worker_id for s in members if self._streams.has_stream(s.worker_id))
         self._abort_running[target] = abort_running

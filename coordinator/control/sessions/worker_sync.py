@@ -32,6 +32,7 @@ from coordinator.control.sessions.sync_messages import (
     Welcome,
 )
 from coordinator.control.sessions.worker_streams import WorkerStreams
+from coordinator.control.shard_members import SHARD
 from coordinator.core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -120,7 +121,7 @@ class WorkerSync:
             external=req.external,
             lease_ms=cfg.lease_ms,
             info={"model": req.model or cfg.default_model, "total_pages": str(req.total_pages),
-                  "host_pages": str(req.host_pages)},
+                  "host_pages": str(req.host_pages), **({SHARD: cfg.shard} if cfg.shard else {})},
             min_incarnation=known + 1,
         )
         session = RegisteredWorker(
