@@ -225,6 +225,9 @@ class CoordinatorConfig:
         peers = self.peer_shard_targets()
         if peers and not self.shard:
             raise ConfigError("peer_shards needs shard: name this replica's own shard")
+        if peers and self.tls_cert:
+            raise ConfigError("peer_shards does not dial TLS yet: run shards on a trusted "
+                              "network without tls_cert, or without peer_shards")
         if self.shard in peers:
             raise ConfigError(f"peer_shards names this replica's own shard {self.shard!r}")
 

@@ -84,6 +84,9 @@ COORDINATOR_PERMISSIONS: Mapping[str, frozenset[Role]] = {
     "Route": frozenset({Role.SCHEDULER, Role.ADMIN}),
     "RouteBatch": frozenset({Role.SCHEDULER, Role.ADMIN}),
     "EndRoutes": frozenset({Role.SCHEDULER, Role.ADMIN}),
+    # Another shard deciding a route, with its caller's credentials.
+    "ShardShortlist": frozenset({Role.SCHEDULER, Role.ADMIN}),
+    "ShardReserve": frozenset({Role.SCHEDULER, Role.ADMIN}),
     "Register": frozenset({Role.WORKER, Role.ADMIN}),
     "Sync": frozenset({Role.WORKER, Role.ADMIN}),
     "Deregister": frozenset({Role.WORKER, Role.ADMIN}),

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2
 
 from coordinator.client.channels import channel_options
 from coordinator.config import CoordinatorConfig
+from coordinator.control.shard_routing import ShardRouting
 from coordinator.core import accel
 from coordinator.metrics_http import host_of, serve_metrics
 from coordinator.replica import CoordinatorReplica
@@ -22,6 +23,7 @@ from coordinator.rpc.health import add_health_and_reflection, warn_if_open
 from coordinator.rpc.identities import COORDINATOR_PERMISSIONS
 from coordinator.rpc.interceptor import ErrorMappingInterceptor, Mapped
 from coordinator.server.metrics import CoordinatorMetrics
+from coordinator.server.peer_shards import peer_shards
 from coordinator.server.servicer import CoordinatorServicer
 from coordinator.server.sync_relay import SyncFrontends
 from coordinator.store.protocol import StoreUnavailable
@@ -46,6 +48,7 @@ class RunningCoordinator:
     port: int
     metrics_port: int | None
     sync_frontends: SyncFrontends | None = None
+    shards: ShardRouting | None = None
 
     async def stop(self, grace: float = 2.0) -> None:
         """Report NOT_SERVING, let in-flight calls finish for ``grace`` seconds, then close."""
@@ -53,6 +56,8 @@ class RunningCoordinator:
         if self.sync_frontends is not None:
             await self.sync_frontends.stop()
         await self.server.stop(grace)
+        if self.shards is not None:
+            await self.shards.close()
         await self.service.stop()
         log.info("coordinator.stopped", port=self.port)
 
@@ -78,8 +83,9 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     frontends = SyncFrontends(service, errors, config) if config.sync_frontends else None
     if frontends is not None:
         metrics.watch_frontends(frontends)
+    shards = shard_routing_of(config, service)
     servicer = errors.wrap(
-        CoordinatorServicer(service, frontends.sync_port if frontends else lambda: 0),
+        CoordinatorServicer(service, frontends.sync_port if frontends else lambda: 0, shards),
         descriptor, COORDINATOR_PERMISSIONS)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, errors, SERVICE_NAME)
@@ -107,11 +113,25 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
         "coordinator.serving", listen=config.listen, port=port, metrics_port=metrics_port,
         store=type(service.store).__name__, page_size=config.page_size,
         policy_version=service.policy.version, index_core=accel.status(),
-        sync_frontends=frontends.ports if frontends else [],
+        sync_frontends=frontends.ports if frontends else [], shard=config.shard or None,
+        peer_shards=sorted(config.peer_shard_targets()),
         **security.describe(),
     )
     warn_if_open(config.listen, security)
-    return RunningCoordinator(server, service, health, port, metrics_port, frontends)
+    return RunningCoordinator(server, service, health, port, metrics_port, frontends, shards)
+
+
+def shard_routing_of(config: CoordinatorConfig,
+                     service: CoordinatorReplica) -> ShardRouting | None:
+    """Routes over every shard when ``peer_shards`` names others (the routing gate then
+    decides through them); None otherwise."""
+    targets = config.peer_shard_targets()
+    if not targets:
+        return None
+    shards = ShardRouting(service.router, peer_shards(
+        targets, page_size=config.page_size, max_message_bytes=config.max_message_bytes))
+    service.routing_gate.span(shards)
+    return shards
 
 
 async def serve_forever(config: CoordinatorConfig) -> None:

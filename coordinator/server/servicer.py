@@ -10,6 +10,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
+from coordinator.control.shard_routing import ShardRouting
 from coordinator.core.errors import FailedPrecondition, InvalidArgument
 from coordinator.core.routing import PromptInput, Scope
 from coordinator.replica import CoordinatorReplica
@@ -22,8 +23,9 @@ from coordinator.rpc.identities import (
     visible_workers,
 )
 from coordinator.rpc.versions import check_protocol
-from coordinator.server import convert
+from coordinator.server import convert, shard_convert
 from coordinator.server.convert import prompt_from, scope_from
+from coordinator.server.peer_shards import forwarding, is_shard_hop
 from coordinator.server.sync_stream import serve_sync
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
@@ -34,12 +36,22 @@ Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     def __init__(self, service: CoordinatorReplica,
-                 sync_port: Callable[[], int] = lambda: 0) -> None:
+                 sync_port: Callable[[], int] = lambda: 0,
+                 shards: ShardRouting | None = None) -> None:
         """``sync_port()``: the port a registering worker opens its stream on (a sync
-        frontend's, ``server.sync_relay``; 0 = this server)."""
+        frontend's, ``server.sync_relay``; 0 = this server). ``shards``: the other shards,
+        when lookups and route ends span them (``control.shard_routing``; routes span them
+        through the routing gate)."""
         self._service = service
         self._config = service.config
         self._sync_port = sync_port
+        self._shards = shards
+
+    def _spanning(self, context: Context) -> ShardRouting | None:
+        """The shards a call spans: none for a call another shard made (``SHARD_HOP``)."""
+        if self._shards is None or is_shard_hop(context.invocation_metadata()):
+            return None
+        return self._shards
 
     # ------------------------------------------------------------------ scheduler
 
@@ -60,7 +72,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
         check_protocol(request.protocol_version)
         prompt = self._prompt(request.prompt)
-        result = self._service.router.lookup(prompt, self._scope(request.scope))
+        shards = self._spanning(context)
+        if shards is None:
+            result = self._service.router.lookup(prompt, self._scope(request.scope))
+        else:
+            with forwarding(context.invocation_metadata()):
+                result = await shards.lookup(prompt, self._scope(request.scope))
         return convert.lookup_to_pb(result)
 
     async def Route(self, request: pb.RouteRequest, context: Context) -> pb.RouteResponse:
@@ -68,15 +85,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         policy state)."""
         check_protocol(request.protocol_version)
         prompt = self._prompt(request.prompt)
-        route = await self._service.routing_gate.route(
-            prompt,
-            self._scope(request.scope),
-            time_left=context.time_remaining,
-            min_policy_version=_optional(request, "min_policy_version"),
-            routing=request.routing_policy,
-            exclude=convert.excluded_workers(request.exclude_workers),
-            report_end=request.report_end,
-        )
+        with forwarding(context.invocation_metadata()):  # to the other shards, if any
+            route = await self._service.routing_gate.route(
+                prompt,
+                self._scope(request.scope),
+                time_left=context.time_remaining,
+                min_policy_version=_optional(request, "min_policy_version"),
+                routing=request.routing_policy,
+                exclude=convert.excluded_workers(request.exclude_workers),
+                report_end=request.report_end,
+            )
         return convert.route_to_pb(route)
 
     async def RouteBatch(
@@ -97,14 +115,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             raise InvalidArgument(f"batch of {total} tokens is over the limit of "
                                   f"{self._config.max_batch_tokens} (max_batch_tokens)")
         prompts = [self._prompt(p, f"prompts[{i}]") for i, p in enumerate(request.prompts)]
-        batch = await self._service.routing_gate.route_batch(
-            prompts,
-            self._scope(request.scope),
-            time_left=context.time_remaining,
-            min_policy_version=_optional(request, "min_policy_version"),
-            routing=request.routing_policy,
-            report_end=request.report_end,
-        )
+        with forwarding(context.invocation_metadata()):  # to the other shards, if any
+            batch = await self._service.routing_gate.route_batch(
+                prompts,
+                self._scope(request.scope),
+                time_left=context.time_remaining,
+                min_policy_version=_optional(request, "min_policy_version"),
+                routing=request.routing_policy,
+                report_end=request.report_end,
+            )
         return pb.RouteBatchResponse(
             protocol_version=PROTOCOL_VERSION,
             routes=[convert.route_to_pb(r) for r in batch.routes],
@@ -114,9 +133,45 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def EndRoutes(
         self, request: pb.EndRoutesRequest, context: Context
     ) -> pb.EndRoutesResponse:
-        ended = self._service.router.end_routes(convert.route_ids_from(request))
+        route_ids = convert.route_ids_from(request)
+        shards = self._spanning(context)
+        if shards is None:
+            ended = self._service.router.end_routes(route_ids)
+        else:
+            with forwarding(context.invocation_metadata()):
+                ended = await shards.end_routes(route_ids)
         return pb.EndRoutesResponse(protocol_version=PROTOCOL_VERSION, ended=ended.ended,
                                     unknown=ended.unknown)
+
+    async def ShardShortlist(
+        self, request: pb.ShardShortlistRequest, context: Context
+    ) -> pb.ShardShortlistResponse:
+        """This shard's best candidates for another shard's decision (reserves nothing)."""
+        check_protocol(request.protocol_version)
+        route = request.route
+        _, shortlist = self._service.router.shortlist(
+            self._prompt(route.prompt), self._scope(route.scope), copies=max(1, request.copies),
+            min_policy_version=_optional(route, "min_policy_version"),
+            routing=route.routing_policy, exclude=convert.excluded_workers(route.exclude_workers),
+            after=request.after_worker or None,
+        )
+        return shard_convert.shortlist_to_pb(shortlist)
+
+    async def ShardReserve(
+        self, request: pb.ShardReserveRequest, context: Context
+    ) -> pb.RouteResponse:
+        """Reserve the worker another shard chose over every shard's shortlist."""
+        check_protocol(request.protocol_version)
+        route = request.route
+        if not request.worker_id:
+            raise InvalidArgument("ShardReserve needs a worker_id")
+        result = self._service.router.reserve(
+            self._prompt(route.prompt), self._scope(route.scope), request.worker_id,
+            copies=max(1, request.copies),
+            min_policy_version=_optional(route, "min_policy_version"),
+            routing=route.routing_policy, report_end=route.report_end,
+        )
+        return convert.route_to_pb(result)
 
     # ------------------------------------------------------------------ worker
 

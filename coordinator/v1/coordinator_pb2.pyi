@@ -199,6 +199,52 @@ class EndRoutesResponse(_message.Message):
     unknown: int
     def __init__(self, protocol_version: _Optional[int] = ..., ended: _Optional[int] = ..., unknown: _Optional[int] = ...) -> None: ...
 
+class ShardShortlistRequest(_message.Message):
+    __slots__ = ("protocol_version", "route", "copies", "after_worker")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    AFTER_WORKER_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    route: RouteRequest
+    copies: int
+    after_worker: str
+    def __init__(self, protocol_version: _Optional[int] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., copies: _Optional[int] = ..., after_worker: _Optional[str] = ...) -> None: ...
+
+class ShardCandidate(_message.Message):
+    __slots__ = ("worker_id", "cached_pages", "own_cost")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    OWN_COST_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    cached_pages: int
+    own_cost: float
+    def __init__(self, worker_id: _Optional[str] = ..., cached_pages: _Optional[int] = ..., own_cost: _Optional[float] = ...) -> None: ...
+
+class ShardShortlistResponse(_message.Message):
+    __slots__ = ("protocol_version", "rank", "tied", "best_cached_pages")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TIED_FIELD_NUMBER: _ClassVar[int]
+    BEST_CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    rank: _containers.RepeatedScalarFieldContainer[float]
+    tied: _containers.RepeatedCompositeFieldContainer[ShardCandidate]
+    best_cached_pages: int
+    def __init__(self, protocol_version: _Optional[int] = ..., rank: _Optional[_Iterable[float]] = ..., tied: _Optional[_Iterable[_Union[ShardCandidate, _Mapping]]] = ..., best_cached_pages: _Optional[int] = ...) -> None: ...
+
+class ShardReserveRequest(_message.Message):
+    __slots__ = ("protocol_version", "route", "copies", "worker_id")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    route: RouteRequest
+    copies: int
+    worker_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., copies: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
 class HashConfig(_message.Message):
     __slots__ = ("algorithm", "page_size", "fingerprint")
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]

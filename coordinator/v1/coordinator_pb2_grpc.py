@@ -54,6 +54,16 @@ class CoordinatorStub:
                 request_serializer=coordinator_dot_v1_dot_coordinator__pb2.EndRoutesRequest.SerializeToString,
                 response_deserializer=coordinator_dot_v1_dot_coordinator__pb2.EndRoutesResponse.FromString,
                 _registered_method=True)
+        self.ShardShortlist = channel.unary_unary(
+                '/coordinator.v1.Coordinator/ShardShortlist',
+                request_serializer=coordinator_dot_v1_dot_coordinator__pb2.ShardShortlistRequest.SerializeToString,
+                response_deserializer=coordinator_dot_v1_dot_coordinator__pb2.ShardShortlistResponse.FromString,
+                _registered_method=True)
+        self.ShardReserve = channel.unary_unary(
+                '/coordinator.v1.Coordinator/ShardReserve',
+                request_serializer=coordinator_dot_v1_dot_coordinator__pb2.ShardReserveRequest.SerializeToString,
+                response_deserializer=coordinator_dot_v1_dot_coordinator__pb2.RouteResponse.FromString,
+                _registered_method=True)
         self.Register = channel.unary_unary(
                 '/coordinator.v1.Coordinator/Register',
                 request_serializer=coordinator_dot_v1_dot_coordinator__pb2.RegisterRequest.SerializeToString,
@@ -146,6 +156,21 @@ class CoordinatorServicer:
     def EndRoutes(self, request, context):
         """Routes asked with report_end whose requests ended (idempotent; schedulers and admins).
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShardShortlist(self, request, context):
+        """Between shards (coordinator --peer-shards): a replica deciding a route asks every other
+        shard for its best candidates, then reserves the chosen worker on its shard. Scheduler and
+        admin identities (a replica forwards its caller's credentials).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShardReserve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -253,6 +278,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.EndRoutes,
                     request_deserializer=coordinator_dot_v1_dot_coordinator__pb2.EndRoutesRequest.FromString,
                     response_serializer=coordinator_dot_v1_dot_coordinator__pb2.EndRoutesResponse.SerializeToString,
+            ),
+            'ShardShortlist': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShardShortlist,
+                    request_deserializer=coordinator_dot_v1_dot_coordinator__pb2.ShardShortlistRequest.FromString,
+                    response_serializer=coordinator_dot_v1_dot_coordinator__pb2.ShardShortlistResponse.SerializeToString,
+            ),
+            'ShardReserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShardReserve,
+                    request_deserializer=coordinator_dot_v1_dot_coordinator__pb2.ShardReserveRequest.FromString,
+                    response_serializer=coordinator_dot_v1_dot_coordinator__pb2.RouteResponse.SerializeToString,
             ),
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
@@ -428,6 +463,60 @@ class Coordinator:
             '/coordinator.v1.Coordinator/EndRoutes',
             coordinator_dot_v1_dot_coordinator__pb2.EndRoutesRequest.SerializeToString,
             coordinator_dot_v1_dot_coordinator__pb2.EndRoutesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShardShortlist(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coordinator.v1.Coordinator/ShardShortlist',
+            coordinator_dot_v1_dot_coordinator__pb2.ShardShortlistRequest.SerializeToString,
+            coordinator_dot_v1_dot_coordinator__pb2.ShardShortlistResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShardReserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coordinator.v1.Coordinator/ShardReserve',
+            coordinator_dot_v1_dot_coordinator__pb2.ShardReserveRequest.SerializeToString,
+            coordinator_dot_v1_dot_coordinator__pb2.RouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

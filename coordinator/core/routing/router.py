@@ -8,17 +8,16 @@ considered, so a page computed under another version can never count as a hit.
 
 from __future__ import annotations
 
-import heapq
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from coordinator.core.errors import InvalidArgument, Unavailable
-from coordinator.core.fleet import Candidate, Fleet, RegisteredWorker
-from coordinator.core.hashing import Namespace, PageHasher
+from coordinator.core.fleet import Fleet, RegisteredWorker
+from coordinator.core.hashing import PageHasher
 from coordinator.core.index import PrefixIndex
 from coordinator.core.routing.awaited_routes import AwaitedRoutes, EndedRoutes
-from coordinator.core.routing.batch_order import BatchGroup, execution_order, group_identical
+from coordinator.core.routing.batch_order import execution_order
 from coordinator.core.routing.choosers import (
     KvAwareChooser,
     RouteChooser,
@@ -38,6 +37,7 @@ from coordinator.core.routing.route_types import (
     RouteResult,
     Scope,
 )
+from coordinator.core.routing.route_views import RouteViews
 from coordinator.core.routing.routing_values import Decision, KvAwareWeights, RoutingRequest
 from coordinator.core.routing.shortlists import NoEligibleWorker, Shortlist, decide
 from coordinator.core.routing.version_view import VersionView
@@ -83,15 +83,13 @@ class Router:
         self.max_inflight = max_inflight
         self.awaited = (awaited if awaited is not None  # an empty one is falsy
                         else AwaitedRoutes(ttl_s=600.0, capacity=max_inflight))
-        self._hasher = hasher
+        self.views = RouteViews(
+            hasher=hasher, index=index, fleet=fleet, page_size=page_size,
+            default_model=default_model, serving_version=serving_version,
+            servable_versions=servable_versions)
         self._index = index
         self._fleet = fleet
         self._page_size = page_size
-        self._default_model = default_model
-        self._serving_version = serving_version
-        # Versions a route without an explicit one may be served at (async updates with bounded
-        # staleness allow several); default: only the serving version.
-        self._servable_versions = servable_versions or (lambda: (serving_version(),))
         self._clock = clock
         self._rng = rng or random.Random()
         self._weights = weights or KvAwareWeights()
@@ -117,31 +115,14 @@ class Router:
             self._choosers[routing] = chooser
         return chooser
 
-    def namespace(self, scope: Scope) -> Namespace:
-        version = self._serving_version() if scope.policy_version is None else scope.policy_version
-        return Namespace(
-            model=scope.model or self._default_model,
-            adapter=scope.adapter,
-            tenant=scope.tenant,
-            policy_version=version,
-            page_size=self._page_size,
-        )
-
-    def keys(self, prompt: PromptInput, namespace: Namespace) -> list[bytes]:
-        """The prompt's page keys: hashed here from tokens, or as sent by a trusted caller."""
-        if prompt.page_keys is not None:
-            return list(prompt.page_keys)
-        assert prompt.token_bytes is not None  # PromptInput always carries one body
-        return self._hasher.page_keys(prompt.token_bytes, namespace)
-
     def lookup(self, prompt: PromptInput, scope: Scope) -> LookupResult:
         """Every routable worker serving the version that holds the prompt's first page, with
         its confirmed depth. Workers Route would never pick (disconnected, cordoned, fenced,
         draining, another version or model) are left out, so a scheduler acting on a lookup
         never sends work to them. Each match's pages in CPU and DISK are counted
         (``PrefixIndex.match_tiers``)."""
-        ns = self.namespace(scope)
-        keys = self.keys(prompt, ns)
+        ns = self.views.namespace(scope)
+        keys = self.views.keys(prompt, ns)
         self.counters.lookups += 1
         matches, lower = self._index.match_tiers(keys) if keys else ({}, {})
         if not matches:
@@ -153,20 +134,6 @@ class Router:
         if lower:
             lower = {w: tiers for w, tiers in lower.items() if w in serving}
         return LookupResult(serving, ns.policy_version, len(keys), self._page_size, lower)
-
-    def _versions(self, scope: Scope) -> Sequence[int]:
-        if scope.policy_version is not None:
-            return (scope.policy_version,)
-        return self._servable_versions()
-
-    def _view(self, scope: Scope, version: int, keys: list[bytes], now: float,
-              min_policy_version: int | None) -> VersionView:
-        ns = self.namespace(replace(scope, policy_version=version))
-        eligible = self._fleet.routable(
-            now, version=version, min_version=min_policy_version, model=ns.model
-        )
-        details = self._index.match_detail(keys, include_pending=True) if keys and eligible else {}
-        return VersionView(ns, keys, eligible, details)
 
     def route(
         self,
@@ -187,22 +154,9 @@ class Router:
         hashed under each and every eligible worker of every version competes; the answer says
         which version serves it."""
         now = self._clock()
-        views = self._views(prompt, scope, now, min_policy_version, exclude)
+        views = self.views.views(prompt, scope, now, min_policy_version, exclude)
         return self._route_views(views, prompt.token_count, 1, min_policy_version, routing, now,
                                  report_end)
-
-    def _views(self, prompt: PromptInput, scope: Scope, now: float,
-               min_policy_version: int | None, exclude: frozenset[str],
-               first_keys: list[bytes] | None = None) -> list[VersionView]:
-        """Every servable version's view of ``prompt``, without the workers in ``exclude``.
-        ``first_keys``: the prompt's keys under the first version, already hashed."""
-        views = []
-        for i, version in enumerate(self._versions(scope)):
-            ns = self.namespace(replace(scope, policy_version=version))
-            keys = first_keys if i == 0 and first_keys is not None else self.keys(prompt, ns)
-            view = self._view(scope, version, keys, now, min_policy_version)
-            views.append(view if not exclude else view.without(exclude))
-        return views
 
     # ------------------------------------------------------------------ shards
 
@@ -223,9 +177,9 @@ class Router:
         now = self._clock()
         self.awaited.expire(now)
         chooser = self._chooser(routing or self.default_routing)
-        views = self._views(prompt, scope, now, min_policy_version, exclude)
-        request = self._request(views, prompt.token_count, copies)
-        holders, idle = self._candidates(views, min_policy_version, now)
+        views = self.views.views(prompt, scope, now, min_policy_version, exclude)
+        request = self.views.request(views, prompt.token_count, copies)
+        holders, idle = self.views.candidates(views, min_policy_version, now)
         return request, chooser.shortlist(request, holders, idle, after)
 
     def decide(self, routing: str, request: RoutingRequest,
@@ -260,32 +214,15 @@ class Router:
         self.awaited.expire(now)
         rule = self._chooser(routing or self.default_routing).name
         views = [v.only(worker_id) for v in
-                 self._views(prompt, scope, now, min_policy_version, frozenset())]
-        request = self._request(views, prompt.token_count, copies)
-        holders, idle = self._candidates(views, min_policy_version, now)
+                 self.views.views(prompt, scope, now, min_policy_version, frozenset())]
+        request = self.views.request(views, prompt.token_count, copies)
+        holders, idle = self.views.candidates(views, min_policy_version, now)
         shortlist = self._sole_chooser.shortlist(request, holders, idle)
         if not shortlist.tied:
             raise Unavailable(f"worker {worker_id!r} is no longer eligible for this route",
                               reason=Reason.NO_WORKER, retry_after_ms=self.retry_after_ms)
         decision = decide([shortlist], request, self._weights, self._rng)
         return self._reserve(decision, rule, request, views, report_end, now)
-
-    def group_batch(self, prompts: Sequence[PromptInput], scope: Scope,
-                    ) -> tuple[list[list[bytes]], list[BatchGroup]]:
-        """A batch's prompts' keys under its first servable version and its groups of
-        identical prompts, in the order ``route_batch`` routes them."""
-        version = self._versions(scope)[0]
-        ns = self.namespace(replace(scope, policy_version=version))
-        memo: dict[bytes | tuple[bytes, ...], list[bytes]] = {}
-        first_keys = []
-        for p in prompts:
-            body = p.token_bytes if p.token_bytes is not None else p.page_keys
-            assert body is not None  # PromptInput always carries one body
-            found = memo.get(body)
-            if found is None:
-                found = memo[body] = self.keys(p, ns)
-            first_keys.append(found)
-        return first_keys, group_identical(first_keys, [p.token_count for p in prompts])
 
     def route_batch(
         self,
@@ -299,12 +236,12 @@ class Router:
         """Route many prompts: identical prompts (GRPO siblings) go to one worker as a group,
         groups are routed in order so later ones see earlier ones' pending entries, and the
         returned order runs prompts sharing a prefix back to back."""
-        first_keys, groups = self.group_batch(prompts, scope)
+        first_keys, groups = self.views.group_batch(prompts, scope)
         routes: list[RouteResult | None] = [None] * len(prompts)
         for group in groups:
             lead = prompts[group.members[0]]
             now = self._clock()
-            views = self._views(lead, scope, now, min_policy_version, frozenset(),
+            views = self.views.views(lead, scope, now, min_policy_version, frozenset(),
                                 first_keys[group.members[0]])
             result = self._route_views(
                 views, lead.token_count, len(group.members), min_policy_version, routing, now,
@@ -329,7 +266,7 @@ class Router:
         """One routing decision over ``views``: choose a worker, then reserve it."""
         self.awaited.expire(now)  # an expired route's load must not weigh on this choice
         chooser = self._chooser(routing or self.default_routing)
-        request = self._request(views, token_count, copies)
+        request = self.views.request(views, token_count, copies)
         decision = self._choose(chooser, request, views, min_policy_version, now)
         return self._reserve(decision, chooser.name, request, views, report_end, now)
 
@@ -343,7 +280,7 @@ class Router:
         Raises:
             Unavailable: reason NO_WORKER, with ``retry_after_ms``, when no worker is eligible.
         """
-        holders, idle = self._candidates(views, min_policy_version, now)
+        holders, idle = self.views.candidates(views, min_policy_version, now)
         try:
             return chooser.choose(request, holders, self._rng, idle=idle)
         except NoEligibleWorker:
@@ -355,25 +292,6 @@ class Router:
                 ),
                 reason=Reason.NO_WORKER, retry_after_ms=self.retry_after_ms,
             ) from None
-
-    def _request(self, views: list[VersionView], token_count: int,
-                 copies: int) -> RoutingRequest:
-        return RoutingRequest(prompt_pages=len(views[0].keys), prompt_tokens=token_count,
-                              page_size=self._page_size, copies=copies)
-
-    def _candidates(self, views: list[VersionView], min_policy_version: int | None,
-                    now: float) -> tuple[list[Candidate], Iterator[Candidate]]:
-        """Every version's holders of the prompt (pending entries included), and then its idle
-        eligible workers, cheapest load floor first (lazily: a chooser may stop early)."""
-        holders = [c for view in views
-                   for c in view.holders(self._fleet, now, min_policy_version)]
-        # Each version's eligible list is in load-floor order; merged, idle workers still reach
-        # the chooser cheapest first.
-        idle_sessions = heapq.merge(
-            *[(s for s in view.eligible if s.worker_id not in view.details) for view in views],
-            key=lambda s: s.floor_at(now),
-        )
-        return holders, (s.idle_candidate(now) for s in idle_sessions)
 
     def _reserve(self, decision: Decision, routing_rule: str, request: RoutingRequest,
                  views: list[VersionView], report_end: bool, now: float) -> RouteResult:

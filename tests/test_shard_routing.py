@@ -1,0 +1,168 @@
+"""Routes over shards (issue 29): two shards on one redis-server, each replica ingesting only
+its own workers and asking the other for its shortlist, decide exactly as one coordinator
+holding every worker does; lookups and route ends span the shards; a shard that cannot answer
+leaves its workers out instead of failing the route. Real coordinators, real Redis, scripted
+workers."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import pytest
+
+from bench.scripted_worker import ScriptedWorker
+from coordinator.client import AsyncCoordinatorClient
+from coordinator.server.main import RunningCoordinator
+from kvcoord.fleet_procs import free_port
+from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
+
+pytestmark = pytest.mark.redis
+
+SHARD_WORKERS = {"a": [f"w{i}" for i in range(4)], "b": [f"w{i}" for i in range(4, 8)]}
+FAMILIES = 6
+PAGE = 16
+# Decisions must not move with the clock: leases and pending entries outlive the test, and
+# a prefill backlog drains too slowly to reorder two costs (ties stay ties: none drains).
+STILL = {"lease_ms": 60_000, "pending_ttl_ms": 60_000, "prefill_tokens_per_s": 1e-6,
+         "routing_seed": 29}
+
+
+def family(f: int) -> list[int]:
+    return [f * 1_000 + i for i in range(16 * PAGE)]
+
+
+def prompt(rng: random.Random, f: int) -> list[int]:
+    return family(f) + [50_000 + rng.randrange(10_000) for _ in range(4 * PAGE + 3)]
+
+
+async def seed_caches(workers: Sequence[ScriptedWorker]) -> None:
+    """Worker i holds family i % 6 whole and the first half of family (i + 3) % 6."""
+    for i, worker in enumerate(workers):
+        await worker.store(worker.keys(family(i % FAMILIES)))
+        await worker.store(worker.keys(family((i + 3) % FAMILIES))[:8])
+
+
+@asynccontextmanager
+async def two_shards(url: str, **knobs: Any) -> AsyncIterator[
+        tuple[RunningCoordinator, RunningCoordinator, list[ScriptedWorker]]]:
+    """Shard a's replica A and shard b's replica B, each naming the other as its peer, each
+    with its own four workers."""
+    ports = {"a": free_port(), "b": free_port()}
+    async with AsyncExitStack() as stack:
+        replicas = {}
+        for shard, other in (("a", "b"), ("b", "a")):
+            replicas[shard] = await stack.enter_async_context(running_coordinator(
+                listen=f"127.0.0.1:{ports[shard]}", redis=url, replica_id=shard.upper(),
+                shard=shard, peer_shards=f"{other}=127.0.0.1:{ports[other]}",
+                bootstrap_timeout_ms=1_000, **knobs))
+        workers = []
+        for shard, ids in SHARD_WORKERS.items():
+            for worker_id in ids:
+                worker = ScriptedWorker(target(replicas[shard]), worker_id, hash_config=DEV_HASH)
+                await worker.start()
+                stack.push_async_callback(worker.close)
+                workers.append(worker)
+        yield replicas["a"], replicas["b"], workers
+
+
+@asynccontextmanager
+async def one_coordinator(**knobs: Any) -> AsyncIterator[
+        tuple[RunningCoordinator, list[ScriptedWorker]]]:
+    """The same eight workers on one coordinator (the embedded store)."""
+    async with AsyncExitStack() as stack:
+        whole = await stack.enter_async_context(running_coordinator(**knobs))
+        workers = []
+        for worker_id in [w for ids in SHARD_WORKERS.values() for w in ids]:
+            worker = ScriptedWorker(target(whole), worker_id, hash_config=DEV_HASH)
+            await worker.start()
+            stack.push_async_callback(worker.close)
+            workers.append(worker)
+        yield whole, workers
+
+
+async def decisions(clients: Sequence[AsyncCoordinatorClient]) -> list[str]:
+    """A fixed workload through ``clients`` in turn: single routes of prompts sharing the
+    cached families (some repeated: each route's pending entries steer the next), and batches
+    of siblings. The chosen worker ids in order."""
+    rng = random.Random(1)
+    chosen: list[str] = []
+    for step in range(48):
+        client = clients[step % len(clients)]
+        if step % 8 == 7:
+            siblings = [prompt(rng, rng.randrange(FAMILIES))] * 4
+            batch = await client.route_batch([*siblings, prompt(rng, rng.randrange(FAMILIES))])
+            chosen.extend(r.worker_id for r in batch.routes)
+        else:
+            tokens = prompt(rng, rng.randrange(FAMILIES + 2))  # some families nobody caches
+            chosen.append((await client.route(tokens)).worker_id)
+    return chosen
+
+
+async def test_two_shards_decide_every_route_as_one_coordinator_holding_every_worker(
+        redis_url: str) -> None:
+    async with two_shards(redis_url, **STILL) as (a, b, sharded_workers):
+        await seed_caches(sharded_workers)
+        async with AsyncCoordinatorClient(target(a)) as via_a, \
+                AsyncCoordinatorClient(target(b)) as via_b:
+            # Each shard ingests only its own workers.
+            assert a.service.fleet.get("w4") is None and b.service.fleet.get("w0") is None
+            # Through one replica: its rng draws every tie, as the one coordinator's does
+            # (through both, each draws from its own: the same odds, not the same draws).
+            sharded = await decisions([via_a])
+            assert (await via_b.route(family(1) + [1])).worker_id in {"w1", "w4"}
+    async with one_coordinator(**STILL) as (whole, whole_workers):
+        await seed_caches(whole_workers)
+        async with AsyncCoordinatorClient(target(whole)) as client:
+            reference = await decisions([client])
+    assert sharded == reference
+    assert set(sharded) & set(SHARD_WORKERS["a"]) and set(sharded) & set(SHARD_WORKERS["b"])
+
+
+async def test_a_route_reserved_on_the_other_shard_ends_through_either(redis_url: str) -> None:
+    async with two_shards(redis_url, **STILL) as (a, b, workers):
+        await seed_caches(workers)
+        # An engine behind a bridge on shard b holds family 7, which nobody else caches: a
+        # route asked of A lands there, reserved (and awaited) by B.
+        bridged = ScriptedWorker(target(b), "x7", hash_config=DEV_HASH, external=True)
+        await bridged.start()
+        try:
+            await bridged.store(bridged.keys(family(7)))
+            tokens = family(7) + [7, 8, 9]
+            async with AsyncCoordinatorClient(target(a)) as via_a:
+                route = await via_a.route(tokens, report_end=True)
+                assert (route.worker_id, route.end_awaited) == ("x7", True)
+                assert a.service.fleet.get("x7") is None  # A never ingested it
+                # B holds the reservation: a sibling through B sees it as load on x7.
+                held = b.service.fleet.get("x7")
+                assert held is not None and held.current_load(0.0).inflight_routes == 1
+                ended = await via_a.end_routes([route.route_id, "no-such-route"])
+                assert (ended.ended, ended.unknown) == (1, 1)
+                assert held.current_load(0.0).inflight_routes == 0
+                # Lookups span the shards: both holders of family 0's pages are listed.
+                matches = (await via_a.lookup(family(0) + [1])).matches
+                assert {"w0", "w6"} <= set(matches)
+        finally:
+            await bridged.close()
+
+
+async def test_a_shard_that_cannot_answer_leaves_its_workers_out(redis_url: str) -> None:
+    ports = {"a": free_port(), "b": free_port()}  # nothing listens on b's port
+    async with running_coordinator(listen=f"127.0.0.1:{ports['a']}", redis=redis_url,
+                                   shard="a", peer_shards=f"b=127.0.0.1:{ports['b']}",
+                                   bootstrap_timeout_ms=1_000, **STILL) as a:
+        worker = ScriptedWorker(target(a), "w0", hash_config=DEV_HASH)
+        await worker.start()
+        try:
+            await worker.store(worker.keys(family(0)))
+            async with AsyncCoordinatorClient(target(a)) as client:
+                assert (await client.route(family(0) + [1])).worker_id == "w0"
+                assert set((await client.lookup(family(0) + [1])).matches) == {"w0"}
+
+            async def counted() -> bool:
+                return sum(a.shards.unanswered.values()) >= 2 if a.shards else False
+            await eventually(counted, what="the unanswered shard to be counted")
+        finally:
+            await worker.close()
