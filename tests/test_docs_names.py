@@ -15,10 +15,12 @@ from prometheus_client import generate_latest
 from bench.bench_engines import TRACE_VAR
 from bench.engines_fleet import SMG_VAR, VLLM_PYTHON_VAR
 from coordinator.config import CoordinatorConfig
+from coordinator.control.shard_routing import ShardRouting
 from coordinator.core.accel import NO_ACCEL_VARIABLE
 from coordinator.replica import CoordinatorReplica
 from coordinator.rpc.interceptor import ErrorMappingInterceptor
 from coordinator.server.metrics import CoordinatorMetrics
+from coordinator.server.peer_shards import peer_shards
 from coordinator.server.sync_relay import SyncFrontends
 from coordinator.store.memory import MemoryStore
 from kvcoord.cli_security import CLIENT_FILE_VARIABLES, TOKEN_VARIABLE
@@ -53,6 +55,9 @@ def exposed_metric_names() -> set[str]:
     coordinator.watch_frontends(SyncFrontends(
         service, ErrorMappingInterceptor(coordinator),
         CoordinatorConfig(replica_id="r", sync_frontends=1)))
+    # A replica whose routes span another shard (its peer is never called here).
+    coordinator.watch_shards(ShardRouting(service.router, peer_shards(
+        {"b": ("127.0.0.1:1",)}, page_size=16, max_message_bytes=1 << 20)))
     text = generate_latest(coordinator.registry).decode()
     worker = WorkerMetrics(lambda: stats, sync=SyncCounters())
     worker.requests.labels("Generate", "OK").inc()

@@ -84,6 +84,8 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     if frontends is not None:
         metrics.watch_frontends(frontends)
     shards = shard_routing_of(config, service)
+    if shards is not None:
+        metrics.watch_shards(shards)
     servicer = errors.wrap(
         CoordinatorServicer(service, frontends.sync_port if frontends else lambda: 0, shards),
         descriptor, COORDINATOR_PERMISSIONS)

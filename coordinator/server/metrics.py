@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from coordinator.control.shard_routing import ShardRouting
 from coordinator.replica import CoordinatorReplica
 from coordinator.server.sync_relay import SyncFrontends
 
@@ -44,6 +45,26 @@ class CoordinatorMetrics:
     def watch_frontends(self, frontends: SyncFrontends) -> None:
         """Export the replica's sync frontends (``server.sync_relay``) at scrape time."""
         self.registry.register(_FrontendCollector(frontends))
+
+
+    def watch_shards(self, shards: ShardRouting) -> None:
+        """Export the shards routes span (``control.shard_routing``) at scrape time."""
+        self.registry.register(_ShardCollector(shards))
+
+
+class _ShardCollector(Collector):
+    def __init__(self, shards: ShardRouting) -> None:
+        self._shards = shards
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("kvcoord_peer_shards", "Other shards every route is decided "
+                                "over", value=len(self._shards.peers))
+        unanswered = CounterMetricFamily(
+            "kvcoord_shard_unanswered", "Calls to another shard left out of a decision, "
+            "lookup or route end (no answer in time, or unavailable)", labels=["shard"])
+        for peer in self._shards.peers:
+            unanswered.add_metric([peer.name], self._shards.unanswered[peer.name])
+        yield unanswered
 
 
 class _FrontendCollector(Collector):
