@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.server.main import RunningCoordinator
 from kvcoord.fleet_procs import free_port
+from tests.auth_fixtures import write_identities
 from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
 
 pytestmark = pytest.mark.redis
@@ -112,7 +114,7 @@ async def test_two_shards_decide_every_route_as_one_coordinator_holding_every_wo
             # Through one replica: its rng draws every tie, as the one coordinator's does
             # (through both, each draws from its own: the same odds, not the same draws).
             sharded = await decisions([via_a])
-            assert (await via_b.route(family(1) + [1])).worker_id in {"w1", "w4"}
+            assert (await via_b.route([*family(1), 1])).worker_id in {"w1", "w4"}
     async with one_coordinator(**STILL) as (whole, whole_workers):
         await seed_caches(whole_workers)
         async with AsyncCoordinatorClient(target(whole)) as client:
@@ -130,7 +132,7 @@ async def test_a_route_reserved_on_the_other_shard_ends_through_either(redis_url
         await bridged.start()
         try:
             await bridged.store(bridged.keys(family(7)))
-            tokens = family(7) + [7, 8, 9]
+            tokens = [*family(7), 7, 8, 9]
             async with AsyncCoordinatorClient(target(a)) as via_a:
                 route = await via_a.route(tokens, report_end=True)
                 assert (route.worker_id, route.end_awaited) == ("x7", True)
@@ -142,7 +144,7 @@ async def test_a_route_reserved_on_the_other_shard_ends_through_either(redis_url
                 assert (ended.ended, ended.unknown) == (1, 1)
                 assert held.current_load(0.0).inflight_routes == 0
                 # Lookups span the shards: both holders of family 0's pages are listed.
-                matches = (await via_a.lookup(family(0) + [1])).matches
+                matches = (await via_a.lookup([*family(0), 1])).matches
                 assert {"w0", "w6"} <= set(matches)
         finally:
             await bridged.close()
@@ -158,11 +160,41 @@ async def test_a_shard_that_cannot_answer_leaves_its_workers_out(redis_url: str)
         try:
             await worker.store(worker.keys(family(0)))
             async with AsyncCoordinatorClient(target(a)) as client:
-                assert (await client.route(family(0) + [1])).worker_id == "w0"
-                assert set((await client.lookup(family(0) + [1])).matches) == {"w0"}
+                assert (await client.route([*family(0), 1])).worker_id == "w0"
+                assert set((await client.lookup([*family(0), 1])).matches) == {"w0"}
 
             async def counted() -> bool:
                 return sum(a.shards.unanswered.values()) >= 2 if a.shards else False
             await eventually(counted, what="the unanswered shard to be counted")
         finally:
             await worker.close()
+
+
+async def test_a_shard_asks_the_other_with_the_callers_identity_and_tenant(
+        redis_url: str, tmp_path: Path) -> None:
+    identities = write_identities(tmp_path)
+    ports = {"a": free_port(), "b": free_port()}
+    async with AsyncExitStack() as stack:
+        replicas = {}
+        for shard, other in (("a", "b"), ("b", "a")):
+            replicas[shard] = await stack.enter_async_context(running_coordinator(
+                listen=f"127.0.0.1:{ports[shard]}", redis=redis_url, shard=shard,
+                peer_shards=f"{other}=127.0.0.1:{ports[other]}", bootstrap_timeout_ms=1_000,
+                auth_file=str(identities.path), **STILL))
+        workers = {}
+        for name, shard in (("w1", "a"), ("w2", "b")):
+            worker = ScriptedWorker(target(replicas[shard]), name, hash_config=DEV_HASH,
+                                    token=identities.tokens[name])
+            await worker.start()
+            stack.push_async_callback(worker.close)
+            workers[name] = worker
+        # w2, on shard b, caches the prompt as tenant-a's scheduler hashes it.
+        keys = workers["w2"].keys(family(2), tenant="tenant-a")
+        await workers["w2"].store(keys)
+        async with AsyncCoordinatorClient(target(replicas["a"]),
+                                          token=identities.tokens["sched-a"]) as sched_a:
+            route = await sched_a.route([*family(2), 1])
+        # Shard b hashed the prompt under tenant-a (the forwarded identity's), saw the hit
+        # and reserved it; without the token it would have refused, leaving only w1.
+        assert (route.worker_id, route.matched_pages) == ("w2", len(keys))
+        assert sum(replicas["a"].shards.unanswered.values()) == 0
