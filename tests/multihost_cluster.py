@@ -11,6 +11,9 @@ A worker attaches to its first target and moves to the next one when that one is
 
 ``running_cluster`` builds it and tears it down; the functions after it are the observations
 both the tests and the chaos bench make (fleet state, holdings per replica, rollout records).
+A ``Layout`` changes who runs where: ``SHARDED`` (``tests/test_shards.py``) runs shard ``a``
+(replicas ``a1``, ``a2``; workers ``w1``, ``w2``) and shard ``b`` (replica ``b1``; worker
+``w3``) on the one Redis, each worker pointed at its own shard's replicas only.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +61,31 @@ WORKER_TARGETS = {"w1": ("c1", "c2"), "w2": ("c2", "c1"), "w3": ("c1", "c2")}
 PROMPTS = {w: [(31 * n + 7 * i + 3) % 500 for i in range(3 * PAGE + 1)]
            for n, w in enumerate(WORKERS)}
 WAIT_S = 15.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who runs where: the coordinator replicas (in start order), each worker's TARGETS (replica
+    names, the first is where it attaches) and each replica's shard (none: unsharded)."""
+
+    replicas: tuple[str, ...] = REPLICAS
+    targets: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: WORKER_TARGETS)
+    shards: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return tuple(self.targets)
+
+    def workers_of(self, replica: str) -> tuple[str, ...]:
+        """The workers ``replica`` holds: its shard's (every worker, unsharded)."""
+        shard = self.shards.get(replica, "")
+        return tuple(w for w, targets in self.targets.items()
+                     if self.shards.get(targets[0], "") == shard)
+
+
+SHARDED = Layout(replicas=("a1", "a2", "b1"),
+                 targets={"w1": ("a1", "a2"), "w2": ("a2", "a1"), "w3": ("b1",)},
+                 shards={"a1": "a", "a2": "a", "b1": "b"})
 # A lapsed lease is seen by the next reaper pass; the rest is scheduling slack on 2 cores.
 UNROUTABLE_S = LEASE_S + 1.5
 # Replicas answer Lookup identically once this long has passed without a new event (publish,
@@ -134,21 +162,24 @@ class Cluster:
     logs: Path
     coordinators: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     workers: dict[str, tuple[Host, subprocess.Popen[bytes]]] = field(default_factory=dict)
+    layout: Layout = field(default_factory=Layout)
 
     def target(self, replica: str) -> str:
         return f"{self.net.hosts[replica].ip}:{COORDINATOR_PORT}"
 
-    def targets(self, replicas: Sequence[str] = REPLICAS) -> str:
-        """TARGETS for ``replicas``, in that order (a client starts at the first)."""
-        return ",".join(self.target(r) for r in replicas)
+    def targets(self, replicas: Sequence[str] = ()) -> str:
+        """TARGETS for ``replicas`` (default: every replica), in that order (a client starts at
+        the first)."""
+        return ",".join(self.target(r) for r in replicas or self.layout.replicas)
 
     @property
     def live_replicas(self) -> tuple[str, ...]:
-        return tuple(r for r in REPLICAS if r in self.coordinators)
+        return tuple(r for r in self.layout.replicas if r in self.coordinators)
 
     def client(self, *replicas: str, timeout: float = 10.0) -> CoordinatorClient:
-        """A client of ``replicas`` (default: both, c1 first), as schedulers and trainers use."""
-        return CoordinatorClient(self.targets(replicas or REPLICAS), timeout=timeout)
+        """A client of ``replicas`` (default: every replica, c1 first), as schedulers and
+        trainers use."""
+        return CoordinatorClient(self.targets(replicas), timeout=timeout)
 
     def spawn(self, host: Host, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         """``kvcoord ARGS`` on ``host``, structlog JSON appended to ``logs/<name>.log``."""
@@ -160,9 +191,11 @@ class Cluster:
         """Replica ``replica`` (its id is its host name) on its host; returns once its health
         answers SERVING, which a replica reports only after its bootstrap."""
         host = self.net.hosts[replica]
+        shard = self.layout.shards.get(replica)
         process = self.spawn(host, replica, [
             "coordinator", "--listen", f"{host.ip}:{COORDINATOR_PORT}",
-            "--redis", self.redis.url, "--replica-id", replica, "--log-level", "info"])
+            "--redis", self.redis.url, "--replica-id", replica, "--log-level", "info",
+            *(["--shard", shard] if shard else [])])
         self.coordinators[replica] = process
         wait_healthy(self.target(replica), process)
 
@@ -173,7 +206,7 @@ class Cluster:
     def start_worker(self, worker_id: str) -> None:
         host = self.net.hosts[worker_id]
         process = self.spawn(host, worker_id, [
-            "worker", "--coordinator", self.targets(WORKER_TARGETS[worker_id]),
+            "worker", "--coordinator", self.targets(self.layout.targets[worker_id]),
             "--listen", f"0.0.0.0:{WORKER_PORT}", "--advertise", f"{host.ip}:{WORKER_PORT}",
             "--worker-id", worker_id, "--pages", str(WORKER_PAGES), "--device", "cpu",
             "--log-level", "info"])
@@ -195,24 +228,26 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def running_cluster(logs: Path) -> Iterator[Cluster]:
-    """Redis, both replicas and the three workers, every worker ready at version 0 on both
-    replicas; everything torn down on exit (also on failure half-way)."""
+def running_cluster(logs: Path, layout: Layout = Layout()) -> Iterator[Cluster]:
+    """Redis, the replicas and the workers (by default both replicas and the three workers),
+    every worker ready at version 0 on each replica that holds it; everything torn down on exit
+    (also on failure half-way)."""
     with Network() as net:
         db = net.add_host("db")
-        for name in (*REPLICAS, *WORKERS):
+        for name in (*layout.replicas, *layout.workers):
             net.add_host(name)
-        cluster = Cluster(net, NamespacedRedis(db), logs)
+        cluster = Cluster(net, NamespacedRedis(db), logs, layout=layout)
         try:
             cluster.redis.start()
-            for replica in REPLICAS:
+            for replica in layout.replicas:
                 cluster.start_coordinator(replica)
-            for worker_id in WORKERS:
+            for worker_id in layout.workers:
                 cluster.start_worker(worker_id)
-            for replica in REPLICAS:
+            for replica in layout.replicas:
+                workers = layout.workers_of(replica)
                 with cluster.client(replica) as client:
-                    eventually(lambda: all_ready(client, 0),
-                               f"three workers ready at version 0 on {replica}", timeout=60.0)
+                    eventually(lambda: all_ready(client, 0, workers),  # noqa: B023 (called here)
+                               f"{workers} ready at version 0 on {replica}", timeout=60.0)
             yield cluster
         finally:
             net.close()  # before the Redis data dir goes: redis-server is one of its processes
@@ -226,9 +261,11 @@ def infos(client: CoordinatorClient) -> dict[str, WorkerInfo]:
     return {w.worker_id: w for w in client.workers()}
 
 
-def all_ready(client: CoordinatorClient, version: int) -> bool:
+def all_ready(client: CoordinatorClient, version: int,
+              workers: Sequence[str] = WORKERS) -> bool:
+    """``client``'s replica lists exactly ``workers``, each ready at ``version``."""
     states = {w: (i.policy_version, i.state) for w, i in infos(client).items()}
-    return states == {w: (version, "ready") for w in WORKERS}
+    return states == {w: (version, "ready") for w in workers}
 
 
 def owners(client: CoordinatorClient) -> dict[str, str]:

@@ -7,12 +7,22 @@ never the other shard's; each shard lists only its own replicas. A policy update
 shard a's replica waits for shard b's worker too (its members are read from the workers'
 records in the store), which B1 drains, reloads and resumes; one that never acks is fenced by
 its own shard's replica; an abort through B1 reaches A1's.
+
+Across hosts (``tests/multihost_cluster.py``'s ``SHARDED`` layout: Redis, shard a's replicas
+a1 and a2, shard b's b1 and the workers w1, w2 (shard a) and w3 (shard b), each in its own
+network namespace, every worker pointed at its own shard's replicas only), with real workers:
+pages are indexed by their own shard only, a shard's two replicas replicate to each other, a
+sync update begun and committed through a1 moves w3 too, and a stopped w3 holds the commit back
+until its deadline and is fenced.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import grpc
@@ -28,7 +38,23 @@ from coordinator.server.main import RunningCoordinator
 from coordinator.store.protocol import WorkerRecord
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.wire import Reason
+from tests.conftest import skip_without_redis
 from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
+from tests.multihost_cluster import PAGE as HOST_PAGE
+from tests.multihost_cluster import (
+    PROMPTS,
+    SHARDED,
+    WAIT_S,
+    Cluster,
+    all_ready,
+    holdings,
+    infos,
+    owners,
+    replicas_agree,
+    running_cluster,
+    serve_and_index,
+)
+from tests.multihost_cluster import eventually as polled
 from tests.test_replication import PAGE, workers_on
 
 pytestmark = pytest.mark.redis
@@ -183,3 +209,93 @@ async def test_a_member_in_another_shard_that_never_acks_is_fenced_by_its_own_re
             assert outcome_of(ended.value).reason is Reason.FENCED
             await listed(a1, {"wa": (1, "ready")})
         await mute.close()
+
+
+# ---------------------------------------------------------------------- across hosts
+
+SHARD_A, SHARD_B = ("a1", "a2"), ("b1",)
+WAIT_UPDATE_S = 5.0  # a sync update's DRAIN/APPLY/RESUME relayed to every worker, on 2 cores
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    skip_without_redis()
+    with running_cluster(tmp_path_factory.mktemp("shards-logs"), SHARDED) as cluster:
+        yield cluster
+
+
+def every_replica_at(cluster: Cluster, version: int) -> None:
+    """Wait until each replica lists its own shard's workers, all ready at ``version``."""
+    for replica in SHARDED.replicas:
+        workers = SHARDED.workers_of(replica)
+        with cluster.client(replica, timeout=2.0) as client:
+            polled(lambda c=client, w=workers: all_ready(c, version, w),
+                   f"{workers} ready at {version} on {replica}", timeout=WAIT_UPDATE_S)
+
+
+@pytest.mark.slow
+def test_hosts_pages_are_indexed_by_their_own_shard_only(cluster: Cluster) -> None:
+    with cluster.client(*SHARD_A) as shard_a, cluster.client(*SHARD_B) as shard_b:
+        serve_and_index(cluster, shard_a, "w1")
+        serve_and_index(cluster, shard_b, "w3")
+        held = {w: {w: 3 * HOST_PAGE} for w in ("w1", "w3")}
+        assert {w: replicas_agree(cluster, SHARD_A)[w] for w in held} == {
+            "w1": held["w1"], "w3": {}}
+        assert {w: holdings(shard_b)[w] for w in held} == {"w1": {}, "w3": held["w3"]}
+        assert sorted(infos(shard_b)) == ["w3"]
+
+
+@pytest.mark.slow
+def test_hosts_two_replicas_of_one_shard_replicate_to_each_other(cluster: Cluster) -> None:
+    with cluster.client("a1") as a1, cluster.client("a2") as a2:
+        assert owners(a1) == owners(a2) == {"w1": "a1", "w2": "a2"}
+        serve_and_index(cluster, a2, "w2")  # indexed on a2, which owns it
+        polled(lambda: holdings(a1)["w2"] == {"w2": 3 * HOST_PAGE}, "a1 to list w2's pages")
+        assert a1.stats().replicas == a2.stats().replicas == SHARD_A
+    with cluster.client("b1") as b1:
+        assert b1.stats().replicas == SHARD_B
+        assert holdings(b1)["w2"] == {}
+
+
+@pytest.mark.slow
+def test_hosts_sync_update_through_shard_a_moves_shard_bs_worker_too(cluster: Cluster) -> None:
+    with cluster.client("a1") as trainer:
+        version = trainer.policy().version
+        every_replica_at(cluster, version)
+        trainer.begin_policy_update(version)
+        result = trainer.commit_policy_update(version + 1, timeout=5.0)
+    assert (result.version, result.phase) == (version + 1, "serving")
+    assert (result.acked_workers, result.fenced_workers) == (("w1", "w2", "w3"), ())
+    every_replica_at(cluster, version + 1)
+    for worker_id in SHARDED.workers:
+        with cluster.worker(worker_id) as worker:
+            assert worker.generate(PROMPTS[worker_id], 2).policy_version == version + 1
+
+
+@pytest.mark.slow
+def test_hosts_stopped_worker_of_shard_b_holds_the_commit_back_and_is_fenced(
+    cluster: Cluster,
+) -> None:
+    victim = "w3"
+    process = cluster.workers[victim][1]
+    with cluster.client("a1") as trainer, cluster.client("b1") as b1:
+        version = trainer.policy().version
+        every_replica_at(cluster, version)
+        incarnation = infos(b1)[victim].incarnation
+        os.killpg(process.pid, signal.SIGSTOP)  # alive to its lease, deaf to commands
+        try:
+            trainer.begin_policy_update(version)
+            started = time.monotonic()
+            result = trainer.commit_policy_update(version + 1, timeout=2.0)
+            waited = time.monotonic() - started
+            assert (result.acked_workers, result.fenced_workers) == (("w1", "w2"), (victim,))
+            assert waited >= 1.9, waited  # it waited out the deadline for w3
+            assert infos(b1)[victim].state != "ready"
+        finally:
+            os.killpg(process.pid, signal.SIGCONT)
+        # Fenced (its lease gone as well): it re-registers and serves the new version.
+        polled(lambda: infos(b1)[victim].incarnation > incarnation
+               and all_ready(b1, version + 1, (victim,)),
+               f"{victim} to rejoin at version {version + 1}", timeout=WAIT_S)
+    with cluster.worker(victim) as worker:
+        assert worker.generate(PROMPTS[victim], 2).policy_version == version + 1
