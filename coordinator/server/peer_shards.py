@@ -85,25 +85,36 @@ class GrpcPeerShard(PeerShard):
             raise ValueError(f"shard {name!r} has no targets")
         self.name = name
         self._page_size = page_size
-        options = client_channel_options(max_message_bytes)
-        self._channels = [grpc.aio.insecure_channel(t, options=options) for t in targets]
-        self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
+        self._targets = tuple(targets)
+        self._options = client_channel_options(max_message_bytes)
+        # Opened on the first call, in the serving loop (grpc.aio binds a channel to a loop).
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[pb_grpc.CoordinatorStub] = []
         self._next = 0  # the replica that answered last
 
     async def close(self) -> None:
         for channel in self._channels:
             await channel.close()
+        self._channels, self._stubs = [], []
+
+    def _opened(self) -> list[pb_grpc.CoordinatorStub]:
+        if not self._stubs:
+            self._channels = [grpc.aio.insecure_channel(t, options=self._options)
+                              for t in self._targets]
+            self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
+        return self._stubs
 
     async def _call(self, rpc: Callable[[pb_grpc.CoordinatorStub], Callable[..., Awaitable[T]]],
                     request: Any) -> T:
         """``rpc`` on the shard's replicas in turn until one answers; a replica's refusal is
         raised as a domain error, and the last transport failure as UNAVAILABLE."""
         metadata = (*_FORWARDED.get(), SHARD_HOP)
+        stubs = self._opened()
         last: KvcoordError | None = None
-        for i in range(len(self._stubs)):
-            index = (self._next + i) % len(self._stubs)
+        for i in range(len(stubs)):
+            index = (self._next + i) % len(stubs)
             try:
-                answer = await rpc(self._stubs[index])(request, metadata=metadata)
+                answer = await rpc(stubs[index])(request, metadata=metadata)
             except grpc.RpcError as exc:
                 last = KvcoordError.from_rpc(exc)
                 if is_transport_failure(last):
