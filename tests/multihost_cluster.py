@@ -13,7 +13,8 @@ A worker attaches to its first target and moves to the next one when that one is
 both the tests and the chaos bench make (fleet state, holdings per replica, rollout records).
 A ``Layout`` changes who runs where: ``SHARDED`` (``tests/test_shards.py``) runs shard ``a``
 (replicas ``a1``, ``a2``; workers ``w1``, ``w2``) and shard ``b`` (replica ``b1``; worker
-``w3``) on the one Redis, each worker pointed at its own shard's replicas only.
+``w3``) on the one Redis, each worker pointed at its own shard's replicas only, and each
+replica naming the other shard's as its peers (routes and lookups span the shards).
 """
 
 from __future__ import annotations
@@ -75,6 +76,16 @@ class Layout:
     @property
     def workers(self) -> tuple[str, ...]:
         return tuple(self.targets)
+
+    def peers_of(self, replica: str) -> dict[str, tuple[str, ...]]:
+        """The other shards' replicas, by shard (``--peer-shards``; none unsharded)."""
+        own = self.shards.get(replica)
+        peers: dict[str, tuple[str, ...]] = {}
+        for other in self.replicas:
+            shard = self.shards.get(other)
+            if own and shard and shard != own:
+                peers[shard] = (*peers.get(shard, ()), other)
+        return peers
 
     def workers_of(self, replica: str) -> tuple[str, ...]:
         """The workers ``replica`` holds: its shard's (every worker, unsharded)."""
@@ -192,10 +203,13 @@ class Cluster:
         answers SERVING, which a replica reports only after its bootstrap."""
         host = self.net.hosts[replica]
         shard = self.layout.shards.get(replica)
+        peers = ";".join(f"{name}={self.targets(replicas)}"
+                         for name, replicas in self.layout.peers_of(replica).items())
         process = self.spawn(host, replica, [
             "coordinator", "--listen", f"{host.ip}:{COORDINATOR_PORT}",
             "--redis", self.redis.url, "--replica-id", replica, "--log-level", "info",
-            *(["--shard", shard] if shard else [])])
+            *(["--shard", shard] if shard else []),
+            *(["--peer-shards", peers] if peers else [])])
         self.coordinators[replica] = process
         wait_healthy(self.target(replica), process)
 

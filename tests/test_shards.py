@@ -236,13 +236,32 @@ def every_replica_at(cluster: Cluster, version: int) -> None:
 @pytest.mark.slow
 def test_hosts_pages_are_indexed_by_their_own_shard_only(cluster: Cluster) -> None:
     with cluster.client(*SHARD_A) as shard_a, cluster.client(*SHARD_B) as shard_b:
+        keys_b = shard_b.stats().index_keys
         serve_and_index(cluster, shard_a, "w1")
+        assert shard_b.stats().index_keys == keys_b  # shard b ingested none of w1's pages
+        keys_a = shard_a.stats().index_keys
         serve_and_index(cluster, shard_b, "w3")
+        assert shard_a.stats().index_keys == keys_a
         held = {w: {w: 3 * HOST_PAGE} for w in ("w1", "w3")}
-        assert {w: replicas_agree(cluster, SHARD_A)[w] for w in held} == {
-            "w1": held["w1"], "w3": {}}
-        assert {w: holdings(shard_b)[w] for w in held} == {"w1": {}, "w3": held["w3"]}
+        # Lookups span the shards (each replica asks the other shard): every replica lists
+        # both holders.
+        assert {w: replicas_agree(cluster)[w] for w in held} == held
         assert sorted(infos(shard_b)) == ["w3"]
+
+
+@pytest.mark.slow
+def test_hosts_routes_through_either_shard_reach_the_other_shards_holder(
+        cluster: Cluster) -> None:
+    with cluster.client(*SHARD_A) as shard_a, cluster.client(*SHARD_B) as shard_b:
+        serve_and_index(cluster, shard_b, "w3")
+        serve_and_index(cluster, shard_a, "w1")
+        # Decided on shard a, reserved on shard b (and the other way round); the worker then
+        # serves the prompt from its cache.
+        for client, holder in ((shard_a, "w3"), (shard_b, "w1")):
+            route = client.route(PROMPTS[holder])
+            assert (route.worker_id, route.matched_pages) == (holder, 3)
+            with cluster.worker(holder) as worker:
+                assert worker.generate(PROMPTS[holder], 2).cached_tokens == 3 * HOST_PAGE
 
 
 @pytest.mark.slow
@@ -254,7 +273,7 @@ def test_hosts_two_replicas_of_one_shard_replicate_to_each_other(cluster: Cluste
         assert a1.stats().replicas == a2.stats().replicas == SHARD_A
     with cluster.client("b1") as b1:
         assert b1.stats().replicas == SHARD_B
-        assert holdings(b1)["w2"] == {}
+        assert "w2" not in infos(b1)  # shard b never heard of shard a's worker
 
 
 @pytest.mark.slow
