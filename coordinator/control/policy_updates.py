@@ -31,10 +31,10 @@ from coordinator.control.policy.policy_acks import await_barrier, failures_of
 from coordinator.control.replication_sink import ReplicationSink
 from coordinator.control.sessions import WorkerStreams
 from coordinator.control.sessions.sync_messages import Command
-from coordinator.control.shard_members import members_elsewhere
+from coordinator.control.shard_members import local_members, members_elsewhere
 from coordinator.core import policy_state
 from coordinator.core.errors import Aborted, FailedPrecondition
-from coordinator.core.fleet import Fleet, RegisteredWorker, WorkerStatus
+from coordinator.core.fleet import Fleet, RegisteredWorker
 from coordinator.core.policy_state import PolicyRecord
 from coordinator.store.protocol import MetadataStore, StoreUnavailable
 from coordinator.wire import Reason
@@ -114,14 +114,8 @@ class PolicyUpdates:
         record = await self._cas(step)
         target = record.target_version
         assert target is not None  # begin always sets a target
-        now = self._clock()
-        members = [
-            s for s in self._fleet
-            if not s.external and s.policy_version == record.version
-            and s.status(now) in (WorkerStatus.READY, WorkerStatus.CORDONED)
-        ]
-        # With shards this replica holds its own shard's workers only: the others' members are
-        # read from their records in the store (their owners send them the commands).
+        members = local_members(self._fleet, record.version, self._clock())
+        # Shards: the other shards' members from their store records (their owners relay).
         elsewhere = members_elsewhere(await self._store.list_workers(), shard=self._config.shard,
                                       version=record.version) if self._config.shard else []
         stages = self._stages.setdefault(target, {})

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import structlog
 
 from coordinator.control.replication_sink import ReplicationSink
-from coordinator.core.fleet import RegisteredWorker
+from coordinator.core.fleet import RegisteredWorker, WorkerStatus
 from coordinator.core.index import PageEvent
 from coordinator.store.protocol import MetadataStore, StoreUnavailable, WorkerRecord
 
@@ -43,6 +43,15 @@ def status_of(session: RegisteredWorker) -> str:
     if not session.connected:
         return DISCONNECTED
     return FENCED if session.fenced else READY
+
+
+def local_members(fleet: Iterable[RegisteredWorker], version: int,
+                  now: float) -> list[RegisteredWorker]:
+    """The members of an update from ``version`` among this replica's workers: internal,
+    serving ``version``, ready or cordoned at ``now``."""
+    return [s for s in fleet
+            if not s.external and s.policy_version == version
+            and s.status(now) in (WorkerStatus.READY, WorkerStatus.CORDONED)]
 
 
 def members_elsewhere(records: Iterable[WorkerRecord], *, shard: str, version: int) -> list[str]:
