@@ -152,7 +152,7 @@ class ShardRouting:
                         query.prompt, query.scope, chosen, copies=query.copies,
                         min_policy_version=query.min_policy_version, routing=query.routing,
                         report_end=query.report_end)
-                return await owner.reserve(query, chosen)
+                return await self._reserve_on(owner, query, chosen)
             except Unavailable as exc:
                 if attempt == 2 or exc.reason is not Reason.NO_WORKER:
                     raise
@@ -162,6 +162,18 @@ class ShardRouting:
                                    query.min_policy_version, query.routing,
                                    query.exclude | {chosen}, query.report_end)
         raise AssertionError("unreachable")
+
+    async def _reserve_on(self, owner: PeerShard, query: ShardQuery,
+                          chosen: str) -> RouteResult:
+        """The reservation on ``owner``; UNAVAILABLE (retry after a heartbeat) when it does not
+        answer in time: it may or may not have reserved, and its heartbeats settle either."""
+        try:
+            return await asyncio.wait_for(owner.reserve(query, chosen), self._timeout_s)
+        except TimeoutError:
+            self.unanswered[owner.name] += 1
+            raise Unavailable(f"shard {owner.name} did not answer the reservation of "
+                              f"{chosen!r} in time",
+                              retry_after_ms=self._router.retry_after_ms) from None
 
     async def _decide(self, query: ShardQuery) -> tuple[str, PeerShard | None]:
         """The chosen worker and the peer shard holding it (None: this one)."""
