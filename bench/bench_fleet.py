@@ -14,117 +14,56 @@ Per case: the same-run floors (a bare unary call, a bare stream message), CPU pe
 alone, then under ingest CPU per event batch and per key operation, event-to-visible lag p50/p99
 on the owning and on the other replica, ``Route`` latency p50/p99, RSS per index key. The sweep
 reports the largest worker count whose lag p99 stayed under 300 ms and "workers per
-replica-core": workers / (the coordinator's CPU cores busy), at that cadence. The last case,
-``shared_routes`` (bench/fleet_shared_routes.py), asks whether two replicas route as one.
+replica-core": workers / (the coordinator's CPU cores busy), at that cadence.
+
+``shards_2_N`` runs two shards (issue 29) on one redis-server, one replica each, each naming
+the other with ``--peer-shards``: worker i streams to shard ``"ab"[i % 2]``'s replica only,
+routes enter through shard a's (it asks shard b for its shortlist), and each replica's CPU per
+batch is over its own shard's batches. ``shared_routes`` (bench/fleet_shared_routes.py) asks
+whether two replicas route as one, ``shard_decisions`` (bench/fleet_shard_decisions.py)
+whether two shards decide as one coordinator.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
+from bench.fleet_coordinators import (
+    COORDINATOR_CORE,
+    GENERATOR_CORE,
+    coordinator_processes,
+    pinning,
+    shard_name,
+)
+from bench.fleet_shard_decisions import shard_decisions_case
 from bench.fleet_shared_routes import shared_routes_case
-from coordinator.core.accel import NO_ACCEL_VARIABLE
 from coordinator.core.index.holdings import compiled_available
-from kvcoord.fleet_procs import free_port, start_coordinator_process, stop_processes, wait_healthy
-from tests.redis_server import RedisServer
 
 LAG_BOUND_MS = 300.0
-COORDINATOR_CORE, GENERATOR_CORE = "0", "1"
-
-
-def _pinning() -> bool:
-    return shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
-
-
-def child_pids(pid: int) -> list[int]:
-    """The processes ``pid`` started (its sync frontends), from /proc."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as children:
-            return [int(p) for p in children.read().split()]
-    except OSError:
-        return []
-
-
-def _pin(pid: int, core: str) -> None:
-    subprocess.run(["taskset", "-a", "-p", "-c", core, str(pid)], check=True,
-                   stdout=subprocess.DEVNULL)
-
-
-@contextmanager
-def _replicas(count: int, appendfsync: str | None, ingest_max_share: float | None = None,
-              accelerated: bool = True, sync_frontends: int = 0,
-              frontend_core: str = COORDINATOR_CORE,
-              ) -> Iterator[tuple[list[str], list[int], list[int]]]:
-    """(targets, pids, the first replica's frontend pids) of ``count`` coordinator processes;
-    two or more share a redis-server with AOF ``appendfsync``. ``ingest_max_share``: their
-    ingest budget (None: the default); ``accelerated=False``: their index on the pure-Python
-    holdings (``KVCOORD_NO_ACCEL=1``); ``sync_frontends``: each replica's sync frontend
-    processes, pinned to ``frontend_core``."""
-    redis = None
-    if count > 1:
-        redis = RedisServer(appendonly=appendfsync is not None,
-                            appendfsync=appendfsync or "everysec")
-        redis.start()
-    processes = []
-    try:
-        targets = []
-        for i in range(count):
-            port = free_port()
-            extra = ["--redis", redis.url, "--replica-id", f"r{i}"] if redis else []
-            env = {"KVCOORD_LEASE_MS": "20000"}
-            if ingest_max_share is not None:
-                env["KVCOORD_INGEST_MAX_SHARE"] = str(ingest_max_share)
-            if not accelerated:
-                env[NO_ACCEL_VARIABLE] = "1"
-            if sync_frontends:
-                env["KVCOORD_SYNC_FRONTENDS"] = str(sync_frontends)
-            process = start_coordinator_process(port, *extra, env=env)
-            processes.append(process)
-            wait_healthy(f"127.0.0.1:{port}", process, timeout=60)
-            targets.append(f"127.0.0.1:{port}")
-        frontends = child_pids(processes[0].pid)
-        if len(frontends) != sync_frontends:
-            raise RuntimeError(f"expected {sync_frontends} sync frontends, found {frontends}")
-        if _pinning():
-            for process in processes:
-                _pin(process.pid, COORDINATOR_CORE)
-            for pid in frontends:
-                _pin(pid, frontend_core)
-                if frontend_core != COORDINATOR_CORE:
-                    # A frontend runs at the lowest priority so that it yields to its replica
-                    # on a shared core; here it stands for a core of its own, shared only
-                    # because this machine has two, so it competes with the generator as an
-                    # equal.
-                    subprocess.run(["renice", "-n", "0", "-p", str(pid)], check=True,
-                                   stdout=subprocess.DEVNULL)
-        yield targets, [p.pid for p in processes], frontends
-    finally:
-        stop_processes(processes, 10)
-        if redis is not None:
-            redis.stop()
+OTHER_LAG = {"replicas": "replicated to the other replica (it applies every batch)",
+             "shards": "visible through the other shard's replica (its Lookup asks the owner)"}
 
 
 def run_case(workers: int, *, replicas: int = 1, appendfsync: str | None = None,
              seconds: float = 10.0, ingest_max_share: float | None = None,
              accelerated: bool = True, sync_frontends: int = 0,
-             frontend_core: str = COORDINATOR_CORE, **load: Any) -> dict[str, Any]:
+             frontend_core: str = COORDINATOR_CORE, shards: bool = False,
+             **load: Any) -> dict[str, Any]:
     """One case: the replicas up, the generator run against them, its measures.
     ``accelerated``: the coordinators' index core (compiled where built, else pure Python
     either way; ``index_core`` in the result says which ran); ``sync_frontends``: processes
-    reading the workers' streams for each replica, on ``frontend_core``."""
-    with _replicas(replicas, appendfsync, ingest_max_share, accelerated, sync_frontends,
-                   frontend_core) as (targets, pids, frontend_pids):
+    reading the workers' streams for each replica, on ``frontend_core``; ``shards``: each
+    replica its own shard's (worker i on replica i % ``replicas``, as the generator assigns)."""
+    with coordinator_processes(replicas, appendfsync, ingest_max_share, accelerated,
+                               sync_frontends, frontend_core, shards=shards,
+                               ) as (targets, pids, frontend_pids):
         config = {"targets": targets, "pids": pids, "workers": workers, "seconds": seconds,
-                  "frontend_pids": frontend_pids, **load}
+                  "frontend_pids": frontend_pids, "sharded": shards, **load}
         argv = [sys.executable, "-m", "bench.fleet_load", json.dumps(config)]
-        if _pinning():
+        if pinning():
             argv = ["taskset", "-c", GENERATOR_CORE, *argv]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                               stdin=subprocess.DEVNULL)
@@ -133,10 +72,14 @@ def run_case(workers: int, *, replicas: int = 1, appendfsync: str | None = None,
         result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     result["store"] = "embedded" if replicas == 1 else f"redis aof {appendfsync or 'off'}"
     result["ingest_max_share"] = "default" if ingest_max_share is None else ingest_max_share
-    result["pinned"] = _pinning()
+    result["pinned"] = pinning()
     result["index_core"] = "compiled" if accelerated and compiled_available() else "pure"
     result["sync_frontends"] = sync_frontends
-    result["frontend_core"] = frontend_core if sync_frontends and _pinning() else None
+    result["frontend_core"] = frontend_core if sync_frontends and pinning() else None
+    result["shards"] = [shard_name(i) for i in range(replicas)] if shards else None
+    result["routes_through"] = f"r0{' (shard a)' if shards else ''}, every route"
+    if replicas > 1:
+        result["lag_other_means"] = OTHER_LAG["shards" if shards else "replicas"]
     for window in ("ingest", "ingest_and_routes"):
         measured = result[window]
         busy = measured["coordinator_cpu_share"][0]
@@ -176,8 +119,13 @@ def fleet_steps(quick: bool) -> list[tuple[str, Any]]:
         steps += [(f"2r_{fsync}_{n}", lambda n=n, fsync=fsync: run_case(
             n, replicas=2, appendfsync=fsync, seconds=seconds, **load))
             for n in (sizes[:1] if quick else sizes[:2])]
+    # Two shards, one replica each, on one redis-server: each ingests half the fleet.
+    steps.append((f"shards_2_{big}", lambda: run_case(
+        big, replicas=2, appendfsync="everysec", shards=True, seconds=seconds, **load)))
     shared = {"groups": 2, "pairs": 10, "burst": 64} if quick else {}
     steps.append(("shared_routes", lambda: shared_routes_case(**shared)))
+    steps.append(("shard_decisions", lambda: shard_decisions_case(
+        16 if quick else 1024, routes=40 if quick else 500)))
     return steps
 
 

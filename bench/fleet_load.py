@@ -14,7 +14,9 @@ stream, replaying the committed trace slice at an engine's cadence, and a schedu
    batch and per key operation, event-to-visible lag on the owning and on the other replica
    (a batch's last stored key, polled with ``Lookup`` every 5 ms from its send), route
    latency, and the batch rate this process achieved (the generator saturating first shows
-   there);
+   there). With ``sharded`` each replica is a shard's and applies only its own workers'
+   batches: its CPU per batch is over those, and "other" is the lag until a ``Lookup`` through
+   the other shard's replica (which asks the owning shard) sees the key;
 4. RSS of each coordinator per index key.
 
 Prints one JSON object. Run: ``python -m bench.fleet_load CONFIG_JSON``.
@@ -88,6 +90,9 @@ class Config:
     floor_calls: int = 2000
     frontend_pids: list[int] = field(default_factory=list)
     """The sync frontend processes of replica 0 (``--sync-frontends``), CPU read apart."""
+    sharded: bool = False
+    """Each target is one shard's replica, applying only the batches of the workers streaming
+    to it (unsharded: every replica applies every batch)."""
 
 
 class EmulatedWorker:
@@ -148,8 +153,8 @@ class Fleet:
         ns = Namespace(model="default", tenant="", policy_version=0, page_size=HASH.page_size)
         self.prompt_keys = trace_page_keys(trace, PageHasher(HASH), ns)
         self.workers: list[EmulatedWorker] = []
-        self.batches = 0
-        self.key_ops = 0
+        self.batches = [0 for _ in config.targets]  # sent, by the replica owning the stream
+        self.key_ops = [0 for _ in config.targets]
         self.lags: dict[str, list[float]] = {"owner": [], "other": []}
         self.route_ms: list[float] = []
         self.route_errors = 0
@@ -238,9 +243,9 @@ class Fleet:
                 await asyncio.sleep(due - now)
             events, last, ops = worker.next_batch()
             await worker.sync.send_events(events)
-            self.batches += 1
-            self.key_ops += ops
-            if (self.batches % probe_every) == 0 and last is not None:
+            self.batches[worker.replica] += 1
+            self.key_ops[worker.replica] += ops
+            if (sum(self.batches) % probe_every) == 0 and last is not None:
                 task = asyncio.create_task(self._probe(last, worker.replica,
                                                        time.perf_counter()))
                 self._probes.add(task)
@@ -279,6 +284,13 @@ class Fleet:
     async def index_keys(self) -> list[int]:
         return [(await s.GetStats(pb.GetStatsRequest())).index_keys for s in self.stubs]
 
+    async def close(self) -> None:
+        """Every worker's stream closed, then the shared channels."""
+        for worker in self.workers:
+            await worker.sync.disconnect()  # the channels are shared: closed below
+        for channel in [*self.channels, *self.clients, *self.sync_channels.values()]:
+            await channel.close()
+
 
 async def quiesce(pid: int, timeout_s: float = 60.0) -> None:
     """Wait until ``pid`` uses under a fifth of a core over half a second (or the timeout)."""
@@ -292,7 +304,8 @@ async def quiesce(pid: int, timeout_s: float = 60.0) -> None:
 
 async def _window(fleet: Fleet, config: Config, *, with_routes: bool) -> dict[str, Any]:
     """``config.seconds`` of the fleet's page traffic (and routes, ``with_routes``)."""
-    fleet.batches = fleet.key_ops = fleet.route_errors = fleet.probe_lookups = 0
+    fleet.batches, fleet.key_ops = [0] * len(config.targets), [0] * len(config.targets)
+    fleet.route_errors = fleet.probe_lookups = 0
     fleet.route_ms.clear()
     for lags in fleet.lags.values():
         lags.clear()
@@ -313,19 +326,26 @@ async def _window(fleet: Fleet, config: Config, *, with_routes: bool) -> dict[st
     marginal = [max(0.0, c - idle * elapsed) for c, idle in zip(cpu, fleet.idle_share,
                                                                  strict=True)]
     own = (own_after.ru_utime + own_after.ru_stime) - (own_before.ru_utime + own_before.ru_stime)
+    batches, key_ops = sum(fleet.batches), sum(fleet.key_ops)
+    # What each replica applied: its own workers' batches with shards, else every batch.
+    applied = fleet.batches if config.sharded else [batches for _ in cpu]
+    applied_ops = fleet.key_ops if config.sharded else [key_ops for _ in cpu]
     return {
-        "seconds": elapsed, "batches": fleet.batches, "key_ops": fleet.key_ops,
+        "seconds": elapsed, "batches": batches, "key_ops": key_ops,
         "batches_target": config.workers * config.steps_per_s * config.seconds,
         "generator_cpu_share": own / elapsed,
         "coordinator_cpu_share": [c / elapsed for c in cpu],
-        # Every replica applies every batch: per-replica CPU over all batches.
-        "cpu_us_per_batch": [c / max(1, fleet.batches) * 1e6 for c in cpu],
-        "cpu_us_per_key_op": [c / max(1, fleet.key_ops) * 1e6 for c in cpu],
+        "batches_applied": applied,
+        # Per replica, over the batches it applied.
+        "cpu_us_per_batch": [c / max(1, a) * 1e6 for c, a in zip(cpu, applied, strict=True)],
+        "cpu_us_per_key_op": [c / max(1, a) * 1e6
+                              for c, a in zip(cpu, applied_ops, strict=True)],
         # Less the idle baseline; still holding heartbeats, acks and the lag probes' Lookups.
-        "marginal_cpu_us_per_batch": [c / max(1, fleet.batches) * 1e6 for c in marginal],
+        "marginal_cpu_us_per_batch": [c / max(1, a) * 1e6
+                                      for c, a in zip(marginal, applied, strict=True)],
         # Replica 0's sync frontends, each (empty without them): the ingest moved out of it.
         "frontend_cpu_share": [c / elapsed for c in frontends],
-        "frontend_cpu_us_per_batch": sum(frontends) / max(1, fleet.batches) * 1e6,
+        "frontend_cpu_us_per_batch": sum(frontends) / max(1, batches) * 1e6,
         "probe_lookups": fleet.probe_lookups,
         "routes": len(fleet.route_ms), "route_errors": fleet.route_errors,
         "route_p50_ms": quantile(fleet.route_ms, 0.5),
@@ -349,24 +369,24 @@ async def run(config: Config) -> dict[str, Any]:
     out["ingest_and_routes"] = await _window(fleet, config, with_routes=True)
 
     # Routes alone, over the index the traffic built (trace prompts: partly cached), once the
-    # replica has worked off what it was still holding back (an overloaded one is behind).
-    await quiesce(config.pids[0])
+    # replica (with shards, each: a route asks them all) has worked off its backlog.
+    for pid in config.pids if config.sharded else config.pids[:1]:
+        await quiesce(pid)
     fleet.route_ms.clear()
-    before = cpu_seconds(config.pids[0])
+    before = [cpu_seconds(p) for p in config.pids]
     await fleet.routes_elsewhere(min(2.0, config.seconds))
-    out["route_alone"] = {
-        "routes": len(fleet.route_ms),
-        "cpu_us": (cpu_seconds(config.pids[0]) - before) / max(1, len(fleet.route_ms)) * 1e6,
+    per_route = [(cpu_seconds(p) - b) / max(1, len(fleet.route_ms)) * 1e6
+                 for p, b in zip(config.pids, before, strict=True)]
+    out["route_alone"] = {  # cpu_us: the routing replica's; the others' (shortlists) beside
+        "routes": len(fleet.route_ms), "cpu_us": per_route[0],
+        "cpu_us_other_replicas": sum(per_route[1:]),
         "p50_ms": quantile(fleet.route_ms, 0.5), "p99_ms": quantile(fleet.route_ms, 0.99)}
     keys = await fleet.index_keys()
     rss = [rss_bytes(p) - b for p, b in zip(config.pids, rss_before, strict=True)]
     out["memory"] = {"index_keys": keys,
                      "rss_bytes_per_key": [r / k if k else None
                                            for r, k in zip(rss, keys, strict=True)]}
-    for worker in fleet.workers:
-        await worker.sync.disconnect()  # the channels are shared: closed below
-    for channel in [*fleet.channels, *fleet.clients, *fleet.sync_channels.values()]:
-        await channel.close()
+    await fleet.close()
     return out
 
 

@@ -109,8 +109,14 @@ def security(results: Results) -> list[str]:
 
 def fleet(results: Results) -> list[str]:
     """Every route answered (with the ingest budget on), keys were probed (one not visible in
-    5 s is a censored lag sample, counted), and the coordinators indexed what was sent."""
+    5 s is a censored lag sample, counted), the coordinators indexed what was sent, and two
+    shards decided every route of ``shard_decisions`` as one coordinator did."""
     broken = []
+    decisions = results.get("shard_decisions")
+    if decisions is not None and decisions["identical_fraction"] != 1.0:
+        broken.append(f"shard_decisions: {decisions['identical']} of {decisions['routes']} "
+                      f"routes decided as one coordinator does (first difference at "
+                      f"{decisions['first_difference']}: {decisions['first_difference_workers']})")
     shared = results.get("shared_routes")
     if shared is not None:
         for label in ("1r", "2r_shared", "2r_not_shared"):
@@ -118,7 +124,7 @@ def fleet(results: Results) -> list[str]:
             if measured["burst_routes"] != sum(measured["burst_routes_by_worker"].values()):
                 broken.append(f"shared_routes.{label}: burst routes miscounted")
     for name, case in results.items():
-        if name == "shared_routes":
+        if name in ("shared_routes", "shard_decisions"):
             continue
         for window in ("ingest", "ingest_and_routes"):
             measured = case[window]

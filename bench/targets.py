@@ -247,6 +247,8 @@ def fleet_targets(results: dict[str, Any]) -> list[list[str]]:
         *_frontend_rows(results, case["workers"], verdict),
         *_pure_rows(results.get(f"pure_{name}"), floors),
         *_shared_routes_rows(results.get("shared_routes"), verdict),
+        *_shard_rows(results, verdict),
+        *_shard_decisions_rows(results.get("shard_decisions"), verdict),
     ]
 
 
@@ -316,4 +318,60 @@ def _shared_routes_rows(shared: dict[str, Any] | None,
          f"{on['pairs_together']} / {on['pairs_apart']} (not shared: {off['pairs_together']} "
          f"/ {off['pairs_apart']}; 1 replica {one['pairs_together']} / {one['pairs_apart']})",
          "-"],
+    ]
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:.1f} ms" if value is not None else "none"
+
+
+def _shard_rows(results: dict[str, Any], verdict: Callable[[bool], str]) -> list[list[str]]:
+    """Issue 29's bars on two shards (each replica ingesting half the fleet; routes through
+    shard a's, asking shard b): routes under 20 ms and none refused; lag and ingest reported."""
+    rows = []
+    for label, case in results.items():
+        if not label.startswith("shards_"):
+            continue
+        loaded, alone = case["ingest_and_routes"], case["route_alone"]
+        p99 = loaded["route_p99_ms"]
+        per_batch = " / ".join(f"{v:.0f}" for v in case["ingest"]["cpu_us_per_batch"].values())
+        rows += [
+            [f"Route p99 across shards, under ingest ({label})", "< 20 ms", _ms(p99),
+             verdict(p99 is not None and p99 < 20.0)],
+            [f"routes refused ({label})", "0", str(loaded["route_errors"]),
+             verdict(loaded["route_errors"] == 0)],
+            [f"lag p99 owner / through the other shard ({label})", "(reported)",
+             f"{_lag(loaded, 'owner')} / {_lag(loaded, 'other')}", "-"],
+            [f"CPU per batch of its own shard, shard a / b ({label})", "(reported)",
+             f"{per_batch} us", "-"],
+            [f"CPU per Route alone, shard a (routing) + b (shortlist) ({label})", "(reported)",
+             f"{alone['cpu_us']:.0f} + {alone['cpu_us_other_replicas']:.0f} us", "-"],
+        ]
+    return rows
+
+
+def _lag(window: dict[str, Any], side: str) -> str:
+    """A lag p99, or how many probes were not seen at all when it is the 5 s deadline."""
+    from bench.fleet_load import PROBE_DEADLINE_S
+
+    p99, censored = window[f"lag_{side}_p99_ms"], window["lag_censored_at_5s"][side]
+    if p99 is not None and p99 >= PROBE_DEADLINE_S * 1000:
+        return f"not seen in {PROBE_DEADLINE_S:.0f} s ({censored}/{window['lag_samples'][side]})"
+    return _ms(p99)
+
+
+def _shard_decisions_rows(decisions: dict[str, Any] | None,
+                          verdict: Callable[[bool], str]) -> list[list[str]]:
+    """Two shards decide as one coordinator (an invariant too), and the peer hop's cost."""
+    if decisions is None:
+        return []
+    one, two = decisions["one_coordinator"], decisions["two_shards"]
+    return [
+        [f"routes decided as one coordinator, two shards ({decisions['workers']} workers)",
+         "1.00", f"{decisions['identical_fraction']:.2f} "
+         f"({decisions['identical']}/{decisions['routes']})",
+         verdict(decisions["identical_fraction"] == 1.0)],
+        ["sequential Route p50 / p99, one coordinator vs two shards (the peer hop)",
+         "(reported)", f"{_ms(one['route_p50_ms'])} / {_ms(one['route_p99_ms'])} vs "
+         f"{_ms(two['route_p50_ms'])} / {_ms(two['route_p99_ms'])}", "-"],
     ]
