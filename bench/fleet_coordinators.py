@@ -54,8 +54,8 @@ def coordinator_processes(count: int, appendfsync: str | None,
     ingest budget (None: the default); ``accelerated=False``: their index on the pure-Python
     holdings (``KVCOORD_NO_ACCEL=1``); ``sync_frontends``: each replica's sync frontend
     processes, pinned to ``frontend_core``; ``shards``: replica i is shard ``shard_name(i)``'s
-    only replica, naming every other as its peer (ports chosen before any starts); ``env``:
-    ``KVCOORD_*`` settings over the bench's."""
+    only replica (replication off: no replica to share with), naming every other as its
+    peer (ports chosen before any starts); ``env``: ``KVCOORD_*`` settings over the bench's."""
     redis = None
     if count > 1:
         redis = RedisServer(appendonly=appendfsync is not None,
@@ -69,6 +69,10 @@ def coordinator_processes(count: int, appendfsync: str | None,
         settings[NO_ACCEL_VARIABLE] = "1"
     if sync_frontends:
         settings["KVCOORD_SYNC_FRONTENDS"] = str(sync_frontends)
+    if shards:
+        # Each shard's only replica: nothing to replicate to, as the one replica of the 1r
+        # cases (a shard's own replicas would add the 2r cases' publishing cost).
+        settings["KVCOORD_REPLICATION"] = "false"
     settings.update(env or {})
     targets = [f"127.0.0.1:{free_port()}" for _ in range(count)]
     try:
