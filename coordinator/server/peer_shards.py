@@ -1,10 +1,11 @@
 """``GrpcPeerShard``: another shard's replicas as this replica asks them (``PeerShard``).
 
-One channel per replica of the shard, tried in order from the last one that answered: a
-transport failure moves to the next. A call carries the caller's own credentials
-(``forwarding``: the bearer token the call into this replica came with), so the shard checks
-the same identity, role and tenant this replica did. The hop is marked (``SHARD_HOP``), and a
-replica answers a marked Lookup or EndRoutes from its own shard alone, so a call never loops.
+One channel per replica of the shard; calls go to them in turn (a shard's replicas share the
+shortlists it is asked for), and a transport failure moves to the next. A call carries the
+caller's own credentials (``forwarding``: the bearer token the call into this replica came
+with), so the shard checks the same identity, role and tenant this replica did. The hop is
+marked (``SHARD_HOP``), and a replica answers a marked Lookup or EndRoutes from its own shard
+alone, so a call never loops.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class GrpcPeerShard(PeerShard):
         # Opened on the first call, in the serving loop (grpc.aio binds a channel to a loop).
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[pb_grpc.CoordinatorStub] = []
-        self._next = 0  # the replica that answered last
+        self._next = 0  # the replica asked first next time
 
     async def close(self) -> None:
         for channel in self._channels:
@@ -120,7 +121,7 @@ class GrpcPeerShard(PeerShard):
                 if is_transport_failure(last):
                     continue
                 raise _domain_error(last, self.name) from None
-            self._next = index
+            self._next = index + 1  # the shard's replicas take its calls in turn
             return answer
         assert last is not None
         raise _domain_error(last, self.name)

@@ -149,7 +149,9 @@ class RegisteredWorker:
 
     def floor_at(self, now: float) -> float:
         """``routing.load_floor`` of ``current_load(now)``."""
-        return self.load_floor + self.backlog_weight * self.prefill_backlog(now)
+        # The backlog read directly, not through prefill_backlog: every route sorts the
+        # fleet by this.
+        return self.load_floor + self.backlog_weight * self.backlog.tokens(now)
 
     def current_load(self, now: float | None = None) -> WorkerLoad:
         """Heartbeat load plus the coordinator's own in-flight accounting and, given ``now``,
@@ -355,6 +357,16 @@ class Fleet:
             ]
         cached.sort(key=lambda s: s.floor_at(now))
         return [s for s in cached if now < s.lease_deadline]
+
+    def routable_worker(self, worker_id: str, now: float, *, version: int,
+                        min_version: int | None, model: str) -> RegisteredWorker | None:
+        """``worker_id`` if ``routable`` would list it, else None: O(1)."""
+        floor = version if min_version is None else max(version, min_version)
+        s = self._sessions.get(worker_id)
+        if (s is None or not s.serves(version, floor, model) or not s.connected
+                or s.fenced or s.draining or s.cordoned or now >= s.lease_deadline):
+            return None
+        return s
 
     def lapsed(self, now: float) -> list[RegisteredWorker]:
         """Connected sessions whose lease ran out (they must be treated as disconnected)."""

@@ -21,6 +21,7 @@ taken. Pure core: time comes from the caller.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ class PrefillBacklog:
         self._measured_work = 0.0
         self._measured_s = 0.0
         self._last_end: tuple[float, float] | None = None  # (booked_through, time)
+        # Past this time the backlog is surely 0 (a second after it drained at the current
+        # rate): tokens() answers without arithmetic, as it does for most of a fleet.
+        self._zero_after = -math.inf
 
     @property
     def tokens_per_s(self) -> float:
@@ -66,14 +70,22 @@ class PrefillBacklog:
     def tokens(self, now: float) -> float:
         """Prefill tokens still queued at ``now``: drained at the current rate since last
         booked or corrected."""
+        if now > self._zero_after:
+            return 0.0
         left = self._left - (now - self._at) * self.tokens_per_s
         return left if left > 0 else 0.0
+
+    def _moved(self) -> None:
+        """``_left``, ``_at`` or the rate changed: when the backlog is surely empty again."""
+        self._zero_after = (self._at + self._left / self.tokens_per_s + 1.0
+                            if self._left > 0 else -math.inf)
 
     def book(self, work: float, now: float, last_pending_key: bytes | None = None) -> None:
         """Add ``work`` tokens routed at ``now``; ``last_pending_key``, when the route left
         pages to compute, is the key whose Stored event will say its prefill ended."""
         left = self.tokens(now)
         self._left, self._at = left + work, now
+        self._moved()
         self._booked += work
         if last_pending_key is not None and work > 0 and last_pending_key not in self._marks:
             self._marks[last_pending_key] = _Mark(self._booked, work, now, left > 0)
@@ -112,3 +124,4 @@ class PrefillBacklog:
         for key in [k for k, m in self._marks.items() if m.booked_through <= mark.booked_through]:
             del self._marks[key]
         self._left, self._at = self._booked - mark.booked_through, now
+        self._moved()

@@ -72,25 +72,34 @@ class RouteViews:
         return self._servable_versions()
 
     def view(self, scope: Scope, version: int, keys: list[bytes], now: float,
-             min_policy_version: int | None) -> VersionView:
-        """``version``'s side of a route of ``keys``: its eligible workers and their depths."""
+             min_policy_version: int | None, only: str | None = None) -> VersionView:
+        """``version``'s side of a route of ``keys``: its eligible workers and their depths
+        (``only``: of that one worker alone, without sorting the fleet)."""
         ns = self.namespace(replace(scope, policy_version=version))
-        eligible = self._fleet.routable(
-            now, version=version, min_version=min_policy_version, model=ns.model
-        )
+        if only is None:
+            eligible = self._fleet.routable(
+                now, version=version, min_version=min_policy_version, model=ns.model)
+        else:
+            found = self._fleet.routable_worker(
+                only, now, version=version, min_version=min_policy_version, model=ns.model)
+            eligible = [found] if found is not None else []
         details = self._index.match_detail(keys, include_pending=True) if keys and eligible else {}
+        if only is not None:
+            details = {only: details[only]} if only in details else {}
         return VersionView(ns, keys, eligible, details)
 
     def views(self, prompt: PromptInput, scope: Scope, now: float,
               min_policy_version: int | None, exclude: frozenset[str],
-              first_keys: list[bytes] | None = None) -> list[VersionView]:
-        """Every servable version's view of ``prompt``, without the workers in ``exclude``.
-        ``first_keys``: the prompt's keys under the first version, already hashed."""
+              first_keys: list[bytes] | None = None, only: str | None = None,
+              ) -> list[VersionView]:
+        """Every servable version's view of ``prompt``, without the workers in ``exclude``
+        (``only``: with that worker alone). ``first_keys``: the prompt's keys under the first
+        version, already hashed."""
         views = []
         for i, version in enumerate(self.versions(scope)):
             ns = self.namespace(replace(scope, policy_version=version))
             keys = first_keys if i == 0 and first_keys is not None else self.keys(prompt, ns)
-            view = self.view(scope, version, keys, now, min_policy_version)
+            view = self.view(scope, version, keys, now, min_policy_version, only)
             views.append(view if not exclude else view.without(exclude))
         return views
 

@@ -213,8 +213,8 @@ class Router:
         now = self._clock()
         self.awaited.expire(now)
         rule = self._chooser(routing or self.default_routing).name
-        views = [v.only(worker_id) for v in
-                 self.views.views(prompt, scope, now, min_policy_version, frozenset())]
+        views = self.views.views(prompt, scope, now, min_policy_version, frozenset(),
+                                 only=worker_id)
         request = self.views.request(views, prompt.token_count, copies)
         holders, idle = self.views.candidates(views, min_policy_version, now)
         shortlist = self._sole_chooser.shortlist(request, holders, idle)

@@ -30,12 +30,6 @@ class VersionView:
                            [s for s in self.eligible if s.worker_id not in workers],
                            {w: d for w, d in self.details.items() if w not in workers})
 
-    def only(self, worker_id: str) -> VersionView:
-        """This view with ``worker_id`` as its only eligible worker (none if it is not)."""
-        return VersionView(self.ns, self.keys,
-                           [s for s in self.eligible if s.worker_id == worker_id],
-                           {w: d for w, d in self.details.items() if w == worker_id})
-
     def holders(self, fleet: Fleet, now: float, min_version: int | None) -> list[Candidate]:
         """The routable workers holding some of the prompt (pending included) at ``now``, as
         candidates in the order of ``details``: O(holders), not O(fleet)."""
