@@ -119,9 +119,11 @@ def fleet_steps(quick: bool) -> list[tuple[str, Any]]:
         steps += [(f"2r_{fsync}_{n}", lambda n=n, fsync=fsync: run_case(
             n, replicas=2, appendfsync=fsync, seconds=seconds, **load))
             for n in (sizes[:1] if quick else sizes[:2])]
-    # Two shards, one replica each, on one redis-server: each ingests half the fleet.
-    steps.append((f"shards_2_{big}", lambda: run_case(
-        big, replicas=2, appendfsync="everysec", shards=True, seconds=seconds, **load)))
+    # Two shards, one replica each, on one redis-server: each ingests half the fleet (and,
+    # full size, at 256 workers too, where one core holds both beside the routes).
+    steps += [(f"shards_2_{n}", lambda n=n: run_case(
+        n, replicas=2, appendfsync="everysec", shards=True, seconds=seconds, **load))
+        for n in ([big] if quick else [sizes[1], big])]
     shared = {"groups": 2, "pairs": 10, "burst": 64} if quick else {}
     steps.append(("shared_routes", lambda: shared_routes_case(**shared)))
     steps.append(("shard_decisions", lambda: shard_decisions_case(
