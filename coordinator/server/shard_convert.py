@@ -3,6 +3,7 @@ servicer answers): shortlists, a route's question, and a peer's route and lookup
 
 from __future__ import annotations
 
+from coordinator.client.messages import scope_pb
 from coordinator.control.shard_routing import ShardQuery
 from coordinator.core.index import Tier
 from coordinator.core.routing import (
@@ -30,10 +31,7 @@ def prompt_to_pb(prompt: PromptInput) -> pb.Prompt:
 
 def scope_to_pb(scope: Scope) -> pb.Scope:
     """The scope's fields (the tenant travels as the caller's credentials, never a field)."""
-    out = pb.Scope(model=scope.model or "", adapter=scope.adapter)
-    if scope.policy_version is not None:
-        out.policy_version = scope.policy_version
-    return out
+    return scope_pb(scope.model, scope.adapter, scope.policy_version)
 
 
 def route_request_to_pb(query: ShardQuery) -> pb.RouteRequest:

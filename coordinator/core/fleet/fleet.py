@@ -121,6 +121,12 @@ class RegisteredWorker:
         """Whether this worker serves requests of ``model`` at ``version`` (>= ``floor``)."""
         return self.policy_version == version and version >= floor and self.model == model
 
+    def takes_routes(self, version: int, floor: int, model: str) -> bool:
+        """``serves`` them, attached and not fenced, draining or cordoned (the lease is the
+        caller's to check: it runs out without any event)."""
+        return (self.serves(version, floor, model) and self.connected
+                and not (self.fenced or self.draining or self.cordoned))
+
     def prefill_backlog(self, now: float) -> float:
         """Prefill tokens still queued at ``now`` by the coordinator's books: every route's
         work, added as it was issued (``queue_prefill``), drained at the worker's prefill rate
@@ -350,11 +356,7 @@ class Fleet:
             if len(self._routable_cache) >= 256:  # keys come from requests: stay bounded
                 self._routable_cache.clear()
             cached = self._routable_cache[key] = [
-                s
-                for s in self._sessions.values()
-                if s.serves(version, floor, model)
-                and s.connected and not (s.fenced or s.draining or s.cordoned)
-            ]
+                s for s in self._sessions.values() if s.takes_routes(version, floor, model)]
         cached.sort(key=lambda s: s.floor_at(now))
         return [s for s in cached if now < s.lease_deadline]
 
@@ -363,8 +365,7 @@ class Fleet:
         """``worker_id`` if ``routable`` would list it, else None: O(1)."""
         floor = version if min_version is None else max(version, min_version)
         s = self._sessions.get(worker_id)
-        if (s is None or not s.serves(version, floor, model) or not s.connected
-                or s.fenced or s.draining or s.cordoned or now >= s.lease_deadline):
+        if s is None or not s.takes_routes(version, floor, model) or now >= s.lease_deadline:
             return None
         return s
 
