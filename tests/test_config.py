@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from coordinator.config import ConfigError, CoordinatorConfig
@@ -57,6 +59,17 @@ def test_lower_tier_weight_is_derived_from_the_tier_constants() -> None:
         ({"prefill_tokens_per_s": float("nan")}, "prefill_tokens_per_s must be finite and > 0"),
         ({"host_to_device_bytes_per_s": float("inf")},
          "host_to_device_bytes_per_s must be finite and > 0"),
+        ({"shard": "Shard A", "redis": "redis://r"}, "shard must be 1..32 of"),
+        ({"shard": "a"}, "shard needs redis"),
+        ({"peer_shards": "b=h:1"}, "peer_shards needs shard"),
+        ({"shard": "a", "redis": "redis://r", "peer_shards": "b"},
+         "peer_shards: expected NAME=HOST:PORT.* got 'b'"),
+        ({"shard": "a", "redis": "redis://r", "peer_shards": "b=nohost"},
+         "peer_shards: expected NAME=HOST:PORT.* got 'b=nohost'"),
+        ({"shard": "a", "redis": "redis://r", "peer_shards": "b=h:1;b=h:2"},
+         "peer_shards names shard 'b' twice"),
+        ({"shard": "a", "redis": "redis://r", "peer_shards": "a=h:1"},
+         "peer_shards names this replica's own shard 'a'"),
     ],
 )
 def test_bad_settings_are_refused_at_start_naming_the_setting(
@@ -71,3 +84,17 @@ def test_malformed_environment_values_name_the_variable() -> None:
         CoordinatorConfig.from_sources({}, {"KVCOORD_METRICS_PORT": "x"})
     with pytest.raises(ConfigError, match="unknown settings"):
         CoordinatorConfig.from_sources({"lease": 5}, {})
+
+
+def test_peer_shards_parse_into_each_shards_targets_in_order() -> None:
+    config = CoordinatorConfig(redis="redis://r", shard="a",
+                               peer_shards=" b=h1:1,h2:2 ; c=h3:3 ;")
+    assert config.peer_shard_targets() == {"b": ("h1:1", "h2:2"), "c": ("h3:3",)}
+
+
+def test_peer_shards_beside_tls_are_refused(tmp_path: Path) -> None:
+    pem = tmp_path / "x.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n...\n")
+    with pytest.raises(ConfigError, match="peer_shards does not dial TLS yet"):
+        CoordinatorConfig(redis="redis://r", shard="a", peer_shards="b=h:1",
+                          tls_cert=str(pem), tls_key=str(pem))

@@ -7,16 +7,23 @@ workers."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
+from coordinator.client.outcomes import outcome_of
 from coordinator.server.main import RunningCoordinator
+from coordinator.v1 import coordinator_pb2 as pb
+from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from coordinator.wire import PROTOCOL_VERSION, Reason
 from kvcoord.fleet_procs import free_port
 from tests.auth_fixtures import write_identities
 from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
@@ -198,3 +205,57 @@ async def test_a_shard_asks_the_other_with_the_callers_identity_and_tenant(
         # and reserved it; without the token it would have refused, leaving only w1.
         assert (route.worker_id, route.matched_pages) == ("w2", len(keys))
         assert sum(replicas["a"].shards.unanswered.values()) == 0
+
+
+def test_the_shard_flags_refuse_bad_input_at_start_naming_it() -> None:
+    for flags, needle in ((["--shard", "a"], "shard needs redis"),
+                          (["--peer-shards", "b=h:1"], "peer_shards needs shard"),
+                          (["--shard", "A_1", "--redis", "redis://127.0.0.1:1"],
+                           "shard must be 1..32 of")):
+        done = subprocess.run([sys.executable, "-m", "kvcoord.cli", "coordinator", "--listen",
+                               "127.0.0.1:0", *flags], capture_output=True, text=True,
+                              timeout=60, stdin=subprocess.DEVNULL)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert needle in done.stderr
+
+
+async def test_the_shard_rpcs_refuse_bad_requests_with_a_status_and_reason() -> None:
+    async with running_coordinator() as coordinator:
+        worker = ScriptedWorker(target(coordinator), "w0", hash_config=DEV_HASH)
+        await worker.start()
+        channel = grpc.aio.insecure_channel(target(coordinator))
+        stub = pb_grpc.CoordinatorStub(channel)
+        route = pb.RouteRequest(protocol_version=PROTOCOL_VERSION,
+                                prompt=pb.Prompt(token_ids=family(0)))
+        try:
+            async def refusal(call: Any) -> tuple[grpc.StatusCode, Reason | None]:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call
+                outcome = outcome_of(refused.value)
+                return outcome.code, outcome.reason
+
+            reserve = pb.ShardReserveRequest(protocol_version=PROTOCOL_VERSION, route=route)
+            assert await refusal(stub.ShardReserve(reserve)) == (
+                grpc.StatusCode.INVALID_ARGUMENT, None)
+            reserve.worker_id = "no-such-worker"
+            assert await refusal(stub.ShardReserve(reserve)) == (
+                grpc.StatusCode.UNAVAILABLE, Reason.NO_WORKER)
+            shortlist = pb.ShardShortlistRequest(protocol_version=PROTOCOL_VERSION, route=route)
+            shortlist.route.routing_policy = "fastest"
+            assert await refusal(stub.ShardShortlist(shortlist)) == (
+                grpc.StatusCode.INVALID_ARGUMENT, None)
+            shortlist.route.routing_policy = ""
+            shortlist.route.prompt.Clear()
+            assert await refusal(stub.ShardShortlist(shortlist)) == (
+                grpc.StatusCode.INVALID_ARGUMENT, None)
+            shortlist.protocol_version = PROTOCOL_VERSION + 1
+            assert await refusal(stub.ShardShortlist(shortlist)) == (
+                grpc.StatusCode.FAILED_PRECONDITION, Reason.PROTOCOL_VERSION)
+            # A well-formed one is answered: the worker, idle, is this shard's best.
+            shortlist.protocol_version = PROTOCOL_VERSION
+            shortlist.route.prompt.token_ids.extend(family(0))
+            answer = await stub.ShardShortlist(shortlist)
+            assert [c.worker_id for c in answer.tied] == ["w0"]
+        finally:
+            await channel.close()
+            await worker.close()
