@@ -1,24 +1,27 @@
-"""``kvcoord bench engines``: real vLLM engines behind ``kvcoord gateway`` (``kv_aware``) and
-behind SGLang's model gateway (``smg``, ``cache_aware`` and ``round_robin``), same requests.
+"""``kvcoord bench engines``: real vLLM engines behind ``kvcoord gateway`` (``kv_aware``, and
+``round_robin`` to price the data path) and behind SGLang's model gateway (``smg``,
+``cache_aware`` and ``round_robin``), same requests.
 
 One run (docs/ENGINES.md says more):
 
-1. Write the model (``engines_model``), build the stream from the trace (``engines_stream``),
-   start two engines, each pinned to its own core (``engines_fleet``).
-2. **Prefill sizing**: on each engine, a 2,048-token prompt cold, then again fully cached
-   (TTFT at the client, one request at a time); the cold time also sets the stream's pace:
-   arrivals are scaled so that the stream's distinct tokens (the prefill a perfect shared
-   cache would still do) cost ``load`` of the two engines' cold prefill time.
-3. **Turns**: for each repeat, each router in turn: fresh router processes, the engines'
-   prefix caches reset, the whole stream replayed (``engines_load``), the router's CPU seconds
-   over the replay (psutil, every process of the router). After each kvcoord turn,
-   ``engines_checks.check_index`` probes that the engines' cached tokens are the index's.
-4. **sglang_like vs smg**: the stream's first requests, one at a time, through a fresh smg
-   ``cache_aware``, compared with the simulator's ``SglangLikeRouter``.
+1. Write the model (``engines_model``), build the stream from the trace (``engines_stream``).
+2. For each **case** (a rig and a regime, ``engines_cases``): start the engines on the rig's
+   cores with the regime's KV cache (``engines_fleet``), then:
+   - **prefill sizing**: on each engine, a 2,048-token prompt cold, then again fully cached
+     (TTFT at the client, one request at a time); the cold time also sets the stream's pace:
+     arrivals are scaled so that the stream's distinct tokens (the prefill a perfect shared
+     cache would still do) cost ``load`` of the engines' cold prefill time;
+   - **turns** (``engines_turns``): for each repeat, each router in turn, fresh, the engines'
+     prefix caches reset, the whole stream replayed (``engines_load``); the router's CPU per
+     process, its idle CPU (first repeat), the engines' own TTFT, queue and prefill times and
+     the gateway's added latency (``engines_signals``). After each kvcoord ``kv_aware`` turn,
+     ``engines_checks.check_index`` probes that the engines' cached tokens are the index's.
+3. **sglang_like vs smg** (first case): the stream's first requests, one at a time, through a
+   fresh smg ``cache_aware``, compared with the simulator's ``SglangLikeRouter``.
 
 Needs ``.venv-vllm`` (``make test-vllm`` builds it) and ``smg`` (``make engines-peers``);
-``preflight`` says what is missing. Run: ``kvcoord bench engines [--quick]``; other sizes are
-``full_config()``'s fields.
+``preflight`` says what is missing. Run: ``kvcoord bench engines [--quick] [--rig NAMES]
+[--regime NAMES]``; other sizes are ``full_config()``'s fields.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.engines_checks import check_index, compare_sglang_like, smg_choices
+from bench.engines_cases import REGIMES, RIGS, Regime, Rig, case_name
+from bench.engines_checks import compare_sglang_like, smg_choices
 from bench.engines_fleet import (
     ENGINE_BLOCK,
     MODEL,
@@ -43,12 +48,21 @@ from bench.engines_fleet import (
     smg_command,
     vllm_python,
 )
-from bench.engines_load import replay, send_one
+from bench.engines_load import send_one
 from bench.engines_model import WORDS, ModelShape, check_words, template_tokens, write_model
-from bench.engines_procs import cpu_seconds, metric_sum, run_in_scratch
-from bench.engines_report import ROUTERS, ranges, summarize_turn, table, verdicts
-from bench.engines_routers import RouterRun, kvcoord_router, smg_router, smg_worker_order
+from bench.engines_procs import run_in_scratch
+from bench.engines_report import (
+    ROUTERS,
+    cpu_table,
+    decomposition_table,
+    decompositions,
+    ranges,
+    table,
+    verdicts,
+)
+from bench.engines_routers import smg_router, smg_worker_order
 from bench.engines_stream import Stream, StreamRequest, StreamShape, build_stream
+from bench.engines_turns import TurnPlan, run_turns
 from kvcoord.provenance import git_state, trace_identity
 from worker.text.tokenizer import TextTokenizer
 
@@ -64,20 +78,29 @@ PREFILL_TRIALS = 3  # counted, after one that is not
 
 @dataclass(frozen=True, slots=True)
 class EnginesConfig:
-    """One run's sizes. ``load``: the stream's distinct tokens as a share of the two engines'
-    cold prefill time over the stream; ``kv_share``: each engine's KV cache as a share of the
-    stream's distinct tokens (0.5: the two engines hold the stream's prefixes only if no prefix
-    is held twice); ``compare``: requests in the sglang_like comparison; ``probes``: prompts
-    the index check probes (on every engine)."""
+    """One run's sizes. ``load``: the stream's distinct tokens as a share of the engines' cold
+    prefill time over the stream (the engines' compute cores, not their count, set that
+    capacity); ``rigs`` and ``regimes`` (``engines_cases``): every pair is a case, with engines
+    started for it; ``engines``: engines per case; ``idle_s``: each router's idle measure (None:
+    the stream's paced length); ``compare``: requests in the sglang_like comparison;
+    ``probes``: prompts the index check probes (on every engine)."""
 
     trace: Path
     stream: StreamShape
     repeats: int = 3
     shape: ModelShape = field(default_factory=ModelShape)
     load: float = 0.3
-    kv_share: float = 0.5
+    rigs: tuple[str, ...] = tuple(RIGS)
+    regimes: tuple[str, ...] = tuple(REGIMES)
+    engines: int = 2
+    idle_s: float | None = None
     compare: int = 40
     probes: int = 6
+
+    def chosen(self, choices: Mapping[str, tuple[str, ...]]) -> EnginesConfig:
+        """This config with the rigs and regimes the command line chose (the rest kept)."""
+        return replace(self, rigs=choices.get("rig", self.rigs),
+                       regimes=choices.get("regime", self.regimes))
 
 
 def full_config() -> EnginesConfig:
@@ -86,7 +109,8 @@ def full_config() -> EnginesConfig:
 
 
 def quick_config() -> EnginesConfig:
-    return EnginesConfig(QUICK_TRACE, StreamShape(requests=36), repeats=1, compare=24, probes=3)
+    return EnginesConfig(QUICK_TRACE, StreamShape(requests=36), repeats=1, rigs=("shared",),
+                         regimes=("roomy",), idle_s=3.0, compare=24, probes=3)
 
 
 def preflight(quick: bool) -> str | None:
@@ -140,26 +164,6 @@ def measure_prefill(engines: list[Engine], tokenizer_overhead: int) -> dict[str,
             "engines": per_engine}
 
 
-def _engine_counters(engines: list[Engine]) -> tuple[float, float]:
-    """(prefix-cache queries, hits) in tokens, summed over the engines' /metrics."""
-    queries = sum(metric_sum(f"{e.url}/metrics", "vllm:prefix_cache_queries_total")
-                  for e in engines)
-    hits = sum(metric_sum(f"{e.url}/metrics", "vllm:prefix_cache_hits_total") for e in engines)
-    return queries, hits
-
-
-def run_turn(router: RouterRun, engines: list[Engine], stream: Stream) -> dict[str, Any]:
-    """Replay ``stream`` through ``router`` (engines reset, router up): the turn's summary."""
-    queries0, hits0 = _engine_counters(engines)
-    cpu0 = cpu_seconds(router.procs)
-    began = time.perf_counter()
-    outcomes = replay(router.url, MODEL, stream.requests)
-    wall = time.perf_counter() - began
-    cpu = cpu_seconds(router.procs) - cpu0
-    queries1, hits1 = _engine_counters(engines)
-    return summarize_turn(outcomes, wall, cpu, queries1 - queries0, hits1 - hits0)
-
-
 def run_engines(config: EnginesConfig) -> dict[str, Any]:
     """The whole run (module docstring): the results ``engines.json`` holds."""
     return run_in_scratch("engines", lambda work: _run(config, work))
@@ -174,72 +178,86 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
     tokenizer = write_model(work / "model", config.shape)
     check_words(tokenizer)
     stream = build_stream(config.trace, config.stream, tokenizer, config.shape.max_positions)
-    kv_tokens = max(2 * config.shape.max_positions,
-                    int(stream.distinct_tokens * config.kv_share) // ENGINE_BLOCK * ENGINE_BLOCK)
-    engine_config = EngineConfig(config.shape.max_positions, kv_tokens,
-                                 config.shape.kv_bytes_per_token())
-    _log(f"{len(stream.requests)} requests, {stream.prompt_tokens:,} prompt tokens, "
-         f"{stream.distinct_tokens:,} distinct; KV cache {kv_tokens:,} tokens per engine")
     load_before = os.getloadavg()[0]
     # The runner stamps the commit when it writes the JSON; others may commit meanwhile.
     started_at, dirty_at_start = git_state()
-    with running_engines(python, work / "model", engine_config, log_dir) as engines:
-        _log("engines up")
+    cases: dict[str, Any] = {}
+    comparison: dict[str, Any] | None = None
+    for regime_name in config.regimes:
+        for rig_name in config.rigs:
+            rig, regime = RIGS[rig_name], REGIMES[regime_name]
+            name = case_name(rig_name, regime_name)
+            _log(f"case {name}: {rig.about}; {regime.about}")
+            cases[name], engines_comparison = _case(
+                config, rig, regime, stream, python, smg, tokenizer, work, log_dir,
+                compare=comparison is None)
+            comparison = comparison or engines_comparison
+    assert comparison is not None, "at least one case ran"
+    setup = _setup(config, stream, tokenizer.vocab_size)
+    # Other work on the machine slows the engines: say how busy it was around the run.
+    setup["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
+    setup["started_at"] = {"commit": started_at, "dirty": dirty_at_start}
+    return {"setup": setup, "cases": cases, "sglang_like_vs_smg": comparison}
+
+
+def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, python: Path,
+          smg: Path, tokenizer: TextTokenizer, work: Path, log_dir: Path, *, compare: bool,
+          ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """One rig and regime: engines started for it, their prefill sized, every router's turns
+    (and, when ``compare``, the sglang_like comparison, which needs engines up)."""
+    kv_tokens = max(2 * config.shape.max_positions,
+                    int(stream.distinct_tokens * regime.kv_share) // ENGINE_BLOCK
+                    * ENGINE_BLOCK)
+    engine_config = EngineConfig(config.shape.max_positions, kv_tokens,
+                                 config.shape.kv_bytes_per_token())
+    cores = rig.engine_cores(config.engines)
+    _log(f"{len(stream.requests)} requests, {stream.prompt_tokens:,} prompt tokens, "
+         f"{stream.distinct_tokens:,} distinct; KV cache {kv_tokens:,} tokens per engine; "
+         f"engines on cores {list(cores)}")
+    case_logs = log_dir / f"{rig.name}-{regime.name}"
+    case_logs.mkdir()
+    with running_engines(python, work / "model", engine_config, case_logs, cores) as engines:
         prefill = measure_prefill(engines, template_tokens(tokenizer))
         _log(f"prefill of {PREFILL_TOKENS} tokens: cold {prefill['cold_ms']:.0f} ms, "
              f"cached {prefill['cached_ms']:.1f} ms ({prefill['ratio']:.1f}x)")
         # Pace: the stream's distinct tokens cost `load` of the engines' cold prefill time.
-        duration = stream.distinct_tokens / (config.load * len(engines)
-                                             * prefill["cold_tokens_per_s"])
+        capacity = rig.compute_cores(config.engines) * prefill["cold_tokens_per_s"]
+        duration = stream.distinct_tokens / (config.load * capacity)
         scale = duration / stream.trace_span_s if stream.trace_span_s else 1.0
         paced = stream.scaled(scale)
-        runs, index_checks = _turns(config, engines, paced, tokenizer, smg, work / "model",
-                                    log_dir)
-        compared = stream.requests[:config.compare]
-        with smg_router(smg, engines, "cache_aware", log_dir, "compare") as router:
-            order = smg_worker_order(router, engines)
-            picks = smg_choices(router, engines, compared)
-        comparison = compare_sglang_like(engines, tokenizer, compared, picks, order)
-        _log(f"sglang_like agreed with smg on {comparison['agreed']} of {len(compared)}")
+        plan = TurnPlan(tuple(engines), paced, smg, work / "model", case_logs,
+                        config.shape.max_positions, rig.router_core, rig.client_core,
+                        paced.duration_s if config.idle_s is None else config.idle_s,
+                        config.probes)
+        runs, index_checks, idle = run_turns(plan, config.repeats, tokenizer, _log)
+        comparison = None
+        if compare:
+            compared = stream.requests[:config.compare]
+            with smg_router(smg, engines, "cache_aware", case_logs, "compare") as router:
+                order = smg_worker_order(router, engines)
+                picks = smg_choices(router, engines, compared)
+            comparison = compare_sglang_like(engines, tokenizer, compared, picks, order)
+            _log(f"sglang_like agreed with smg on {comparison['agreed']} of {len(compared)}")
     routers = {name: ranges(runs[name]) for name in ROUTERS}
-    print("\nengines: routers in front of two vLLM CPU engines (mean, min-max over "
-          f"{config.repeats} repeat{'s' if config.repeats > 1 else ''})")
+    print(f"\nengines, {rig.name}/{regime.name}: routers in front of {config.engines} vLLM "
+          f"CPU engines (mean, min-max over {config.repeats} "
+          f"repeat{'s' if config.repeats > 1 else ''})")
     print(table(routers))
-    setup = _setup(config, stream, paced, engine_config, tokenizer.vocab_size, scale)
-    # Other work on the machine slows the engines: say how busy it was around the run.
-    setup["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
-    setup["started_at"] = {"commit": started_at, "dirty": dirty_at_start}
-    return {"setup": setup, "prefill": prefill, "routers": routers,
-            "verdicts": verdicts(routers),
+    print(decomposition_table(routers))
+    print(cpu_table(routers, idle))
+    return {"rig": rig.name, "regime": regime.name, "prefill": prefill,
+            "engines": {"count": config.engines, "cores": list(cores),
+                        "block_tokens": ENGINE_BLOCK, "kv_cache_tokens": kv_tokens,
+                        "kv_share": regime.kv_share, "max_num_seqs": engine_config.max_num_seqs,
+                        "max_num_batched_tokens": engine_config.max_batched_tokens},
+            "routers_core": rig.router_core, "client_core": rig.client_core,
+            "time_scale": scale, "duration_s": paced.duration_s,
+            "offered_requests_per_s": len(stream.requests) / paced.duration_s
+            if paced.duration_s else 0.0,
+            "routers": routers, "verdicts": verdicts(routers), "idle": idle,
+            "decomposition": decompositions(routers),
             "index_checks": {f"run{i}": check for i, check in enumerate(index_checks)},
-            "sglang_like_vs_smg": comparison}
-
-
-def _turns(config: EnginesConfig, engines: list[Engine], paced: Stream,
-           tokenizer: TextTokenizer, smg: Path, model_dir: Path, log_dir: Path,
-           ) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]]]:
-    """Every repeat of every router's turn (routers interleaved, so drift in the machine's
-    speed spreads over all three), and the index check after each kvcoord turn."""
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ROUTERS}
-    index_checks: list[dict[str, Any]] = []
-    for repeat in range(config.repeats):
-        for name in ROUTERS:
-            tag = f"r{repeat}-{name}"
-            if name == "kv_aware":
-                with kvcoord_router(engines, model_dir, log_dir, config.shape.max_positions,
-                                    tag) as router:
-                    runs[name].append(run_turn(router, engines, paced))
-                    index_checks.append(check_index(router, engines, tokenizer,
-                                                    paced.requests, config.probes))
-            else:
-                with smg_router(smg, engines, name.removeprefix("smg_"), log_dir,
-                                tag) as router:
-                    runs[name].append(run_turn(router, engines, paced))
-            last = runs[name][-1]
-            _log(f"repeat {repeat} {name}: TTFT p50 {last['ttft_p50_ms']:.0f} ms, "
-                 f"p99 {last['ttft_p99_ms']:.0f} ms, cached {100 * last['cached_share']:.1f}%,"
-                 f" {last['requests_per_s']:.2f} req/s, errors {last['errors']}")
-    return runs, index_checks
+            }, comparison
 
 
 def _version(python: Path, distribution: str) -> str | None:
@@ -254,8 +272,7 @@ def _version(python: Path, distribution: str) -> str | None:
     return version or None
 
 
-def _setup(config: EnginesConfig, stream: Stream, paced: Stream, engines: EngineConfig,
-           vocab: int, scale: float) -> dict[str, Any]:
+def _setup(config: EnginesConfig, stream: Stream, vocab: int) -> dict[str, Any]:
     shape = config.shape
     python, smg = vllm_python(), smg_command()
     return {
@@ -268,16 +285,11 @@ def _setup(config: EnginesConfig, stream: Stream, paced: Stream, engines: Engine
                   "intermediate": shape.intermediate, "vocab": vocab,
                   "parameters": shape.parameters(vocab), "weights": "dummy",
                   "max_model_len": shape.max_positions},
-        "engines": {"count": 2, "cores": [0, 1], "block_tokens": ENGINE_BLOCK,
-                    "kv_cache_tokens": engines.kv_tokens, "max_num_seqs": engines.max_num_seqs,
-                    "max_num_batched_tokens": engines.max_batched_tokens},
+        "rigs": list(config.rigs), "regimes": list(config.regimes),
         "stream": {"requests": len(stream.requests), "seed": config.stream.seed,
                    "block_tokens": config.stream.block_tokens,
                    "max_output_tokens": config.stream.max_output_tokens,
                    "prompt_tokens": stream.prompt_tokens,
                    "distinct_tokens": stream.distinct_tokens, "load": config.load,
-                   "kv_share": config.kv_share, "trace_span_s": stream.trace_span_s,
-                   "time_scale": scale, "duration_s": paced.duration_s,
-                   "offered_requests_per_s": len(stream.requests) / paced.duration_s
-                   if paced.duration_s else 0.0},
+                   "trace_span_s": stream.trace_span_s},
     }

@@ -143,16 +143,23 @@ def metric_sum(url: str, name: str) -> float:
 
 def cpu_seconds(procs: Iterable[Proc]) -> float:
     """User + system CPU of the processes and every live descendant (psutil)."""
-    total = 0.0
+    return sum(cpu_by_process(procs).values())
+
+
+def cpu_by_process(procs: Iterable[Proc]) -> dict[str, float]:
+    """Each process's user + system CPU with its live descendants' (psutil), by name."""
+    out: dict[str, float] = {}
     for proc in procs:
+        total = 0.0
         try:
             root = psutil.Process(proc.process.pid)
             for p in [root, *root.children(recursive=True)]:
                 times = p.cpu_times()
                 total += times.user + times.system
         except psutil.NoSuchProcess:
-            continue
-    return total
+            pass
+        out[proc.name] = total
+    return out
 
 
 def kvcoord_env(hash_key: str) -> dict[str, str]:

@@ -12,11 +12,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.engines_load import Outcome
+from bench.engines_signals import PARTS, decompose
 from kvcoord.tables import render_table
 from kvcoord.up_report import percentile
 
-ROUTERS = ("kv_aware", "smg_cache_aware", "smg_round_robin")
-"""The routers in turn order: (a) kvcoord gateway, (b) and (c) smg."""
+ROUTERS = ("kv_aware", "smg_cache_aware", "smg_round_robin", "kvcoord_round_robin")
+"""The routers in turn order: (a) kvcoord gateway ``kv_aware``, (b) and (c) smg, (d) kvcoord
+gateway ``round_robin``: the decisions of (c), so (d) less (c) is pure data-path cost."""
+DATA_PATH_PAIR = ("kvcoord_round_robin", "smg_round_robin")
 MEASURES = ("ttft_p50_ms", "ttft_p99_ms", "latency_p50_ms", "latency_p99_ms", "cached_share",
             "engine_cached_share", "requests_per_s", "router_cpu_ms_per_request")
 # Lower is better for these; higher for the rest.
@@ -25,6 +28,61 @@ LOWER_IS_BETTER = {"ttft_p50_ms", "ttft_p99_ms", "latency_p50_ms", "latency_p99_
 VERDICT_MEASURES = ("ttft_p50_ms", "ttft_p99_ms", "cached_share")
 """The issue's goal: kv_aware ahead of smg cache_aware on these, with ranges apart."""
 PREFILL_RATIO_TARGET = 10.0
+CPU_RATIO_TARGET = 2.0
+ADDED_P50_TARGET_MS = 2.0
+
+
+def decompositions(routers: dict[str, Any]) -> dict[str, Any]:
+    """Each TTFT gap taken apart (means over the repeats, ms): every router against smg
+    ``cache_aware``, and (d) against (c), the data path alone."""
+    def mean_signals(name: str) -> dict[str, float]:
+        runs = [run["signals"] for run in routers[name]["runs"].values()]
+        keys = {k for run in runs for k, v in run.items() if isinstance(v, int | float)}
+        return {k: statistics.fmean(run[k] for run in runs if run.get(k) is not None)
+                for k in keys if any(run.get(k) is not None for run in runs)}
+
+    signals = {name: mean_signals(name) for name in routers}
+    out: dict[str, Any] = {"signals": signals, "gaps": {}}
+    pairs = [(name, "smg_cache_aware") for name in routers if name != "smg_cache_aware"]
+    pairs.append(DATA_PATH_PAIR)
+    for ours, theirs in pairs:
+        if ours in signals and theirs in signals:
+            out["gaps"][f"{ours} - {theirs}"] = decompose(signals[ours], signals[theirs])
+    return out
+
+
+def decomposition_table(routers: dict[str, Any]) -> str:
+    """Per router: client and engine mean TTFT and its parts; then each gap's parts (ms)."""
+    parts = decompositions(routers)
+    headers = ["router", "client TTFT", "engine TTFT", "added", "queue", "prefill", "other",
+               "gateway added p50"]
+    keys = ("client_ttft_mean_ms", "engine_ttft_mean_ms", "added_mean_ms", "queue_mean_ms",
+            "prefill_mean_ms", "other_mean_ms", "gateway_added_p50_ms")
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.1f}"
+
+    rows = [[name, *(ms(parts["signals"][name].get(k)) for k in keys)] for name in routers]
+    rows += [[f"gap {pair}", ms(gap["gap"]), "", *(ms(gap[p]) for p in PARTS), ""]
+             for pair, gap in parts["gaps"].items() if gap is not None]
+    return "mean TTFT taken apart, ms (added = client less engine TTFT; compute = prefill)\n" \
+        + render_table(headers, rows)
+
+
+def cpu_table(routers: dict[str, Any], idle: dict[str, dict[str, Any]]) -> str:
+    """CPU per request by process (mean over the repeats, ms), and idle CPU (ms per s)."""
+    rows = []
+    for name in routers:
+        runs = list(routers[name]["runs"].values())
+        roles = sorted({r for run in runs for r in run["router_cpu_ms_per_request_by_process"]})
+        for role in roles:
+            per = statistics.fmean(run["router_cpu_ms_per_request_by_process"].get(role, 0.0)
+                                   for run in runs)
+            idle_rate = idle.get(name, {}).get("by_process_ms_per_s", {}).get(role)
+            rows.append([name, role, f"{per:.2f}",
+                         "-" if idle_rate is None else f"{idle_rate:.2f}"])
+    return "router CPU by process\n" + render_table(
+        ["router", "process", "CPU ms / request", "idle CPU ms / s"], rows)
 
 
 def summarize_turn(outcomes: Sequence[Outcome], wall_s: float, cpu_s: float,
@@ -106,14 +164,28 @@ def table(routers: dict[str, Any]) -> str:
 
 
 def targets(results: dict[str, Any]) -> list[list[str]]:
-    """Prefill sizing (>= 10x) and the issue's goal per measure (met only with ranges apart)."""
-    engines = results["engines"]
-    ratio = engines["prefill"]["ratio"]
-    rows = [["cold / cached prefill, 2,048 tokens", f">= {PREFILL_RATIO_TARGET:.0f}x",
-             f"{ratio:.1f}x", "met" if ratio >= PREFILL_RATIO_TARGET else "MISSED"]]
-    for measure, said in engines["verdicts"].items():
-        rows.append([f"kv_aware vs smg cache_aware: {measure}", "better, ranges apart", said,
-                     "met" if said == "better" else "MISSED"])
+    """Per case: prefill sizing (>= 10x), the issue's goals per measure (met only with ranges
+    apart), router CPU per request at most 2x smg cache_aware's, gateway-added p50 <= 2 ms."""
+    rows = []
+    for name, case in results["engines"]["cases"].items():
+        ratio = case["prefill"]["ratio"]
+        rows.append([f"{name}: cold / cached prefill, 2,048 tokens",
+                     f">= {PREFILL_RATIO_TARGET:.0f}x", f"{ratio:.1f}x",
+                     "met" if ratio >= PREFILL_RATIO_TARGET else "MISSED"])
+        for measure, said in case["verdicts"].items():
+            rows.append([f"{name}: kv_aware vs smg cache_aware: {measure}",
+                         "better, ranges apart", said, "met" if said == "better" else "MISSED"])
+        routers = case["routers"]
+        ours = routers["kv_aware"]["router_cpu_ms_per_request"]["mean"]
+        theirs = routers["smg_cache_aware"]["router_cpu_ms_per_request"]["mean"]
+        times = ours / theirs if theirs else float("inf")
+        rows.append([f"{name}: router CPU per request, kv_aware / smg cache_aware",
+                     f"<= {CPU_RATIO_TARGET:.0f}x", f"{times:.1f}x",
+                     "met" if times <= CPU_RATIO_TARGET else "MISSED"])
+        added = case["decomposition"]["signals"]["kv_aware"].get("gateway_added_p50_ms")
+        rows.append([f"{name}: gateway-added latency p50", f"<= {ADDED_P50_TARGET_MS:.0f} ms",
+                     "-" if added is None else f"{added:.2f} ms",
+                     "met" if added is not None and added <= ADDED_P50_TARGET_MS else "MISSED"])
     return rows
 
 
@@ -123,19 +195,22 @@ def invariants(results: dict[str, Any]) -> list[str]:
     smg comparison ran on every request it meant to."""
     engines = results["engines"]
     broken = []
-    for name, router in engines["routers"].items():
-        for run_name, run in router["runs"].items():
-            if run["errors"] or run["answered"] != run["requests"]:
-                broken.append(f"{name} {run_name}: {run['requests'] - run['answered']} of "
-                              f"{run['requests']} requests failed: {run['first_errors']}")
-            if run["cached_over_prompt"]:
-                broken.append(f"{name} {run_name}: {run['cached_over_prompt']} requests with "
-                              "more cached tokens than prompt tokens")
-    for run_name, check in engines["index_checks"].items():
-        if check["disagreements"] or check["probes"] == 0:
-            broken.append(f"index check after kv_aware {run_name}: "
-                          f"{len(check['disagreements'])} of {check['probes']} probes "
-                          f"disagree: {list(check['disagreements'].values())[:3]}")
+    for case_name, case in engines["cases"].items():
+        for name, router in case["routers"].items():
+            for run_name, run in router["runs"].items():
+                if run["errors"] or run["answered"] != run["requests"]:
+                    broken.append(f"{case_name} {name} {run_name}: "
+                                  f"{run['requests'] - run['answered']} of {run['requests']} "
+                                  f"requests failed: {run['first_errors']}")
+                if run["cached_over_prompt"]:
+                    broken.append(f"{case_name} {name} {run_name}: "
+                                  f"{run['cached_over_prompt']} requests with more cached "
+                                  "tokens than prompt tokens")
+        for run_name, check in case["index_checks"].items():
+            if check["disagreements"] or check["probes"] == 0:
+                broken.append(f"{case_name}: index check after kv_aware {run_name}: "
+                              f"{len(check['disagreements'])} of {check['probes']} probes "
+                              f"disagree: {list(check['disagreements'].values())[:3]}")
     compared = engines["sglang_like_vs_smg"]
     if compared["agreed"] + compared["differed"] != compared["requests"]:
         broken.append("sglang_like vs smg: not every request was compared")

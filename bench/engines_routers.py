@@ -54,23 +54,31 @@ class RouterRun:
     coordinator: str | None = None
     bridge_metrics: tuple[str, ...] = ()
     metrics_url: str | None = None
+    tag: str = ""
+
+    def role(self, proc: Proc) -> str:
+        """What ``proc`` is in this router: ``gateway``, ``coordinator``, ``bridge-vllm-0``,
+        ``smg``."""
+        return proc.name.removeprefix(f"{self.tag}-")
 
 
 @contextmanager
 def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
-                   max_model_len: int, tag: str) -> Iterator[RouterRun]:
-    """A coordinator (``kv_aware``, its default), one bridge per engine and the gateway, all
-    fresh. Yields once the gateway can route and every bridge has applied the engines' cache
-    reset (done here, after the bridges subscribed)."""
+                   max_model_len: int, tag: str, *, policy: str = "kv_aware",
+                   core: int | None = None) -> Iterator[RouterRun]:
+    """A coordinator routing by ``policy``, one bridge per engine and the gateway (its
+    ``/metrics`` on: ``metrics_url``), all fresh, on ``core`` when given. Yields once the
+    gateway can route and every bridge has applied the engines' cache reset (done here, after
+    the bridges subscribed)."""
     env = kvcoord_env(secrets.token_hex(32))
     coordinator = f"127.0.0.1:{free_port()}"
-    gateway_port = free_port()
+    gateway_port, gateway_metrics = free_port(), free_port()
     procs: list[Proc] = []
     bridge_metrics: list[str] = []
     try:
         procs.append(start(f"{tag}-coordinator", kvcoord_argv(
-            "coordinator", "--listen", coordinator, "--page-size", str(PAGE_SIZE)),
-            env=env, log_dir=log_dir))
+            "coordinator", "--listen", coordinator, "--page-size", str(PAGE_SIZE),
+            "--routing-policy", policy), env=env, log_dir=log_dir, core=core))
         for engine in engines:
             port = free_port()
             bridge_metrics.append(f"http://127.0.0.1:{port}/metrics")
@@ -81,11 +89,12 @@ def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
                 "--worker-address", engine.url.removeprefix("http://"),
                 "--engine-url", engine.url, "--model", MODEL, "--page-size", str(PAGE_SIZE),
                 "--engine-block-size", str(ENGINE_BLOCK), "--metrics-port", str(port)),
-                env=env, log_dir=log_dir))
+                env=env, log_dir=log_dir, core=core))
         procs.append(start(f"{tag}-gateway", kvcoord_argv(
             "gateway", "--coordinator", coordinator, "--listen", f"127.0.0.1:{gateway_port}",
             "--model", MODEL, "--tokenizer", str(model_dir), "--max-context",
-            str(max_model_len)), env=env, log_dir=log_dir))
+            str(max_model_len), "--metrics-port", str(gateway_metrics)),
+            env=env, log_dir=log_dir, core=core))
         gateway = f"http://127.0.0.1:{gateway_port}"
         with CoordinatorClient(coordinator, timeout=5.0) as client:
             wait_until(lambda: _ready(client) == {e.worker_id for e in engines},
@@ -96,8 +105,9 @@ def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
         with CoordinatorClient(coordinator, timeout=5.0) as client:
             wait_until(_ResetApplied(bridge_metrics, client), timeout_s=SYNC_S,
                        what="the bridges to apply the engines' cache reset", procs=procs)
-        yield RouterRun("kvcoord kv_aware", f"{gateway}/v1", tuple(procs), coordinator,
-                        tuple(bridge_metrics))
+        yield RouterRun(f"kvcoord {policy}", f"{gateway}/v1", tuple(procs), coordinator,
+                        tuple(bridge_metrics),
+                        f"http://127.0.0.1:{gateway_metrics}/metrics", tag)
     finally:
         stop(procs)
 
@@ -154,10 +164,10 @@ class _ResetApplied:
 
 @contextmanager
 def smg_router(smg: Path, engines: Sequence[Engine], policy: str, log_dir: Path,
-               tag: str) -> Iterator[RouterRun]:
+               tag: str, *, core: int | None = None) -> Iterator[RouterRun]:
     """``smg launch`` with ``policy`` and its defaults otherwise, on loopback (its metrics
-    too), in front of ``engines`` after their caches were reset. Yields once it lists every
-    engine healthy."""
+    too), in front of ``engines`` after their caches were reset, on ``core`` when given.
+    Yields once it lists every engine healthy."""
     empty_caches(engines)
     port, metrics_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in RUNNER_PYTHON_VARS}
@@ -165,13 +175,13 @@ def smg_router(smg: Path, engines: Sequence[Engine], policy: str, log_dir: Path,
         str(smg), "launch", "--host", "127.0.0.1", "--port", str(port),
         "--worker-urls", *[e.url for e in engines], "--policy", policy,
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)],
-        env=env, log_dir=log_dir)
+        env=env, log_dir=log_dir, core=core)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _smg_healthy(url) == len(engines), timeout_s=ROUTER_START_S,
                    what=f"smg to list {len(engines)} healthy workers", procs=[proc])
         yield RouterRun(f"smg {policy}", f"{url}/v1", (proc,),
-                        metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
+                        metrics_url=f"http://127.0.0.1:{metrics_port}/metrics", tag=tag)
     finally:
         stop([proc])
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from bench.suites import SUITES, Suite
+from bench.suites import SUITES, Choices, Suite
 from kvcoord.provenance import provenance
 from kvcoord.tables import render_table
 
@@ -54,10 +54,10 @@ def _flat_rows(section: dict[str, Any], prefix: str = "") -> list[list[str]]:
     return rows
 
 
-def _run_steps(suite: Suite, quick: bool) -> dict[str, Any]:
+def _run_steps(suite: Suite, quick: bool, choices: Choices) -> dict[str, Any]:
     """Every step's result by name; StepFailed when one raises."""
     results: dict[str, Any] = {}
-    steps = suite.steps(quick)
+    steps = suite.steps(quick) if suite.chosen is None else suite.chosen(quick, choices)
     for i, (name, step) in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] {name} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
@@ -71,16 +71,22 @@ def _run_steps(suite: Suite, quick: bool) -> dict[str, Any]:
 
 
 def run_suite(suite: str, *, quick: bool = False, out: Path = RESULTS,
-              suites: Mapping[str, Suite] = SUITES) -> int:
+              suites: Mapping[str, Suite] = SUITES,
+              options: Mapping[str, str] | None = None) -> int:
     """Run one suite of ``suites``, or every one for ``all``: 0 when every step ran and every
     invariant held, 1 otherwise, 2 for an unknown suite, a suite whose ``preflight`` says what
     it lacks (its line printed) or an ``out`` that cannot be made a directory (checked first).
     ``all`` runs the suites whose ``in_all`` is true. JSON goes to ``out/<suite>.json``.
+    ``options`` (option -> the value given, e.g. ``{"rig": "production"}``) go to a suite that
+    takes them; one it does not take, or an unknown name in one, exits 2 naming the known ones.
     Run it from the checkout's root: steps start ``python -m bench.…`` servers."""
     names = [n for n, s in suites.items() if s.in_all] if suite == "all" else [suite]
     if any(n not in suites for n in names):
         known = ", ".join([*suites, "all"])
         print(f"kvcoord bench: unknown suite {suite!r}; known: {known}", file=sys.stderr)
+        return 2
+    choices = _choices(suite, names, suites, options or {})
+    if choices is None:
         return 2
     for name in names:  # a missing optional peer: say how to get it, run nothing
         check = suites[name].preflight
@@ -100,7 +106,7 @@ def run_suite(suite: str, *, quick: bool = False, out: Path = RESULTS,
         print(f"== suite {name}", file=sys.stderr, flush=True)
         started = time.perf_counter()
         try:
-            results = _run_steps(suites[name], quick)
+            results = _run_steps(suites[name], quick, choices)
         except StepFailed as exc:
             failures.append(f"{name}: {exc}")
             continue
@@ -113,6 +119,24 @@ def run_suite(suite: str, *, quick: bool = False, out: Path = RESULTS,
     for failure in failures:
         print(f"kvcoord bench: FAILED {failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def _choices(suite: str, names: list[str], suites: Mapping[str, Suite],
+             options: Mapping[str, str]) -> Choices | None:
+    """``options`` parsed by the one suite that takes them; None (its line printed) when a
+    suite does not take them or a value is unknown."""
+    if not options:
+        return {}
+    parse = suites[names[0]].parse if len(names) == 1 else None
+    if parse is None:
+        taken = ", ".join(f"--{o}" for o in options)
+        print(f"kvcoord bench: suite {suite!r} takes no {taken}", file=sys.stderr)
+        return None
+    try:
+        return {option: parse(option, value) for option, value in options.items()}
+    except ValueError as exc:
+        print(f"kvcoord bench {suite}: {exc}", file=sys.stderr)
+        return None
 
 
 def _report(suite: str, results: dict[str, Any], targets: list[list[str]], broken: list[str],

@@ -16,6 +16,9 @@ from bench import engines_report, invariants, rl_report, targets
 
 Step = tuple[str, Callable[[], Any]]
 Results = dict[str, Any]
+Choices = dict[str, tuple[str, ...]]
+"""A suite's options as given on the command line (``--rig production,shared``): option ->
+names, each known (``Suite.parse``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,11 @@ class Suite:
     preflight: Callable[[bool], str | None] | None = None
     """``preflight(quick)``: one line saying what the suite lacks (a peer not installed), or
     None; the runner exits 2 with that line before running anything."""
+    chosen: Callable[[bool, Choices], list[Step]] | None = None
+    """For a suite that takes options: ``chosen(quick, choices)`` replaces ``steps``."""
+    parse: Callable[[str, str], tuple[str, ...]] | None = None
+    """``parse(option, value)``: the names ``value`` gives, or ValueError naming the unknown
+    one and the known ones (the runner exits 2 with that line)."""
 
 
 def coordinator_steps(quick: bool) -> list[Step]:
@@ -125,10 +133,17 @@ def gateway_steps(quick: bool) -> list[Step]:
             ("ttft", lambda: bench_gateway_ttft(300))]  # the whole committed slice, always
 
 
-def engines_steps(quick: bool) -> list[Step]:
+def engines_steps(quick: bool, choices: Choices | None = None) -> list[Step]:
     from bench.bench_engines import full_config, quick_config, run_engines
 
-    return [("engines", lambda: run_engines(quick_config() if quick else full_config()))]
+    config = (quick_config() if quick else full_config()).chosen(choices or {})
+    return [("engines", lambda: run_engines(config))]
+
+
+def engines_parse(option: str, value: str) -> tuple[str, ...]:
+    from bench.engines_cases import parse_choice
+
+    return parse_choice(option, value)
 
 
 def engines_preflight(quick: bool) -> str | None:
@@ -206,7 +221,8 @@ SUITES: dict[str, Suite] = {
     # Real vLLM engines and SGLang's smg (optional venvs): run by name, `make test-vllm`
     # runs its quick form; never part of `all`.
     "engines": Suite(engines_steps, engines_report.targets, engines_report.invariants,
-                     in_all=False, preflight=engines_preflight),
+                     in_all=False, preflight=engines_preflight, chosen=engines_steps,
+                     parse=engines_parse),
     # RL policy updates on two real vLLM engines (.venv-vllm): run by name, never in `all`.
     "rl": Suite(rl_steps, rl_report.targets, rl_report.invariants, in_all=False,
                 preflight=rl_preflight),

@@ -20,9 +20,10 @@ NEEDS_CHECKOUT = ("kvcoord bench: the benchmarks need a source checkout (bench/ 
                   "the installed package): run it from a clone with `make bench`")
 
 
-def run(suite: str, *, quick: bool, out: Path | None) -> int:
+def run(suite: str, *, quick: bool, out: Path | None,
+        options: dict[str, str] | None = None) -> int:
     """``bench.runner.run_suite``'s exit status (0 ran clean, 1 a crash or a broken invariant,
-    2 an unknown suite), run from the checkout's root (``out`` relative to the caller's
+    2 an unknown suite or option), run from the checkout's root (``out`` relative to the caller's
     directory); or 2 with NEEDS_CHECKOUT when there is no ``bench`` package."""
     if (CHECKOUT / "bench" / "runner.py").exists() and str(CHECKOUT) not in sys.path:
         sys.path.insert(0, str(CHECKOUT))
@@ -33,7 +34,7 @@ def run(suite: str, *, quick: bool, out: Path | None) -> int:
             raise  # a missing dependency of the benchmarks: its own error says which
         print(NEEDS_CHECKOUT, file=sys.stderr)
         return 2
-    options = {"quick": quick} if out is None else {"quick": quick, "out": out.resolve()}
+    where = {} if out is None else {"out": out.resolve()}
     os.chdir(Path(str(runner.__file__)).resolve().parent.parent)  # after resolving out
-    status: int = runner.run_suite(suite, **options)
+    status: int = runner.run_suite(suite, quick=quick, options=options or {}, **where)
     return status

@@ -186,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     bench.add_argument("--out", type=Path, metavar="DIR",
                        help="write <suite>.json here (default: bench/results/ in the checkout)")
+    bench.add_argument("--rig", metavar="NAMES", help="engines suite: production (engines on "
+                       "core 0, routers and client on core 1), shared (an engine per core); "
+                       "comma-separated (default: both; --quick: shared)")
+    bench.add_argument("--regime", metavar="NAMES", help="engines suite: roomy (each engine "
+                       "holds half the stream's distinct tokens), pressure (a quarter); "
+                       "comma-separated (default: both; --quick: roomy)")
 
     up = sub.add_parser("up", help="a local fleet (coordinator + workers), a demo workload "
                         "under kv_aware and round_robin, and a report")

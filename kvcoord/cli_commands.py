@@ -240,7 +240,9 @@ def cmd_policy(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvcoord.bench_runner import run
 
-    return run(args.suite, quick=args.quick, out=args.out)
+    options = {name: value for name in ("rig", "regime")
+               if (value := getattr(args, name)) is not None}
+    return run(args.suite, quick=args.quick, out=args.out, options=options)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -52,6 +52,53 @@ def test_without_vllm_or_smg_it_exits_2_with_one_line_saying_how_to_install(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("flag", "value", "said"), [
+    ("--rig", "production,gpu", "kvcoord bench engines: unknown rig 'gpu'; known: production, "
+     "shared\n"),
+    ("--regime", "tight", "kvcoord bench engines: unknown regime 'tight'; known: roomy, "
+     "pressure\n"),
+    ("--rig", ",", "kvcoord bench engines: --rig names nothing; known: production, shared\n"),
+])
+def test_an_unknown_rig_or_regime_exits_2_listing_the_known_ones(
+    tmp_path: Path, flag: str, value: str, said: str,
+) -> None:
+    # vLLM and smg present (stand-ins that do nothing): the choice is refused first anyway.
+    env = {**os.environ, "KVCOORD_VLLM_PYTHON": str(executable(tmp_path / "python")),
+           "KVCOORD_SMG": str(executable(tmp_path / "smg"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcoord.cli", "bench", "engines", flag, value, "--out",
+         str(tmp_path / "out")], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60, stdin=subprocess.DEVNULL)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", said)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_suite_without_rigs_refuses_the_option(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcoord.cli", "bench", "coordinator", "--rig", "shared",
+         "--out", str(tmp_path / "out")], cwd=tmp_path, capture_output=True, text=True,
+        timeout=60, stdin=subprocess.DEVNULL)
+    assert (done.returncode, done.stderr) == (
+        2, "kvcoord bench: suite 'coordinator' takes no --rig\n")
+
+
+def test_the_engines_config_takes_the_chosen_rigs_and_regimes() -> None:
+    from bench.bench_engines import full_config, quick_config
+    from bench.engines_cases import RIGS
+
+    full = full_config()
+    assert (full.rigs, full.regimes) == (("production", "shared"), ("roomy", "pressure"))
+    assert (quick_config().rigs, quick_config().regimes) == (("shared",), ("roomy",))
+    chosen = full.chosen({"rig": ("shared",)})
+    assert (chosen.rigs, chosen.regimes) == (("shared",), ("roomy", "pressure"))
+    # production: every engine computes on core 0, the routers and client on core 1.
+    assert RIGS["production"].engine_cores(4) == (0, 0, 0, 0)
+    assert RIGS["production"].compute_cores(4) == 1
+    assert (RIGS["production"].router_core, RIGS["production"].client_core) == (1, 1)
+    assert RIGS["shared"].engine_cores(4) == (0, 1, 0, 1)
+    assert RIGS["shared"].compute_cores(2) == 2
+
+
 def test_with_vllm_but_without_smg_it_names_only_smg(tmp_path: Path) -> None:
     done = bench_engines(tmp_path, executable(tmp_path / "python"), tmp_path / "no-smg")
     assert done.returncode == 2

@@ -46,13 +46,30 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
     results = json.loads((out / "engines.json").read_text())
     assert results["invariants_broken"] == [], report
     engines = results["results"]["engines"]
-    for name in ("kv_aware", "smg_cache_aware", "smg_round_robin"):
-        run = engines["routers"][name]["runs"]["run0"]
+    case = engines["cases"]["shared/roomy"]
+    assert list(engines["cases"]) == ["shared/roomy"]
+    for name in ("kv_aware", "smg_cache_aware", "smg_round_robin", "kvcoord_round_robin"):
+        run = case["routers"][name]["runs"]["run0"]
         assert (run["requests"], run["answered"], run["errors"]) == (36, 36, 0), name
         assert 0 < run["cached_tokens"] < run["prompt_tokens"], name
+        # The engines' own histograms saw every request of the turn, and the split adds up.
+        signals = run["signals"]
+        assert signals["engine_requests"] == 36, (name, signals)
+        assert signals["added_mean_ms"] + signals["engine_ttft_mean_ms"] == pytest.approx(
+            signals["client_ttft_mean_ms"]), name
+        assert case["idle"][name]["seconds"] == 3.0, name
+    # kvcoord's CPU is counted per process; smg is one.
+    by_process = case["routers"]["kv_aware"]["runs"]["run0"][
+        "router_cpu_ms_per_request_by_process"]
+    assert sorted(by_process) == ["bridge-vllm-0", "bridge-vllm-1", "coordinator", "gateway"]
+    assert sorted(case["routers"]["smg_cache_aware"]["runs"]["run0"][
+        "router_cpu_ms_per_request_by_process"]) == ["smg"]
+    # Only our gateway measures its own added latency.
+    assert case["decomposition"]["signals"]["kv_aware"]["gateway_added_p50_ms"] > 0
+    assert "gateway_added_p50_ms" not in case["decomposition"]["signals"]["smg_cache_aware"]
     # Through the gateway, every request names the engine it went to.
-    assert sum(engines["routers"]["kv_aware"]["runs"]["run0"]["by_worker"].values()) == 36
-    check = engines["index_checks"]["run0"]
+    assert sum(case["routers"]["kv_aware"]["runs"]["run0"]["by_worker"].values()) == 36
+    check = case["index_checks"]["run0"]
     assert check["probes"] == 6 and check["agreed"] == 6, check
     compared = engines["sglang_like_vs_smg"]
     assert compared["agreed"] + compared["differed"] == compared["requests"] == 24

@@ -201,7 +201,8 @@ class GatewayServer:
     async def _forward_one(self, request: web.Request, path: str, raw: bytes,
                            prompt: list[int], token: str | None, request_id: str,
                            ledger: RouteLedger) -> web.StreamResponse:
-        upstream, route = await self._open_upstream(path, raw, prompt, token, request_id, ledger)
+        upstream, route = await self._open_upstream(path, raw, prompt, token, request_id, ledger,
+                                                    started=request[STARTED])
         version = served_version(upstream, route)
         self.metrics.policy_version.set(version)
         streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
@@ -239,14 +240,17 @@ class GatewayServer:
 
     async def _open_upstream(self, path: str, raw: bytes, prompt: list[int],
                              token: str | None, request_id: str, ledger: RouteLedger,
-                             first: Route | None = None
+                             first: Route | None = None, started: float | None = None
                              ) -> tuple[aiohttp.ClientResponse, Route]:
         """The worker's answer, its status and headers read (nothing of the body yet), and
-        the route that chose it (``first``, when given, is tried before routing). Workers that
+        the route that chose it (``first``, when given, is tried before routing). The time from
+        ``started`` (the request's arrival; now when None) to each upstream send is the
+        gateway's added latency. Workers that
         cannot be reached, have no HTTP endpoint or fail with a 5xx before any byte are routed
         around, ``route_retries`` times; their routes end at once (``ledger``)."""
         assert self._session is not None, "start() first"
         excluded: list[str] = []
+        started = time.perf_counter() if started is None else started
         headers = {"Content-Type": "application/json", "x-request-id": request_id}
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
@@ -258,6 +262,7 @@ class GatewayServer:
                 ledger.end(route)
                 excluded.append(route.worker_id)
                 continue
+            self.metrics.added.observe(time.perf_counter() - started)
             try:
                 upstream = await self._session.post(f"{route.http_url}/v1/{path}", data=raw,
                                                     headers=headers)

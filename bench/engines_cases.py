@@ -1,0 +1,91 @@
+"""The engines bench's cases: a **rig** (where the engines, the routers and the client run) and a
+**regime** (how much of the stream each engine's KV cache holds).
+
+Rigs, on a machine's first two cores:
+
+- ``production``: every engine on core 0; the routers and the client on core 1. As in a GPU
+  fleet, the router's CPU then takes nothing from prefill: what is left of a TTFT gap is added
+  latency and where requests queue.
+- ``shared``: one engine per core, round robin; the routers and the client float over both
+  (the bench as it first ran). Router CPU competes with prefill here.
+
+Regimes:
+
+- ``roomy``: each engine's KV cache holds half the stream's distinct tokens, so the engines
+  together hold every prefix only if no prefix is held twice;
+- ``pressure``: a quarter. The engines evict, and a router's tree of what it sent goes stale
+  (the case llm-d's precise scorer was built for).
+
+``parse_choice`` turns ``--rig``/``--regime`` values into names, refusing unknown ones with the
+known ones listed (the CLI exits 2 with that line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Rig:
+    """Cores: ``engine_cores(n)`` for n engines; the routers' and the client's core (None:
+    unpinned)."""
+
+    name: str
+    spread: tuple[int, ...]
+    router_core: int | None
+    client_core: int | None
+    about: str
+
+    def engine_cores(self, engines: int) -> tuple[int, ...]:
+        return tuple(self.spread[i % len(self.spread)] for i in range(engines))
+
+    def compute_cores(self, engines: int) -> int:
+        """Distinct cores the engines compute on: the fleet's prefill capacity in cores."""
+        return len(set(self.engine_cores(engines)))
+
+
+@dataclass(frozen=True, slots=True)
+class Regime:
+    """``kv_share``: each engine's KV cache as a share of the stream's distinct tokens."""
+
+    name: str
+    kv_share: float
+    about: str
+
+
+RIGS = {r.name: r for r in (
+    Rig("production", (0,), router_core=1, client_core=1,
+        about="engines on core 0; routers and client on core 1"),
+    Rig("shared", (0, 1), router_core=None, client_core=None,
+        about="an engine per core; routers and client unpinned"),
+)}
+REGIMES = {r.name: r for r in (
+    Regime("roomy", 0.5, about="each engine holds half the stream's distinct tokens"),
+    Regime("pressure", 0.25, about="each engine holds a quarter: engines evict"),
+)}
+CHOICES = {"rig": tuple(RIGS), "regime": tuple(REGIMES)}
+"""The options ``kvcoord bench engines`` takes, and their known values in default order."""
+
+
+class UnknownChoice(ValueError):
+    """A ``--rig`` or ``--regime`` value that is not known; the message lists the known ones."""
+
+
+def parse_choice(option: str, value: str) -> tuple[str, ...]:
+    """``value`` (comma-separated names) as names in the order given, each once;
+    UnknownChoice naming the first unknown one and the known ones (or an unknown option)."""
+    if option not in CHOICES:
+        raise UnknownChoice(f"unknown option --{option}; known: "
+                            + ", ".join(f"--{o}" for o in CHOICES))
+    known = CHOICES[option]
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise UnknownChoice(f"--{option} names nothing; known: {', '.join(known)}")
+    for name in names:
+        if name not in known:
+            raise UnknownChoice(f"unknown {option} {name!r}; known: {', '.join(known)}")
+    return tuple(dict.fromkeys(names))
+
+
+def case_name(rig: str, regime: str) -> str:
+    return f"{rig}/{regime}"
