@@ -32,6 +32,27 @@ async def test_a_batch_past_the_windows_budget_waits_for_the_next_window() -> No
     assert governor.waiting == 0 and governor.waited == 1 and len(waits) == 1
 
 
+async def test_the_lag_watch_sleeps_while_no_batch_comes_and_wakes_with_the_next() -> None:
+    # An idle replica must not tick 50 times a second for nothing: once no batch came for
+    # idle_s and the share is whole, the watch ends; a batch restarts it.
+    governor = IngestGovernor(0.5, idle_s=0.1)
+    governor.start()
+    assert governor.watching
+    await asyncio.sleep(0.05)  # ticks while the start is recent
+    assert governor.watching
+    async def asleep() -> bool:
+        return not governor.watching
+
+    await eventually(asleep, timeout=2.0, what="the watch to stop")
+    assert governor.share == governor.max_share
+    await asyncio.wait_for(governor.admit(), 0.01)
+    assert governor.watching
+    await governor.stop()
+    assert not governor.watching
+    governor.applied(0.001)  # after stop, a batch starts nothing
+    assert not governor.watching
+
+
 async def test_unbounded_admits_everything_at_once() -> None:
     governor = IngestGovernor(1.0)
     governor.applied(100.0)

@@ -12,7 +12,8 @@ here, and by the workers' own event logs behind that. Routes, lookups, heartbeat
 acknowledgements are never held back: only event batches wait, so a saturated replica still
 answers routes, and its lag (``kvcoord_ingest_wait_seconds``, the streams waiting) is what
 grows. Readers run one at a time on the loop, so the budget is checked against every apply
-before it.
+before it. The lag watch runs only while batches come: an idle fleet's replica does not wake
+for it.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ MIN_SHARE = 0.05
 # After the loop last lagged, acks stay delayed this long: merging them is what keeps it from
 # lagging again, so it must not stop the moment the loop catches up.
 BUSY_HOLD_S = 2.0
+# The watch stops once no event batch came for this long and the share is whole again (an idle
+# fleet's replica then wakes for nothing); the next batch starts it.
+IDLE_S = 1.0
 
 
 class IngestGovernor:
     def __init__(self, max_share: float, *, window_s: float = WINDOW_S,
                  clock: Callable[[], float] = time.perf_counter,
-                 max_ack_delay_s: float = 0.0) -> None:
+                 max_ack_delay_s: float = 0.0, idle_s: float = IDLE_S) -> None:
         if not 0 < max_share <= 1:
             raise ValueError(f"max_share must be in (0, 1], got {max_share}")
         if max_ack_delay_s < 0:
@@ -52,6 +56,9 @@ class IngestGovernor:
         self.loop_lag_s = 0.0
         """How late the last watch tick fired."""
         self._watcher: asyncio.Task[None] | None = None
+        self._watching = False  # between start() and stop()
+        self._last_batch = clock()
+        self._idle_s = idle_s
         self._window_s = window_s
         self._clock = clock
         self._window_start = clock()
@@ -94,11 +101,24 @@ class IngestGovernor:
         return self._busy_s >= self.share * self._window_s
 
     def start(self) -> None:
-        """Watch the loop's lag (adapts ``share``); a no-op when unbounded."""
-        if self.enabled and self._watcher is None:
+        """Watch the loop's lag (adapts ``share``) while event batches come; a no-op when
+        unbounded."""
+        self._watching = self.enabled
+        self._wake()
+
+    def _wake(self) -> None:
+        """A batch came: (re)start the watch if it stopped for want of batches."""
+        self._last_batch = self._clock()
+        if self._watching and (self._watcher is None or self._watcher.done()):
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
+    @property
+    def watching(self) -> bool:
+        """Whether the lag watch is running now (it sleeps while no batch comes)."""
+        return self._watcher is not None and not self._watcher.done()
+
     async def stop(self) -> None:
+        self._watching = False
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -120,6 +140,9 @@ class IngestGovernor:
                 self.share = max(min(MIN_SHARE, self.max_share), self.share * BACKOFF)
             else:
                 self.share = min(self.max_share, self.share + STEP)
+                if (self.share >= self.max_share and not self._queue
+                        and self._clock() - self._last_batch > self._idle_s):
+                    return  # idle: nothing to adapt to until the next batch (``_wake``)
 
     def admits_now(self) -> bool:
         """Whether ``admit()`` would return at once (nobody waiting, budget left): a caller
@@ -131,6 +154,7 @@ class IngestGovernor:
         it has and nobody is waiting)."""
         if not self.enabled:
             return
+        self._wake()
         began = self._clock()
         if not self._queue and not self._over_budget(began):
             return
@@ -150,6 +174,8 @@ class IngestGovernor:
         """An event batch took ``seconds`` of the loop to apply; the next waiter may go if the
         budget still has room."""
         self._busy_s += seconds
+        if self._watching:
+            self._wake()
         self._release()
 
     def _release(self) -> None:
