@@ -81,9 +81,9 @@ class EnginesConfig:
     """One run's sizes. ``load``: the stream's distinct tokens as a share of the engines' cold
     prefill time over the stream (the engines' compute cores, not their count, set that
     capacity); ``rigs`` and ``regimes`` (``engines_cases``): every pair is a case, with engines
-    started for it; ``engines``: engines per case; ``idle_s``: each router's idle measure (None:
-    the stream's paced length); ``compare``: requests in the sglang_like comparison;
-    ``probes``: prompts the index check probes (on every engine)."""
+    started for it; ``engines``: engines per case; ``idle_s``: each router's idle measure, in its
+    first repeat (None: the stream's paced length); ``compare``: requests in the sglang_like
+    comparison; ``probes``: prompts the index check probes (on every engine)."""
 
     trace: Path
     stream: StreamShape
@@ -104,8 +104,10 @@ class EnginesConfig:
 
 
 def full_config() -> EnginesConfig:
+    # Idle CPU is a rate: 20 s of it reads a timer's cost to within psutil's 10 ms tick (0.5
+    # ms/s), where a whole turn's length would add a quarter to every case's time.
     return EnginesConfig(Path(os.environ.get(TRACE_VAR) or FULL_TRACE),
-                         StreamShape(requests=160))
+                         StreamShape(requests=160), idle_s=20.0)
 
 
 def quick_config() -> EnginesConfig:
