@@ -178,13 +178,15 @@ def cmd_status(args: argparse.Namespace) -> int:
          f"{w.cached_gpu_pages}/{w.total_pages}", f"{w.cached_cpu_pages}/{w.host_pages}",
          str(w.cached_disk_pages), str(w.free_pages), str(w.running_requests),
          str(w.queued_tokens), str(w.inflight_routes), f"{w.prefill_backlog_tokens:.0f}",
-         f"{w.prefill_tokens_per_s:.0f}", str(w.routed_requests),
+         f"{w.prefill_tokens_per_s:.0f}", f"{w.prefill_route_seconds * 1000:.0f}",
+         str(w.routed_requests),
          f"{w.hit_ratio:.1%}", w.owner_replica or "-"]
         for w in workers
     ]
     print(render_table(
         ["worker", "address", "state", "policy", "inc", "gpu pages", "host pages", "disk",
-         "free", "running", "queued", "inflight", "backlog", "prefill/s", "routed", "hit",
+         "free", "running", "queued", "inflight", "backlog", "prefill/s", "ms/route", "routed",
+         "hit",
          "replica"], rows,
     ))
     return 0

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from coordinator.core.fleet import Fleet, PrefillBacklog, RegisteredWorker, WorkerLoad
-from coordinator.core.fleet.prefill_backlog import RATE_WINDOW
+from coordinator.core.fleet.prefill_backlog import END_KEYS, MIN_FIT, RATE_WINDOW
 from coordinator.core.routing import KvAwareWeights, load_floor
 
 
@@ -85,8 +85,8 @@ def test_prompt_tokens_of_routes_in_flight_count_as_pinned_until_a_heartbeat_set
 
 def test_a_prefill_end_seen_in_a_stored_event_corrects_the_books_and_teaches_the_rate() -> None:
     backlog = PrefillBacklog(1_000.0)  # configured: 1,000 tokens/s
-    backlog.book(500, now=0.0, last_pending_key=b"a-last")  # idle worker: starts at once
-    backlog.book(300, now=0.1, last_pending_key=b"b-last")  # queued behind it
+    backlog.book(500, now=0.0, end_keys=[b"a-last"])  # idle worker: starts at once
+    backlog.book(300, now=0.1, end_keys=[b"b-last"])  # queued behind it
     # The worker is slower than configured: "a" ends at 1.0 s, not 0.5 s.
     backlog.observe_stored([b"a-first", b"a-last"], now=1.0)
     assert backlog.tokens_per_s == pytest.approx(500.0)  # 500 tokens in 1.0 s
@@ -100,9 +100,9 @@ def test_a_prefill_end_seen_in_a_stored_event_corrects_the_books_and_teaches_the
 
 def test_an_end_seen_late_also_ends_every_route_booked_before_it() -> None:
     backlog = PrefillBacklog(1_000.0)
-    backlog.book(100, now=0.0, last_pending_key=b"a")
-    backlog.book(100, now=0.0, last_pending_key=b"b")
-    backlog.book(100, now=0.0, last_pending_key=b"c")
+    backlog.book(100, now=0.0, end_keys=[b"a"])
+    backlog.book(100, now=0.0, end_keys=[b"b"])
+    backlog.book(100, now=0.0, end_keys=[b"c"])
     backlog.observe_stored([b"b"], now=0.2)  # a's event was lost or merged: b ends both
     assert backlog.tokens(0.2) == pytest.approx(100.0)
     # With no earlier end seen, b's queue's start is unknown: its own 100 tokens over the 0.2 s
@@ -119,12 +119,62 @@ def test_the_rate_follows_the_last_window_of_measured_prefills() -> None:
     backlog = PrefillBacklog(1_000.0)
     now = 0.0
     for i in range(RATE_WINDOW):  # slow at first: 100 tokens/s
-        backlog.book(100, now, last_pending_key=f"slow{i}".encode())
+        backlog.book(100, now, end_keys=[f"slow{i}".encode()])
         now += 1.0
         backlog.observe_stored([f"slow{i}".encode()], now)
     assert backlog.tokens_per_s == pytest.approx(100.0)
     for i in range(RATE_WINDOW):  # then 400 tokens/s: the old measures age out
-        backlog.book(100, now, last_pending_key=f"fast{i}".encode())
+        backlog.book(100, now, end_keys=[f"fast{i}".encode()])
         now += 0.25
         backlog.observe_stored([f"fast{i}".encode()], now)
     assert backlog.tokens_per_s == pytest.approx(400.0)
+
+
+def test_an_end_is_seen_in_the_last_full_engine_block_when_the_last_page_is_never_stored(
+) -> None:
+    # A 32-token engine block holds two 16-token pages: a prompt of 7 pages has its seventh in
+    # a block the engine never publishes. The route marks its last END_KEYS pending keys
+    # (p3-p6); the engine's chunks store p0-p1, then p2-p5 when the prefill ends.
+    assert END_KEYS == 4
+    backlog = PrefillBacklog(1_000.0)
+    pages = [f"p{i}".encode() for i in range(7)]
+    backlog.book(112, now=0.0, end_keys=pages)
+    backlog.observe_stored(pages[:2], now=0.05)  # a first chunk: not the end
+    assert backlog.tokens_per_s == 1_000.0 and backlog.tokens(0.05) == pytest.approx(62.0)
+    backlog.observe_stored(pages[2:6], now=0.14)  # the last full block is in this batch
+    assert backlog.tokens_per_s == pytest.approx(800.0)
+    assert backlog.tokens(0.14) == 0.0
+    backlog.observe_stored(pages[6:], now=0.2)  # the route's other marks went with its end
+    assert backlog.tokens_per_s == pytest.approx(800.0)
+
+
+def test_a_fixed_cost_per_route_is_learned_beside_the_rate_from_prompts_of_several_sizes(
+) -> None:
+    # The engine takes 33 ms per request plus 1/2,800 s per token computed (a vLLM CPU
+    # engine's figures); each prompt is routed to an idle worker and its end seen exactly.
+    backlog = PrefillBacklog(15_000.0)
+    now = 0.0
+    for i in range(2 * MIN_FIT):
+        work = 64 + 200 * (i % 5)
+        backlog.book(work, now, end_keys=[f"k{i}".encode()])
+        now += 0.033 + work / 2_800
+        backlog.observe_stored([f"k{i}".encode()], now)
+        now += 1.0  # idle between prompts
+    assert backlog.per_route_s == pytest.approx(0.033)
+    assert backlog.tokens_per_s == pytest.approx(2_800.0)
+    # A prompt the worker holds whole still costs the fixed 33 ms: booked as 92.4 tokens of
+    # work at the learned rate.
+    backlog.book(0, now)
+    assert backlog.seconds(now) == pytest.approx(0.033)
+    assert backlog.tokens(now) == pytest.approx(0.033 * 2_800)
+
+
+def test_prompts_of_one_size_cannot_tell_a_fixed_cost_from_the_rate() -> None:
+    backlog = PrefillBacklog(1_000.0)
+    now = 0.0
+    for i in range(2 * MIN_FIT):
+        backlog.book(100, now, end_keys=[f"k{i}".encode()])
+        now += 0.5
+        backlog.observe_stored([f"k{i}".encode()], now)
+        now += 1.0
+    assert (backlog.per_route_s, backlog.tokens_per_s) == (0.0, pytest.approx(200.0))

@@ -152,6 +152,7 @@ def worker_from(info: pb.WorkerInfo) -> WorkerInfo:
         cached_disk_pages=info.cached_disk_pages,
         prefill_backlog_tokens=info.prefill_backlog_tokens,
         prefill_tokens_per_s=info.prefill_tokens_per_s,
+        prefill_route_seconds=info.prefill_route_seconds,
     )
 
 

@@ -138,6 +138,8 @@ class WorkerInfo:
     """Prefill work ``kv_aware`` counts queued there (tokens), drained at
     ``prefill_tokens_per_s``: configured, then learned from the prefills it saw end."""
     prefill_tokens_per_s: float = 0.0
+    prefill_route_seconds: float = 0.0
+    """The fixed cost of a request there beside the rate, learned (0 until it can be told)."""
 
     @property
     def hit_ratio(self) -> float:

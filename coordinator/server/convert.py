@@ -270,6 +270,7 @@ def worker_to_pb(view: WorkerView) -> pb.WorkerInfo:
         cached_disk_pages=view.cached_by_tier[Tier.DISK],
         prefill_backlog_tokens=view.prefill_backlog_tokens,
         prefill_tokens_per_s=s.backlog.tokens_per_s,
+        prefill_route_seconds=s.backlog.per_route_s,
     )
 
 

@@ -101,7 +101,7 @@ class ProductionRouter:
                                booked_work(routing_request, decision.cached_pages,
                                            detail.lower_tier_pages if detail else 0,
                                            ctx.weights), now,
-                               keys[-1] if confirmed < len(keys) else None)
+                               keys[confirmed:])
         return position
 
     def on_prefill_done(self, worker: int, job: Job) -> None:

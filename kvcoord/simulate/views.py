@@ -67,13 +67,13 @@ class CoordinatorLoads:
         self._sessions[worker].report_load(load, completed_routes)
 
     def routed(self, worker: int, prompt_tokens: int, cached_tokens: int, prefill_work: int,
-               now: float, last_pending_key: bytes | None) -> None:
+               now: float, pending_keys: Sequence[bytes]) -> None:
         """The coordinator issued a route at ``now``, counting on ``prefill_work`` tokens of
-        prefill there (``routing.booked_work``) and leaving keys up to ``last_pending_key``
-        pending, as ``Router`` books it."""
+        prefill there (``routing.booked_work``) and leaving ``pending_keys`` pending, as
+        ``Router`` books it."""
         session = self._sessions[worker]
         session.hold_inflight(prompt_tokens - cached_tokens, 1, MAX_INFLIGHT, prompt_tokens)
-        session.queue_prefill(prefill_work, now, last_pending_key)
+        session.queue_prefill(prefill_work, now, pending_keys)
         session.count_routed(prompt_tokens, cached_tokens)
 
     def stored(self, worker: int, keys: Sequence[bytes], now: float) -> None:

@@ -41,6 +41,7 @@ from worker.bridge.engine_events import (
     MalformedInput,
     decode_payload,
 )
+from worker.bridge.engine_gauges import EngineGauges
 from worker.bridge.policy_member import PolicyMember, engine_control
 from worker.sync.event_log import Holdings
 from worker.sync.sync_client import SyncClient
@@ -91,6 +92,11 @@ class Bridge:
         self._zmq: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self._engine: asyncio.Task[None] | None = None
+        # The engine's capacity for the heartbeats, read from its /metrics (vLLM's).
+        self.gauges = EngineGauges(f"{config.engine_url}/metrics",
+                                   (config.heartbeat_ms or 1000) / 1000) \
+            if config.engine_url and config.engine == "vllm" else None
+        self._gauging: asyncio.Task[None] | None = None
 
     @property
     def incarnation(self) -> int:
@@ -111,6 +117,8 @@ class Bridge:
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(self.config.events)
         self._engine = asyncio.create_task(self._follow_engine(), name="bridge-engine")
+        if self.gauges is not None:
+            self._gauging = asyncio.create_task(self.gauges.run(), name="bridge-gauges")
         register = True
         if self.member is not None:
             assert self.config.http_listen is not None
@@ -151,6 +159,10 @@ class Bridge:
             self._engine.cancel()
             await asyncio.wait([self._engine], timeout=2.0)
             self._engine = None
+        if self._gauging is not None:
+            self._gauging.cancel()
+            await asyncio.wait([self._gauging], timeout=2.0)
+            self._gauging = None
         await self.sync.stop(deregister=True)
         if self._sub is not None:
             self._sub.close(linger=0)
@@ -169,7 +181,12 @@ class Bridge:
 
     def heartbeat(self) -> pb.Heartbeat:
         running = 0 if self.member is None else self.member.proxy.in_flight
-        return pb.Heartbeat(completed_routes=_SETTLE_ALL, running_requests=running)
+        gauges = None if self.gauges is None else self.gauges.latest
+        if gauges is None:  # capacity unknown: the registration's stands
+            return pb.Heartbeat(completed_routes=_SETTLE_ALL, running_requests=running)
+        free, total = gauges.pages(self.config.page_size)
+        return pb.Heartbeat(completed_routes=_SETTLE_ALL, running_requests=running,
+                            free_pages=free, total_pages=total)
 
     async def registered(self, response: pb.RegisterResponse) -> None:
         """Nothing to load here: an external worker serves the version it is given, and a

@@ -49,6 +49,19 @@ class BridgeCollector(Collector):
         yield GaugeMetricFamily("kvcoord_bridge_blocks", "Engine blocks held", value=len(b.blocks))
         yield GaugeMetricFamily("kvcoord_bridge_last_seq", "Last engine sequence number applied",
                                 value=b.last_seq)
+        gauges = None if b.gauges is None else b.gauges.latest
+        if gauges is not None:
+            requests = GaugeMetricFamily("kvcoord_bridge_engine_requests", "The engine's "
+                                         "requests, by state (its /metrics)", labels=["state"])
+            requests.add_metric(["running"], gauges.running)
+            requests.add_metric(["waiting"], gauges.waiting)
+            yield requests
+            free, total = gauges.pages(b.config.page_size)
+            yield GaugeMetricFamily("kvcoord_bridge_engine_free_pages", "Pages the engine can "
+                                    "fill without evicting a running request (heartbeats)",
+                                    value=free)
+            yield GaugeMetricFamily("kvcoord_bridge_engine_total_pages",
+                                    "The engine's KV cache, in pages", value=total)
         if b.member is not None:
             yield from _policy_metrics(b.member)
 

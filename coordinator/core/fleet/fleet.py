@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -136,10 +136,11 @@ class RegisteredWorker:
         return self.backlog.tokens(now)
 
     def queue_prefill(self, tokens: float, now: float,
-                      last_pending_key: bytes | None = None) -> None:
+                      pending_keys: Sequence[bytes] = ()) -> None:
         """Count ``tokens`` of prefill routed here at ``now`` (this replica's route or one
-        another replica shared); ``last_pending_key``: the last key the route left pending."""
-        self.backlog.book(tokens, now, last_pending_key)
+        another replica shared); ``pending_keys``: the keys the route left pending, in prompt
+        order (its last ones mark its prefill's end)."""
+        self.backlog.book(tokens, now, pending_keys)
         self._load_changed()
 
     def observe_page_events(self, events: Iterable[PageEvent], now: float) -> None:

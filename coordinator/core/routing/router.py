@@ -326,7 +326,7 @@ class Router:
         # before) are computed once, by whichever route reaches the worker first.
         lower = chosen_detail.lower_tier_pages if chosen_detail is not None else 0
         work = booked_work(request, decision.cached_pages, lower, self._weights)
-        session.queue_prefill(work, now, pending[-1] if pending else None)
+        session.queue_prefill(work, now, pending)
         for _ in range(copies):
             session.count_routed(token_count, cached_tokens)
         if self._on_routed is not None:
@@ -374,7 +374,7 @@ class Router:
         if work is None:  # an older replica: the most it could have counted
             work = reservation.uncached_tokens * reservation.copies
         keys = reservation.pending_keys
-        session.queue_prefill(work, now, keys[-1] if keys else None)
+        session.queue_prefill(work, now, keys)
         return True
 
     def inflight(self, sessions: Iterable[RegisteredWorker]) -> list[InFlightRoutes]:

@@ -1,0 +1,71 @@
+"""A bridge reports its engine's real capacity: vLLM's /metrics text (as vLLM 0.32 writes it)
+read into free and total pages for the heartbeat, and a heartbeat that carries them, or none
+while the engine has not said."""
+
+from __future__ import annotations
+
+from worker.bridge.bridge import Bridge, BridgeConfig
+from worker.bridge.engine_gauges import Gauges, parse_vllm
+
+# Lines of a real vLLM 0.32 CPU engine's /metrics (the engines bench), cache_config_info cut to
+# the labels that matter plus two that look alike.
+RANK0 = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 2.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:cache_config_info{_block_size_resolved="True",block_size="32",engine="0",\
+num_cpu_blocks="None",num_gpu_blocks="1515",num_gpu_blocks_override="None"} 1.0
+"""
+RANK1 = """\
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
+vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="1515"} 1.0
+"""
+
+
+def test_one_engine_reads_as_its_blocks_usage_and_requests() -> None:
+    gauges = parse_vllm(RANK0)
+    assert gauges == Gauges(total_blocks=1515, block_tokens=32, usage=0.25, running=3,
+                            waiting=2)
+    # 16-token pages: two per block; a quarter of the blocks held, whole blocks free.
+    assert gauges.pages(16) == (1136 * 2, 1515 * 2)
+    assert gauges.pages(32) == (1136, 1515)
+
+
+def test_data_parallel_ranks_add_up_and_share_their_usage() -> None:
+    gauges = parse_vllm(RANK0 + RANK1)
+    assert gauges == Gauges(total_blocks=3030, block_tokens=32, usage=0.5, running=4,
+                            waiting=2)
+    assert gauges.pages(16) == (1515 * 2, 3030 * 2)
+
+
+def test_metrics_without_the_cache_size_read_as_nothing() -> None:
+    assert parse_vllm("vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n") is None
+    assert parse_vllm("") is None
+
+
+def _bridge(engine_url: str, engine: str = "vllm") -> Bridge:
+    return Bridge(BridgeConfig(events="tcp://127.0.0.1:1", coordinator="127.0.0.1:1",
+                               worker_id="vllm-0", worker_address="127.0.0.1:2",
+                               engine_url=engine_url, engine=engine, page_size=16,
+                               engine_block_size=32))
+
+
+def test_the_heartbeat_carries_the_engines_free_and_total_pages_once_read() -> None:
+    bridge = _bridge("http://127.0.0.1:3")
+    assert bridge.gauges is not None
+    assert bridge.gauges.metrics_url == "http://127.0.0.1:3/metrics"
+    beat = bridge.heartbeat()
+    assert (beat.free_pages, beat.total_pages) == (0, 0)  # not read yet: the registration's
+    bridge.gauges.latest = parse_vllm(RANK0)
+    beat = bridge.heartbeat()
+    assert (beat.free_pages, beat.total_pages) == (2272, 3030)
+    assert beat.running_requests == 0  # the engine's own count is not load (docstring)
+
+
+def test_without_an_engine_url_or_for_sglang_nothing_is_read() -> None:
+    assert _bridge("").gauges is None
+    assert _bridge("http://127.0.0.1:3", engine="sglang").gauges is None

@@ -1,0 +1,105 @@
+"""What an engine's ``/metrics`` says about its capacity now, for the bridge's heartbeats.
+
+vLLM publishes its KV cache's size (``vllm:cache_config_info``'s ``num_gpu_blocks`` and
+``block_size`` labels), how full it is (``vllm:kv_cache_usage_perc``: blocks held by running
+requests; cached blocks no request holds are free to reuse, so they count as free) and its
+requests (``vllm:num_requests_running``, ``vllm:num_requests_waiting``), summed over its
+data-parallel ranks. ``EngineGauges`` reads them every ``period_s`` (one small GET, off the
+event path) and keeps the latest; the bridge's heartbeat then reports the engine's real free
+and total pages instead of none, so the coordinator charges memory pressure only where the
+engine is short of blocks.
+
+The request counts are exported (``kvcoord_bridge_engine_requests``) but not reported as load:
+the coordinator already counts every route it issued to the engine until the gateway ends it,
+and reporting the engine's own count too would count each request twice. An engine without
+these metrics (SGLang publishes others) reports nothing, as before: the heartbeat then keeps
+the registration's capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from dataclasses import dataclass
+
+import aiohttp
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+(\S+)", re.MULTILINE)
+_LABEL = re.compile(r'([a-zA-Z_]+)="([^"]*)"')
+SCRAPE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Gauges:
+    """The engine's KV cache in blocks of ``block_tokens``, the share in use, its requests."""
+
+    total_blocks: int
+    block_tokens: int
+    usage: float
+    running: int
+    waiting: int
+
+    def pages(self, page_size: int) -> tuple[int, int]:
+        """(free, total) pages of ``page_size`` tokens: whole free blocks, cut into pages."""
+        per_block = max(1, self.block_tokens // page_size)
+        free_blocks = int(self.total_blocks * (1.0 - min(max(self.usage, 0.0), 1.0)))
+        return free_blocks * per_block, self.total_blocks * per_block
+
+
+def parse_vllm(text: str) -> Gauges | None:
+    """The gauges in vLLM's Prometheus ``text`` (ranks summed; usage averaged over them), or
+    None when the cache's size is not in it."""
+    blocks = block_tokens = running = waiting = 0
+    usages: list[float] = []
+    for name, labels, value in _SAMPLE.findall(text):
+        if name == "vllm:cache_config_info":
+            found = dict(_LABEL.findall(labels))
+            with contextlib.suppress(KeyError, ValueError):
+                blocks += int(found["num_gpu_blocks"])
+                block_tokens = int(found["block_size"])
+        elif name == "vllm:kv_cache_usage_perc":
+            usages.append(float(value))
+        elif name == "vllm:num_requests_running":
+            running += int(float(value))
+        elif name == "vllm:num_requests_waiting":
+            waiting += int(float(value))
+    if blocks <= 0 or block_tokens <= 0:
+        return None
+    usage = sum(usages) / len(usages) if usages else 0.0
+    return Gauges(blocks, block_tokens, usage, running, waiting)
+
+
+class EngineGauges:
+    """The latest ``Gauges`` of the engine at ``metrics_url`` (None until one was read, or
+    while its metrics lack them); ``run`` reads them every ``period_s`` until cancelled."""
+
+    def __init__(self, metrics_url: str, period_s: float) -> None:
+        self.metrics_url = metrics_url
+        self.period_s = period_s
+        self.latest: Gauges | None = None
+        self.failures = 0
+
+    async def read_once(self, session: aiohttp.ClientSession) -> None:
+        try:
+            async with session.get(self.metrics_url) as answer:
+                if answer.status != 200:
+                    raise aiohttp.ClientError(f"status {answer.status}")
+                self.latest = parse_vllm(await answer.text())
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.failures += 1
+            if self.failures == 1:  # once per run of failures: the engine may be starting
+                log.warning("bridge.engine_metrics_unreadable", url=self.metrics_url,
+                            error=str(exc) or type(exc).__name__)
+            return
+        self.failures = 0
+
+    async def run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                await self.read_once(session)
+                await asyncio.sleep(self.period_s)
