@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.text.chat_template import ChatTemplate, ChatTemplateError
+from worker.text.segment_cache import SegmentEncoder, SplitToken
 
 REFERENCE_TOKENIZER = Path(__file__).resolve().parent / "reference_tokenizer"
 """The tokenizer and chat template shipped for the reference model's 512-id vocabulary."""
@@ -91,6 +92,11 @@ class TextTokenizer:
         self.source = source
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id: int | None = None if eos is None else tokenizer.token_to_id(eos)
+        # A chat is encoded a message at a time, each message's ids cached (segment_cache).
+        self.segments = SegmentEncoder(
+            lambda text: self.encode(text, add_special_tokens=False),
+            [SplitToken(str(t.content), bool(t.lstrip), bool(t.normalized))
+             for t in tokenizer.get_added_tokens_decoder().values()])
 
     @classmethod
     def load(cls, directory: str | Path, *, max_context: int | None = None) -> TextTokenizer:
@@ -167,10 +173,11 @@ class TextTokenizer:
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any,
     ) -> list[int]:
-        """The conversation's ids: its rendered template, encoded without special tokens."""
+        """The conversation's ids: its rendered template, encoded without special tokens (a
+        message at a time, its ids cached: ``segment_cache``)."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
                                 tools=tools, **variables)
-        return self.encode(text, add_special_tokens=False)
+        return self.segments.encode(text)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -1,0 +1,108 @@
+"""``SegmentEncoder``: a rendered chat encoded a segment at a time, each segment's ids cached, so
+a conversation's next turn encodes only its new messages.
+
+A fast tokenizer takes its added tokens (``<|im_start|>``, ``<|im_end|>``...) out of the text
+before anything else: the pieces between them are normalized, pre-tokenized and modelled each
+on its own. So cutting the text just before an added token changes nothing: the ids of the
+whole are the ids of the segments, one after another. A chat template writes such a token at
+every message's start, so the segments are the messages, and a turn that adds one message to a
+conversation finds every earlier segment in the cache.
+
+Two guards keep it exact. Only added tokens that take nothing from their left
+(``lstrip=False``) and match the raw text (``normalized=False``) are cut before; and the first
+``VERIFY_FIRST`` encodings, then one in ``VERIFY_EVERY``, are checked against the whole text's
+ids: on any difference the cache turns itself off for good (``exact`` False, logged once) and
+every later call encodes the whole text, as without it. The cache is bounded by the tokens it
+holds (least recently used out first).
+"""
+
+from __future__ import annotations
+
+import re
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+MAX_CACHED_TOKENS = 2_000_000
+"""Tokens the cache holds at most (4 bytes each): a few thousand conversations' messages."""
+VERIFY_FIRST = 64
+VERIFY_EVERY = 256
+MIN_SEGMENT_CHARS = 64
+"""Shorter segments are not cached (a role header, a closing tag): encoding them is as cheap as
+looking them up."""
+
+
+@dataclass(frozen=True, slots=True)
+class SplitToken:
+    """An added token as the tokenizer declares it."""
+
+    content: str
+    lstrip: bool
+    normalized: bool
+
+
+class SegmentEncoder:
+    """``encode(text)``: ``encode_whole(text)``'s ids, from cached segments where it can."""
+
+    def __init__(self, encode_whole: Callable[[str], list[int]],
+                 added_tokens: Iterable[SplitToken], *,
+                 max_tokens: int = MAX_CACHED_TOKENS) -> None:
+        self._encode_whole = encode_whole
+        usable = sorted({t.content for t in added_tokens
+                         if t.content and not t.lstrip and not t.normalized},
+                        key=len, reverse=True)
+        # Split before each usable added token (a lookahead: the token starts its segment).
+        self._split = re.compile("(?=" + "|".join(map(re.escape, usable)) + ")") \
+            if usable else None
+        self._cache: OrderedDict[str, array[int]] = OrderedDict()
+        self._cached_tokens = 0
+        self._max_tokens = max_tokens
+        self.exact = self._split is not None
+        """Whether segments are used: False with no token to cut at, or after a mismatch."""
+        self.calls = 0
+        self.hits = 0
+        """Segments found in the cache, since start."""
+        self.verified = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.calls += 1
+        if not self.exact or self._split is None:
+            return self._encode_whole(text)
+        ids: list[int] = []
+        for segment in self._split.split(text):
+            if segment:
+                ids.extend(self._segment(segment))
+        if self.calls <= VERIFY_FIRST or self.calls % VERIFY_EVERY == 0:
+            self.verified += 1
+            whole = self._encode_whole(text)
+            if whole != ids:
+                self.exact = False
+                self._cache.clear()
+                self._cached_tokens = 0
+                log.warning("tokenizer.segments_differ", detail="encoding a chat by its "
+                            "segments gave other ids than the whole text: segment caching is "
+                            "off for this tokenizer", calls=self.calls)
+                return whole
+        return ids
+
+    def _segment(self, segment: str) -> Iterable[int]:
+        if len(segment) < MIN_SEGMENT_CHARS:
+            return self._encode_whole(segment)
+        cached = self._cache.get(segment)
+        if cached is not None:
+            self._cache.move_to_end(segment)
+            self.hits += 1
+            return cached
+        ids = array("I", self._encode_whole(segment))
+        if len(ids) <= self._max_tokens:
+            self._cache[segment] = ids
+            self._cached_tokens += len(ids)
+            while self._cached_tokens > self._max_tokens:
+                _, old = self._cache.popitem(last=False)
+                self._cached_tokens -= len(old)
+        return ids
