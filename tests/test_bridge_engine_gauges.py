@@ -4,6 +4,8 @@ while the engine has not said."""
 
 from __future__ import annotations
 
+import asyncio
+
 from worker.bridge.bridge import Bridge, BridgeConfig
 from worker.bridge.engine_gauges import Gauges, parse_vllm
 
@@ -69,3 +71,39 @@ def test_the_heartbeat_carries_the_engines_free_and_total_pages_once_read() -> N
 def test_without_an_engine_url_or_for_sglang_nothing_is_read() -> None:
     assert _bridge("").gauges is None
     assert _bridge("http://127.0.0.1:3", engine="sglang").gauges is None
+
+
+async def test_an_idle_engine_is_read_once_and_again_only_after_it_publishes() -> None:
+    # What is read and when, against an HTTP server on loopback that serves the vLLM text
+    # above and counts the reads (a real engine's /metrics: tests_vllm/test_vllm_engine.py).
+    from aiohttp import web
+
+    from worker.bridge.engine_gauges import EngineGauges
+
+    reads: list[float] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        reads.append(asyncio.get_running_loop().time())
+        return web.Response(text=RANK0)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    gauges = EngineGauges(f"http://127.0.0.1:{port}/metrics", period_s=0.05)
+    task = asyncio.create_task(gauges.run())
+    try:
+        while gauges.latest is None:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # six periods with no engine event: no more reads
+        assert len(reads) == 1
+        gauges.engine_active()
+        while len(reads) < 2:
+            await asyncio.sleep(0.01)
+        assert gauges.latest == parse_vllm(RANK0)
+    finally:
+        task.cancel()
+        await runner.cleanup()

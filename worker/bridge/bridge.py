@@ -212,6 +212,8 @@ class Bridge:
         assert self._sub is not None
         while True:
             frames = await self._sub.recv_multipart()
+            if self.gauges is not None:
+                self.gauges.engine_active()
             try:
                 seq, payload = _published(frames)
             except MalformedInput as exc:
