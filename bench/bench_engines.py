@@ -64,6 +64,7 @@ from bench.engines_routers import smg_router, smg_worker_order
 from bench.engines_stream import Stream, StreamRequest, StreamShape, build_stream
 from bench.engines_turns import TurnPlan, run_turns
 from kvcoord.provenance import git_state, trace_identity
+from kvcoord.simulate.workloads import generate, jsonl
 from worker.text.tokenizer import TextTokenizer
 
 CHECKOUT = Path(__file__).resolve().parent.parent
@@ -74,6 +75,7 @@ TRACE_VAR = "KVCOORD_ENGINES_TRACE"
 INSTALL_HINT = "run `make engines-peers` (or set KVCOORD_VLLM_PYTHON and KVCOORD_SMG)"
 PREFILL_TOKENS = 2048
 PREFILL_TRIALS = 3  # counted, after one that is not
+GENERATED_PER_REQUEST = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,7 @@ class EnginesConfig:
     load: float = 0.3
     rigs: tuple[str, ...] = tuple(RIGS)
     regimes: tuple[str, ...] = tuple(REGIMES)
+    workloads: tuple[str, ...] = ("trace",)
     engines: int = 2
     idle_s: float | None = None
     compare: int = 40
@@ -100,7 +103,8 @@ class EnginesConfig:
     def chosen(self, choices: Mapping[str, tuple[str, ...]]) -> EnginesConfig:
         """This config with the rigs and regimes the command line chose (the rest kept)."""
         return replace(self, rigs=choices.get("rig", self.rigs),
-                       regimes=choices.get("regime", self.regimes))
+                       regimes=choices.get("regime", self.regimes),
+                       workloads=choices.get("workload", self.workloads))
 
 
 def full_config() -> EnginesConfig:
@@ -181,23 +185,26 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
     log_dir.mkdir()
     tokenizer = write_model(work / "model", config.shape)
     check_words(tokenizer)
-    stream = build_stream(config.trace, config.stream, tokenizer, config.shape.max_positions)
+    streams = {name: build_stream(_trace_of(config, name, work), config.stream, tokenizer,
+                                  config.shape.max_positions) for name in config.workloads}
     load_before = os.getloadavg()[0]
     # The runner stamps the commit when it writes the JSON; others may commit meanwhile.
     started_at, dirty_at_start = git_state()
     cases: dict[str, Any] = {}
     comparison: dict[str, Any] | None = None
-    for regime_name in config.regimes:
-        for rig_name in config.rigs:
-            rig, regime = RIGS[rig_name], REGIMES[regime_name]
-            name = case_name(rig_name, regime_name)
-            _log(f"case {name}: {rig.about}; {regime.about}")
-            cases[name], engines_comparison = _case(
-                config, rig, regime, stream, python, smg, tokenizer, work, log_dir,
-                compare=comparison is None)
-            comparison = comparison or engines_comparison
+    for workload, stream in streams.items():
+        for regime_name in config.regimes:
+            for rig_name in config.rigs:
+                rig, regime = RIGS[rig_name], REGIMES[regime_name]
+                name = case_name(workload, rig_name, regime_name)
+                _log(f"case {name}: {rig.about}; {regime.about}")
+                cases[name], engines_comparison = _case(
+                    config, rig, regime, stream, python, smg, tokenizer, work,
+                    log_dir / name.replace("/", "-"), compare=comparison is None)
+                cases[name]["workload"] = workload
+                comparison = comparison or engines_comparison
     assert comparison is not None, "at least one case ran"
-    setup = _setup(config, stream, tokenizer.vocab_size)
+    setup = _setup(config, streams, tokenizer.vocab_size)
     # Other work on the machine slows the engines: say how busy it was around the run.
     setup["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     setup["started_at"] = {"commit": started_at, "dirty": dirty_at_start}
@@ -218,7 +225,7 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
     _log(f"{len(stream.requests)} requests, {stream.prompt_tokens:,} prompt tokens, "
          f"{stream.distinct_tokens:,} distinct; KV cache {kv_tokens:,} tokens per engine; "
          f"engines on cores {list(cores)}")
-    case_logs = log_dir / f"{rig.name}-{regime.name}"
+    case_logs = log_dir
     case_logs.mkdir()
     with running_engines(python, work / "model", engine_config, case_logs, cores) as engines:
         prefill = measure_prefill(engines, template_tokens(tokenizer))
@@ -276,7 +283,20 @@ def _version(python: Path, distribution: str) -> str | None:
     return version or None
 
 
-def _setup(config: EnginesConfig, stream: Stream, vocab: int) -> dict[str, Any]:
+def _trace_of(config: EnginesConfig, workload: str, work: Path) -> Path:
+    """The trace file a workload's stream is sampled from: the configured trace, or the
+    generated family written beside the run (``GENERATED_PER_REQUEST`` x the stream's
+    requests, so whole families can be sampled from it)."""
+    if workload == "trace":
+        return config.trace
+    path = work / f"{workload}.jsonl"
+    jsonl.write(generate(workload, requests=GENERATED_PER_REQUEST * config.stream.requests),
+                path)
+    return path
+
+
+def _setup(config: EnginesConfig, streams: Mapping[str, Stream], vocab: int,
+           ) -> dict[str, Any]:
     shape = config.shape
     python, smg = vllm_python(), smg_command()
     return {
@@ -290,10 +310,11 @@ def _setup(config: EnginesConfig, stream: Stream, vocab: int) -> dict[str, Any]:
                   "parameters": shape.parameters(vocab), "weights": "dummy",
                   "max_model_len": shape.max_positions},
         "rigs": list(config.rigs), "regimes": list(config.regimes),
-        "stream": {"requests": len(stream.requests), "seed": config.stream.seed,
-                   "block_tokens": config.stream.block_tokens,
-                   "max_output_tokens": config.stream.max_output_tokens,
-                   "prompt_tokens": stream.prompt_tokens,
-                   "distinct_tokens": stream.distinct_tokens, "load": config.load,
-                   "trace_span_s": stream.trace_span_s},
+        "streams": {name: {"requests": len(stream.requests), "seed": config.stream.seed,
+                           "block_tokens": config.stream.block_tokens,
+                           "max_output_tokens": config.stream.max_output_tokens,
+                           "prompt_tokens": stream.prompt_tokens,
+                           "distinct_tokens": stream.distinct_tokens, "load": config.load,
+                           "trace_span_s": stream.trace_span_s}
+                    for name, stream in streams.items()},
     }

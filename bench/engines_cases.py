@@ -9,6 +9,9 @@ Rigs, on a machine's first two cores:
 - ``shared``: one engine per core, round robin; the routers and the client float over both
   (the bench as it first ran). Router CPU competes with prefill here.
 
+Workloads (``WORKLOADS``): the synthetic trace, and the simulator's ``chat`` and ``agent``
+families.
+
 Regimes:
 
 - ``roomy``: each engine's KV cache holds half the stream's distinct tokens, so the engines
@@ -16,8 +19,8 @@ Regimes:
 - ``pressure``: a quarter. The engines evict, and a router's tree of what it sent goes stale
   (the case llm-d's precise scorer was built for).
 
-``parse_choice`` turns ``--rig``/``--regime`` values into names, refusing unknown ones with the
-known ones listed (the CLI exits 2 with that line).
+``parse_choice`` turns ``--rig``/``--regime``/``--workload`` values into names, refusing
+unknown ones with the known ones listed (the CLI exits 2 with that line).
 """
 
 from __future__ import annotations
@@ -63,12 +66,16 @@ REGIMES = {r.name: r for r in (
     Regime("roomy", 0.5, about="each engine holds half the stream's distinct tokens"),
     Regime("pressure", 0.25, about="each engine holds a quarter: engines evict"),
 )}
-CHOICES = {"rig": tuple(RIGS), "regime": tuple(REGIMES)}
+WORKLOADS = ("trace", "chat", "agent")
+"""``trace``: the Mooncake synthetic trace; ``chat`` and ``agent``: the simulator's generated
+families (kvcoord/simulate/workloads), written as a trace of their own and sampled alike."""
+CHOICES = {"rig": tuple(RIGS), "regime": tuple(REGIMES), "workload": WORKLOADS}
 """The options ``kvcoord bench engines`` takes, and their known values in default order."""
 
 
 class UnknownChoice(ValueError):
-    """A ``--rig`` or ``--regime`` value that is not known; the message lists the known ones."""
+    """A ``--rig``, ``--regime`` or ``--workload`` value that is not known; the message lists
+    the known ones."""
 
 
 def parse_choice(option: str, value: str) -> tuple[str, ...]:
@@ -87,5 +94,5 @@ def parse_choice(option: str, value: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def case_name(rig: str, regime: str) -> str:
-    return f"{rig}/{regime}"
+def case_name(workload: str, rig: str, regime: str) -> str:
+    return f"{workload}/{rig}/{regime}"

@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--regime", metavar="NAMES", help="engines suite: roomy (each engine "
                        "holds half the stream's distinct tokens), pressure (a quarter); "
                        "comma-separated (default: both; --quick: roomy)")
+    bench.add_argument("--workload", metavar="NAMES", help="engines suite: trace (the Mooncake "
+                       "synthetic trace), chat, agent (generated families); comma-separated "
+                       "(default: trace)")
 
     up = sub.add_parser("up", help="a local fleet (coordinator + workers), a demo workload "
                         "under kv_aware and round_robin, and a report")

@@ -58,6 +58,8 @@ def test_without_vllm_or_smg_it_exits_2_with_one_line_saying_how_to_install(
     ("--regime", "tight", "kvcoord bench engines: unknown regime 'tight'; known: roomy, "
      "pressure\n"),
     ("--rig", ",", "kvcoord bench engines: --rig names nothing; known: production, shared\n"),
+    ("--workload", "rag", "kvcoord bench engines: unknown workload 'rag'; known: trace, chat, "
+     "agent\n"),
 ])
 def test_an_unknown_rig_or_regime_exits_2_listing_the_known_ones(
     tmp_path: Path, flag: str, value: str, said: str,
@@ -89,8 +91,9 @@ def test_the_engines_config_takes_the_chosen_rigs_and_regimes() -> None:
     full = full_config()
     assert (full.rigs, full.regimes) == (("production", "shared"), ("roomy", "pressure"))
     assert (quick_config().rigs, quick_config().regimes) == (("shared",), ("roomy",))
-    chosen = full.chosen({"rig": ("shared",)})
+    chosen = full.chosen({"rig": ("shared",), "workload": ("chat", "trace")})
     assert (chosen.rigs, chosen.regimes) == (("shared",), ("roomy", "pressure"))
+    assert (full.workloads, chosen.workloads) == (("trace",), ("chat", "trace"))
     # production: every engine computes on core 0, the routers and client on core 1.
     assert RIGS["production"].engine_cores(4) == (0, 0, 0, 0)
     assert RIGS["production"].compute_cores(4) == 1

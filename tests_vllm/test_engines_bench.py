@@ -46,8 +46,8 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
     results = json.loads((out / "engines.json").read_text())
     assert results["invariants_broken"] == [], report
     engines = results["results"]["engines"]
-    case = engines["cases"]["shared/roomy"]
-    assert list(engines["cases"]) == ["shared/roomy"]
+    case = engines["cases"]["trace/shared/roomy"]
+    assert list(engines["cases"]) == ["trace/shared/roomy"]
     for name in ("kv_aware", "smg_cache_aware", "smg_round_robin", "kvcoord_round_robin"):
         run = case["routers"][name]["runs"]["run0"]
         assert (run["requests"], run["answered"], run["errors"]) == (36, 36, 0), name
