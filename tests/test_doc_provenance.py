@@ -30,8 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 NOT_FROM_RESULTS = [
     ("README.md", "One run at commit `a92299d`", "`make demo`'s report: it writes no result file"),
     ("README.md", "(commit `ead020b`, four runs)", "an earlier version of the rule"),
-    ("docs/ENGINES.md", "the same picture: at 7da24ad", "an earlier full run, for comparison"),
-    ("docs/ENGINES.md", "at 50ad2d4 (before the prefill rate", "an earlier full run"),
     ("docs/ENGINES.md", "when the bench was first run (50ad2d4)", "the bench's first run"),
     ("docs/ENGINES.md", "in 3b8cdb0; a run at 7da24ad", "the change to sglang_like, a run before"),
     ("docs/ENGINES.md", "which d1d634f fixed", "the commit that fixed the check"),

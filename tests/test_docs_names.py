@@ -26,6 +26,7 @@ from coordinator.store.memory import MemoryStore
 from kvcoord.cli_security import CLIENT_FILE_VARIABLES, TOKEN_VARIABLE
 from kvcoord.gateway.metrics import GatewayMetrics
 from worker.bridge.bridge import Bridge, BridgeConfig
+from worker.bridge.engine_gauges import Gauges
 from worker.bridge.main import bridge_registry
 from worker.config import WorkerConfig
 from worker.metrics import WorkerMetrics
@@ -75,7 +76,10 @@ def exposed_metric_names() -> set[str]:
         events="tcp://127.0.0.1:1", coordinator="127.0.0.1:1", worker_id="engine",
         worker_address="127.0.0.1:2", engine_url="http://127.0.0.1:3", policy_control=True,
         http_listen="127.0.0.1:4"))
-    assert controlling.member is not None
+    assert controlling.member is not None and controlling.gauges is not None
+    # Once it has read its engine's /metrics, the engine's capacity and requests too.
+    controlling.gauges.latest = Gauges(total_blocks=10, block_tokens=32, usage=0.5, running=1,
+                                       waiting=0)
     controlling.member.driver.counters.failures["apply"] = 1
     controlling.member.driver.counters.stages["drain"] = 1
     text += generate_latest(bridge_registry(controlling)).decode()
