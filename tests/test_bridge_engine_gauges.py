@@ -1,6 +1,6 @@
-"""A bridge reports its engine's real capacity: vLLM's /metrics text (as vLLM 0.32 writes it)
-read into free and total pages for the heartbeat, and a heartbeat that carries them, or none
-while the engine has not said."""
+"""A bridge reads its engine's capacity: vLLM's /metrics text (as vLLM 0.32 writes it) read
+into free and total pages and request counts, exported as the bridge's metrics, read again only
+while the engine publishes."""
 
 from __future__ import annotations
 
@@ -56,16 +56,23 @@ def _bridge(engine_url: str, engine: str = "vllm") -> Bridge:
                                engine_block_size=32))
 
 
-def test_the_heartbeat_carries_the_engines_free_and_total_pages_once_read() -> None:
+def test_the_gauges_are_exported_and_the_heartbeat_keeps_the_registrations_capacity(
+) -> None:
+    from prometheus_client import generate_latest
+
+    from worker.bridge.main import bridge_registry
+
     bridge = _bridge("http://127.0.0.1:3")
     assert bridge.gauges is not None
     assert bridge.gauges.metrics_url == "http://127.0.0.1:3/metrics"
-    beat = bridge.heartbeat()
-    assert (beat.free_pages, beat.total_pages) == (0, 0)  # not read yet: the registration's
     bridge.gauges.latest = parse_vllm(RANK0)
+    text = generate_latest(bridge_registry(bridge)).decode()
+    assert "kvcoord_bridge_engine_free_pages 2272.0" in text
+    assert "kvcoord_bridge_engine_total_pages 3030.0" in text
+    assert 'kvcoord_bridge_engine_requests{state="waiting"} 2.0' in text
+    # Not sent as load (engine_gauges says why): the registration's capacity stands.
     beat = bridge.heartbeat()
-    assert (beat.free_pages, beat.total_pages) == (2272, 3030)
-    assert beat.running_requests == 0  # the engine's own count is not load (docstring)
+    assert (beat.free_pages, beat.total_pages, beat.running_requests) == (0, 0, 0)
 
 
 def test_without_an_engine_url_or_for_sglang_nothing_is_read() -> None:

@@ -1,19 +1,23 @@
-"""What an engine's ``/metrics`` says about its capacity now, for the bridge's heartbeats.
+"""What an engine's ``/metrics`` says about its capacity now, exported by the bridge.
 
 vLLM publishes its KV cache's size (``vllm:cache_config_info``'s ``num_gpu_blocks`` and
 ``block_size`` labels), how full it is (``vllm:kv_cache_usage_perc``: blocks held by running
 requests; cached blocks no request holds are free to reuse, so they count as free) and its
 requests (``vllm:num_requests_running``, ``vllm:num_requests_waiting``), summed over its
 data-parallel ranks. ``EngineGauges`` reads them at most every ``period_s`` while the engine
-publishes events (one GET, off the event path) and keeps the latest; the bridge's heartbeat
-then reports the engine's real free and total pages instead of none, so the coordinator
-charges memory pressure only where the engine is short of blocks.
+publishes events (one GET, off the event path) and keeps the latest; the bridge exports them
+(``kvcoord_bridge_engine_*``).
 
-The request counts are exported (``kvcoord_bridge_engine_requests``) but not reported as load:
-the coordinator already counts every route it issued to the engine until the gateway ends it,
-and reporting the engine's own count too would count each request twice. An engine without
-these metrics (SGLang publishes others) reports nothing, as before: the heartbeat then keeps
-the registration's capacity.
+They are not sent in heartbeats yet. A bridge's heartbeat carries no free pages, which
+``kv_aware`` prices as memory pressure on every page a prompt needs on every engine: in effect
+a stronger preference for the engine that holds the prefix. Sent the engine's real free pages,
+the preference fell to the prefill term alone, and on a dense stream (the engines bench's quick
+form, load 0.6, shared rig) ``kv_aware`` spread prompts over both engines: 43.2% cached and a
+1,018 ms median TTFT, against 51.4% and 542 ms without them (smg: 51.4%). The capacity goes
+into the heartbeat once the rule prices free pages without leaning on that accident. The
+request counts would not be sent as load either way: the coordinator counts every route it
+issued to the engine until the gateway ends it, and the engine's count would count each twice.
+An engine without these metrics (SGLang publishes others) exports nothing.
 """
 
 from __future__ import annotations
