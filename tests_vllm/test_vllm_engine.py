@@ -295,7 +295,6 @@ def test_the_next_turn_is_routed_to_its_engine_and_hits_the_blocks_the_bridge_in
                             f"on {holder} (vLLM's BlockStored events, through the bridge)")
         assert other not in coordinator.lookup(first_ids, model=MODEL).matches
 
-
         second_turn: list[ChatCompletionMessageParam] = [
             *FIRST_TURN,
             {"role": "assistant", "content": first.choices[0].message.content or ""},
