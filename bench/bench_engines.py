@@ -225,9 +225,8 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
     _log(f"{len(stream.requests)} requests, {stream.prompt_tokens:,} prompt tokens, "
          f"{stream.distinct_tokens:,} distinct; KV cache {kv_tokens:,} tokens per engine; "
          f"engines on cores {list(cores)}")
-    case_logs = log_dir
-    case_logs.mkdir()
-    with running_engines(python, work / "model", engine_config, case_logs, cores) as engines:
+    log_dir.mkdir()
+    with running_engines(python, work / "model", engine_config, log_dir, cores) as engines:
         prefill = measure_prefill(engines, template_tokens(tokenizer))
         _log(f"prefill of {PREFILL_TOKENS} tokens: cold {prefill['cold_ms']:.0f} ms, "
              f"cached {prefill['cached_ms']:.1f} ms ({prefill['ratio']:.1f}x)")
@@ -236,7 +235,7 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
         duration = stream.distinct_tokens / (config.load * capacity)
         scale = duration / stream.trace_span_s if stream.trace_span_s else 1.0
         paced = stream.scaled(scale)
-        plan = TurnPlan(tuple(engines), paced, smg, work / "model", case_logs,
+        plan = TurnPlan(tuple(engines), paced, smg, work / "model", log_dir,
                         config.shape.max_positions, rig.router_core, rig.client_core,
                         paced.duration_s if config.idle_s is None else config.idle_s,
                         config.probes)
@@ -244,7 +243,7 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
         comparison = None
         if compare:
             compared = stream.requests[:config.compare]
-            with smg_router(smg, engines, "cache_aware", case_logs, "compare") as router:
+            with smg_router(smg, engines, "cache_aware", log_dir, "compare") as router:
                 order = smg_worker_order(router, engines)
                 picks = smg_choices(router, engines, compared)
             comparison = compare_sglang_like(engines, tokenizer, compared, picks, order)
