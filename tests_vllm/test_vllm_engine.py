@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -98,6 +100,8 @@ class EngineFleet:
     services: tuple[Service, ...]
     engine_url: str
     """vllm-0's own server, started without ``VLLM_SERVER_DEV_MODE``: no RL endpoints."""
+    bridge_metrics_url: str
+    """vllm-0's bridge's Prometheus /metrics."""
 
     def wait_for(self, condition: Callable[[], bool], *, timeout_s: float, what: str) -> None:
         """``services.wait_for`` over every process of the fleet."""
@@ -164,7 +168,7 @@ def vllm_argv(python: Path, model_dir: Path, port: int, events: str, replay: str
         "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
         "--max-num-seqs", "4", "--max-num-batched-tokens", str(MAX_MODEL_LEN),
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-        "--disable-log-stats",
+        # Stats on: the bridges read the engines' vllm:* gauges (worker/bridge/engine_gauges).
     ]
 
 
@@ -206,9 +210,11 @@ def running_fleet(vllm_python: Path, workdir: Path, node: pytest.Item) -> Iterat
             wait_healthy(coordinator, started[-1].process, timeout=COORDINATOR_START_S)
         except (RuntimeError, TimeoutError) as exc:
             pytest.fail(f"the coordinator did not come up: {exc}", pytrace=False)
+        bridge_metrics_port = free_port()
         for i, (worker_id, port) in enumerate(zip(WORKER_IDS, vllm_ports, strict=True)):
+            metrics = ["--metrics-port", str(bridge_metrics_port)] if i == 0 else []
             start(f"bridge-{i}", [
-                kvcoord, "bridge", "vllm", "--no-policy-control",
+                kvcoord, "bridge", "vllm", "--no-policy-control", *metrics,
                 "--events", f"ipc://{scratch}/{i}/events",
                 "--replay", f"ipc://{scratch}/{i}/replay",
                 "--coordinator", coordinator, "--worker-id", worker_id,
@@ -221,7 +227,8 @@ def running_fleet(vllm_python: Path, workdir: Path, node: pytest.Item) -> Iterat
             "--listen", f"127.0.0.1:{gateway_port}", "--model", MODEL,
             "--tokenizer", str(model_dir), "--max-context", str(MAX_MODEL_LEN)], env)
         fleet = EngineFleet(coordinator, gateway_url, model_dir, tuple(started),
-                            f"http://127.0.0.1:{vllm_ports[0]}")
+                            f"http://127.0.0.1:{vllm_ports[0]}",
+                            f"http://127.0.0.1:{bridge_metrics_port}/metrics")
         for port in vllm_ports:
             fleet.wait_for(lambda p=port: http_ok(f"http://127.0.0.1:{p}/health"),
                            timeout_s=VLLM_START_S,
@@ -251,6 +258,15 @@ def _ready_engine_worker(client: CoordinatorClient, worker_id: str) -> WorkerInf
     worker = _engine_worker(client, worker_id)
     assert worker is not None, f"{worker_id} is no longer ready at the coordinator"
     return worker
+
+
+def _get(url: str) -> str:
+    """The body of GET ``url`` ("" when it cannot be read)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5.0) as answer:
+            return str(answer.read().decode())
+    except OSError:
+        return ""
 
 
 def _fresh_prompt(i: int) -> str:
@@ -294,6 +310,20 @@ def test_the_next_turn_is_routed_to_its_engine_and_hits_the_blocks_the_bridge_in
                        what=f"the coordinator to index the first turn's {full_blocks} tokens "
                             f"on {holder} (vLLM's BlockStored events, through the bridge)")
         assert other not in coordinator.lookup(first_ids, model=MODEL).matches
+
+        # vllm-0's bridge read its engine's /metrics (worker/bridge/engine_gauges.py): the
+        # cache's size in 16-token pages, two per block of the engine's own count.
+        engine_text = _get(f"{fleet.engine_url}/metrics")
+        found = re.search(r'num_gpu_blocks="(\d+)"', engine_text)
+        assert found is not None, "vLLM's /metrics has no cache_config_info"
+        blocks = int(found.group(1))
+
+        def engine_pages_exported() -> bool:
+            wanted = f"kvcoord_bridge_engine_total_pages {float(blocks * 2)}"
+            return wanted in _get(fleet.bridge_metrics_url)
+
+        fleet.wait_for(engine_pages_exported, timeout_s=INDEXED_S,
+                       what=f"vllm-0's bridge to export {blocks * 2} engine pages")
 
         second_turn: list[ChatCompletionMessageParam] = [
             *FIRST_TURN,
