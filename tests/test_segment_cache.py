@@ -4,11 +4,18 @@ and turns itself off when a tokenizer would make the two differ."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
 from bench.engines_model import ModelShape, prompt_text, write_model
-from worker.text.segment_cache import VERIFY_FIRST, SegmentEncoder, SplitToken
+from worker.text.segment_cache import (
+    PIECE_CHARS,
+    VERIFY_FIRST,
+    SegmentEncoder,
+    SplitToken,
+    piece_cuts,
+)
 from worker.text.tokenizer import TextTokenizer, reference_tokenizer
 
 
@@ -71,3 +78,54 @@ def test_segments_that_do_not_add_up_turn_the_cache_off_for_good() -> None:
     for _ in range(VERIFY_FIRST + 1):
         assert encoder.encode(long + long) == [206]
     assert encoder.verified == 1  # off: no more checks, no more segments
+
+
+def _shared_prefix_prompts(seed: int) -> tuple[str, str]:
+    """Two long user messages that share their first ~6,000 characters."""
+    rng = random.Random(seed)
+    shared = prompt_text(tuple(rng.randrange(500) for _ in range(30)), 64, 30 * 64)
+    return (shared + prompt_text((rng.randrange(500),), 64, 64),
+            shared + prompt_text((rng.randrange(500),), 64, 64))
+
+
+def test_long_messages_sharing_a_prefix_encode_only_what_differs(tmp_path: Path) -> None:
+    for tokenizer in (write_model(tmp_path / "model", ModelShape()), reference_tokenizer()):
+        first, second = _shared_prefix_prompts(seed=2)
+        assert len(first) > 4 * PIECE_CHARS
+        for text in (first, second):
+            messages = [{"role": "user", "content": text}]
+            whole = tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False)
+            hits = tokenizer.segments.hits
+            assert tokenizer.encode_chat(messages) == whole
+        segments = tokenizer.segments
+        assert segments.exact and segments.pieces_exact
+        shared = len(piece_cuts(first[:len(first) - 2 * PIECE_CHARS])) - 2
+        assert segments.hits - hits >= shared >= 3  # the second found the shared pieces
+
+
+def test_piece_cuts_fall_before_a_space_between_words_and_cover_the_text() -> None:
+    rng = random.Random(3)
+    for _ in range(50):
+        text = "".join(rng.choice(["word", " ", "  ", "\n", "x"]) for _ in range(3_000))
+        cuts = piece_cuts(text, 100)
+        assert cuts[0] == 0 and cuts[-1] == len(text) and cuts == sorted(set(cuts))
+        for cut in cuts[1:-1]:
+            assert text[cut] == " " and not text[cut - 1].isspace()
+            assert not text[cut + 1].isspace()
+        assert all(b - a >= 100 for a, b in itertools.pairwise(cuts))
+
+
+def test_pieces_that_do_not_add_up_turn_off_only_the_pieces() -> None:
+    # A tokenizer that merges across spaces: a piece's ids are not the whole's. The check
+    # catches it, answers the whole text's ids; messages are then cached whole, never cut.
+    def merges_across_spaces(text: str) -> list[int]:
+        return [len(word) for word in text.split("<s>")]
+
+    encoder = SegmentEncoder(merges_across_spaces,
+                             [SplitToken("<s>", lstrip=False, normalized=False)])
+    text = "<s>" + "ab " * (PIECE_CHARS)
+    assert encoder.encode(text) == merges_across_spaces(text)
+    assert not encoder.pieces_exact and encoder.exact
+    for _ in range(2):  # cached whole, then found whole
+        assert encoder.encode(text) == merges_across_spaces(text)
+    assert encoder.hits == 1 and encoder.pieces_exact is False

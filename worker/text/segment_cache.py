@@ -8,16 +8,25 @@ whole are the ids of the segments, one after another. A chat template writes suc
 every message's start, so the segments are the messages, and a turn that adds one message to a
 conversation finds every earlier segment in the cache.
 
+A long message is cut further, into pieces of about ``PIECE_CHARS`` characters, each cut made
+just before a single space between two words. Where the tokenizer's pre-tokenizer splits words
+there (byte-level BPE, Metaspace), the ids of the message are its pieces' ids one after
+another, and two prompts that share a long prefix (a shared document, a system prompt pasted
+into the user's turn) share their first pieces: only the rest is encoded. The cuts are placed
+from the message's start, so a shared prefix is cut alike in every prompt that holds it.
+
 Two guards keep it exact. Only added tokens that take nothing from their left
 (``lstrip=False``) and match the raw text (``normalized=False``) are cut before; and the first
 ``VERIFY_FIRST`` encodings, then one in ``VERIFY_EVERY``, are checked against the whole text's
 ids: on any difference the cache turns itself off for good (``exact`` False, logged once) and
-every later call encodes the whole text, as without it. The cache is bounded by the tokens it
-holds (least recently used out first).
+every later call encodes the whole text, as without it. A difference in a call that cut a
+message into pieces turns off only the pieces (``pieces_exact`` False). The cache is bounded
+by the tokens it holds (least recently used out first).
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from array import array
 from collections import OrderedDict
@@ -32,6 +41,10 @@ MAX_CACHED_TOKENS = 2_000_000
 """Tokens the cache holds at most (4 bytes each): a few thousand conversations' messages."""
 VERIFY_FIRST = 64
 VERIFY_EVERY = 256
+PIECE_CHARS = 1024
+"""A message at least twice this long is cut into pieces of about this many characters: short
+enough that a shared prefix leaves little to encode, long enough that a lookup is cheap beside
+encoding the piece."""
 MIN_SEGMENT_CHARS = 64
 """Shorter segments are not cached (a role header, a closing tag): encoding them is as cheap as
 looking them up."""
@@ -64,6 +77,10 @@ class SegmentEncoder:
         self._max_tokens = max_tokens
         self.exact = self._split is not None
         """Whether segments are used: False with no token to cut at, or after a mismatch."""
+        self.pieces_exact = True
+        """Whether long messages are cut into pieces: False after a mismatch in a call that
+        cut one."""
+        self._cut = False  # whether the call in progress cut a message into pieces
         self.calls = 0
         self.hits = 0
         """Segments found in the cache, since start."""
@@ -74,6 +91,7 @@ class SegmentEncoder:
         if not self.exact or self._split is None:
             return self._encode_whole(text)
         ids: list[int] = []
+        self._cut = False
         for segment in self._split.split(text):
             if segment:
                 ids.extend(self._segment(segment))
@@ -81,18 +99,35 @@ class SegmentEncoder:
             self.verified += 1
             whole = self._encode_whole(text)
             if whole != ids:
-                self.exact = False
                 self._cache.clear()
                 self._cached_tokens = 0
-                log.warning("tokenizer.segments_differ", detail="encoding a chat by its "
-                            "segments gave other ids than the whole text: segment caching is "
-                            "off for this tokenizer", calls=self.calls)
+                if self._cut:
+                    self.pieces_exact = False
+                    log.warning("tokenizer.pieces_differ", detail="encoding a long message "
+                                "by its pieces gave other ids than the whole text: messages "
+                                "are no longer cut into pieces", calls=self.calls)
+                else:
+                    self.exact = False
+                    log.warning("tokenizer.segments_differ", detail="encoding a chat by its "
+                                "segments gave other ids than the whole text: segment caching "
+                                "is off for this tokenizer", calls=self.calls)
                 return whole
         return ids
 
     def _segment(self, segment: str) -> Iterable[int]:
         if len(segment) < MIN_SEGMENT_CHARS:
             return self._encode_whole(segment)
+        if self.pieces_exact and len(segment) >= 2 * PIECE_CHARS:
+            cuts = piece_cuts(segment)
+            if len(cuts) > 2:
+                self._cut = True
+                ids: list[int] = []
+                for start, end in itertools.pairwise(cuts):
+                    ids.extend(self._cached(segment[start:end]))
+                return ids
+        return self._cached(segment)
+
+    def _cached(self, segment: str) -> Iterable[int]:
         cached = self._cache.get(segment)
         if cached is not None:
             self._cache.move_to_end(segment)
@@ -106,3 +141,24 @@ class SegmentEncoder:
                 _, old = self._cache.popitem(last=False)
                 self._cached_tokens -= len(old)
         return ids
+
+
+def piece_cuts(text: str, piece_chars: int = PIECE_CHARS) -> list[int]:
+    """Where ``text`` is cut into pieces: 0, then the first single space between two words at
+    least ``piece_chars`` after the last cut (the space starts the next piece), ..., then
+    ``len(text)``. The last piece is at least ``piece_chars`` long (a shorter tail stays with
+    the piece before it)."""
+    cuts = [0]
+    limit = len(text) - piece_chars
+    at = piece_chars
+    while at < limit:
+        space = text.find(" ", at, limit)
+        if space < 0:
+            break
+        if not text[space - 1].isspace() and not text[space + 1].isspace():
+            cuts.append(space)
+            at = space + piece_chars
+        else:
+            at = space + 1
+    cuts.append(len(text))
+    return cuts
