@@ -26,6 +26,7 @@ Needs ``.venv-vllm`` (``make test-vllm`` builds it) and ``smg`` (``make engines-
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import statistics
@@ -95,6 +96,7 @@ class EnginesConfig:
     rigs: tuple[str, ...] = tuple(RIGS)
     regimes: tuple[str, ...] = tuple(REGIMES)
     workloads: tuple[str, ...] = ("trace",)
+    coordinators: tuple[str, ...] = ("embedded",)
     engines: int = 2
     idle_s: float | None = None
     compare: int = 40
@@ -104,7 +106,8 @@ class EnginesConfig:
         """This config with the rigs and regimes the command line chose (the rest kept)."""
         return replace(self, rigs=choices.get("rig", self.rigs),
                        regimes=choices.get("regime", self.regimes),
-                       workloads=choices.get("workload", self.workloads))
+                       workloads=choices.get("workload", self.workloads),
+                       coordinators=choices.get("coordinator", self.coordinators))
 
 
 def full_config() -> EnginesConfig:
@@ -194,14 +197,16 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
     comparison: dict[str, Any] | None = None
     for workload, stream in streams.items():
         for regime_name in config.regimes:
-            for rig_name in config.rigs:
+            for rig_name, where in itertools.product(config.rigs, config.coordinators):
                 rig, regime = RIGS[rig_name], REGIMES[regime_name]
-                name = case_name(workload, rig_name, regime_name)
-                _log(f"case {name}: {rig.about}; {regime.about}")
+                name = case_name(workload, rig_name, regime_name, where)
+                _log(f"case {name}: {rig.about}; {regime.about}; our coordinator {where}")
                 cases[name], engines_comparison = _case(
                     config, rig, regime, stream, python, smg, tokenizer, work,
-                    log_dir / name.replace("/", "-"), compare=comparison is None)
+                    log_dir / name.replace("/", "-"), compare=comparison is None,
+                    embedded=where == "embedded")
                 cases[name]["workload"] = workload
+                cases[name]["coordinator"] = where
                 comparison = comparison or engines_comparison
     assert comparison is not None, "at least one case ran"
     setup = _setup(config, streams, tokenizer.vocab_size)
@@ -213,7 +218,7 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
 
 def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, python: Path,
           smg: Path, tokenizer: TextTokenizer, work: Path, log_dir: Path, *, compare: bool,
-          ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+          embedded: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """One rig and regime: engines started for it, their prefill sized, every router's turns
     (and, when ``compare``, the sglang_like comparison, which needs engines up)."""
     kv_tokens = max(2 * config.shape.max_positions,
@@ -238,7 +243,7 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
         plan = TurnPlan(tuple(engines), paced, smg, work / "model", log_dir,
                         config.shape.max_positions, rig.router_core, rig.client_core,
                         paced.duration_s if config.idle_s is None else config.idle_s,
-                        config.probes)
+                        config.probes, embedded)
         runs, index_checks, idle = run_turns(plan, config.repeats, tokenizer, _log)
         comparison = None
         if compare:

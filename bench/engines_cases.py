@@ -19,8 +19,10 @@ Regimes:
 - ``pressure``: a quarter. The engines evict, and a router's tree of what it sent goes stale
   (the case llm-d's precise scorer was built for).
 
-``parse_choice`` turns ``--rig``/``--regime``/``--workload`` values into names, refusing
-unknown ones with the known ones listed (the CLI exits 2 with that line).
+``--coordinator`` says where our coordinator runs (``COORDINATORS``).
+
+``parse_choice`` turns ``--rig``/``--regime``/``--workload``/``--coordinator`` values into
+names, refusing unknown ones with the known ones listed (the CLI exits 2 with that line).
 """
 
 from __future__ import annotations
@@ -69,7 +71,12 @@ REGIMES = {r.name: r for r in (
 WORKLOADS = ("trace", "chat", "agent")
 """``trace``: the Mooncake synthetic trace; ``chat`` and ``agent``: the simulator's generated
 families (kvcoord/simulate/workloads), written as a trace of their own and sampled alike."""
-CHOICES = {"rig": tuple(RIGS), "regime": tuple(REGIMES), "workload": WORKLOADS}
+COORDINATORS = ("embedded", "process")
+"""Where our routers' coordinator runs: in the gateway's process (``kvcoord gateway
+--embed-coordinator``: routes with no RPC, one process fewer), or as a ``kvcoord coordinator``
+process of its own that the gateway calls over gRPC."""
+CHOICES = {"rig": tuple(RIGS), "regime": tuple(REGIMES), "workload": WORKLOADS,
+           "coordinator": COORDINATORS}
 """The options ``kvcoord bench engines`` takes, and their known values in default order."""
 
 
@@ -94,5 +101,8 @@ def parse_choice(option: str, value: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def case_name(workload: str, rig: str, regime: str) -> str:
-    return f"{workload}/{rig}/{regime}"
+def case_name(workload: str, rig: str, regime: str, coordinator: str = "embedded") -> str:
+    """``workload/rig/regime``, then ``/process`` when our coordinator ran as its own
+    process."""
+    base = f"{workload}/{rig}/{regime}"
+    return base if coordinator == "embedded" else f"{base}/{coordinator}"

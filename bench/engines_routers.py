@@ -65,20 +65,31 @@ class RouterRun:
 @contextmanager
 def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
                    max_model_len: int, tag: str, *, policy: str = "kv_aware",
-                   core: int | None = None) -> Iterator[RouterRun]:
+                   core: int | None = None, embedded: bool = True) -> Iterator[RouterRun]:
     """A coordinator routing by ``policy``, one bridge per engine and the gateway (its
-    ``/metrics`` on: ``metrics_url``), all fresh, on ``core`` when given. Yields once the
-    gateway can route and every bridge has applied the engines' cache reset (done here, after
-    the bridges subscribed)."""
+    ``/metrics`` on: ``metrics_url``), all fresh, on ``core`` when given. ``embedded``: the
+    coordinator runs in the gateway's process (``--embed-coordinator``); else in its own.
+    Yields once the gateway can route and every bridge has applied the engines' cache reset
+    (done here, after the bridges subscribed)."""
     env = kvcoord_env(secrets.token_hex(32))
     coordinator = f"127.0.0.1:{free_port()}"
     gateway_port, gateway_metrics = free_port(), free_port()
     procs: list[Proc] = []
     bridge_metrics: list[str] = []
+    gateway_argv = kvcoord_argv(
+        "gateway", "--listen", f"127.0.0.1:{gateway_port}", "--model", MODEL, "--tokenizer",
+        str(model_dir), "--max-context", str(max_model_len), "--metrics-port",
+        str(gateway_metrics))
     try:
-        procs.append(start(f"{tag}-coordinator", kvcoord_argv(
-            "coordinator", "--listen", coordinator, "--page-size", str(PAGE_SIZE),
-            "--routing-policy", policy), env=env, log_dir=log_dir, core=core))
+        if embedded:  # the gateway first: the bridges connect to the coordinator in it
+            procs.append(start(f"{tag}-gateway", [
+                *gateway_argv, "--embed-coordinator", coordinator],
+                env={**env, "KVCOORD_PAGE_SIZE": str(PAGE_SIZE),
+                     "KVCOORD_ROUTING_POLICY": policy}, log_dir=log_dir, core=core))
+        else:
+            procs.append(start(f"{tag}-coordinator", kvcoord_argv(
+                "coordinator", "--listen", coordinator, "--page-size", str(PAGE_SIZE),
+                "--routing-policy", policy), env=env, log_dir=log_dir, core=core))
         for engine in engines:
             port = free_port()
             bridge_metrics.append(f"http://127.0.0.1:{port}/metrics")
@@ -90,11 +101,9 @@ def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
                 "--engine-url", engine.url, "--model", MODEL, "--page-size", str(PAGE_SIZE),
                 "--engine-block-size", str(ENGINE_BLOCK), "--metrics-port", str(port)),
                 env=env, log_dir=log_dir, core=core))
-        procs.append(start(f"{tag}-gateway", kvcoord_argv(
-            "gateway", "--coordinator", coordinator, "--listen", f"127.0.0.1:{gateway_port}",
-            "--model", MODEL, "--tokenizer", str(model_dir), "--max-context",
-            str(max_model_len), "--metrics-port", str(gateway_metrics)),
-            env=env, log_dir=log_dir, core=core))
+        if not embedded:
+            procs.append(start(f"{tag}-gateway", [*gateway_argv, "--coordinator", coordinator],
+                               env=env, log_dir=log_dir, core=core))
         gateway = f"http://127.0.0.1:{gateway_port}"
         with CoordinatorClient(coordinator, timeout=5.0) as client:
             wait_until(lambda: _ready(client) == {e.worker_id for e in engines},

@@ -57,6 +57,8 @@ class TurnPlan:
     client_core: int | None
     idle_s: float
     probes: int
+    embedded: bool = True
+    """Our coordinator in the gateway's process (else a process of its own)."""
 
 
 def _open(name: str, plan: TurnPlan, tag: str) -> AbstractContextManager[RouterRun]:
@@ -65,7 +67,7 @@ def _open(name: str, plan: TurnPlan, tag: str) -> AbstractContextManager[RouterR
                           core=plan.router_core)
     policy = name.removeprefix("kvcoord_") if name.startswith("kvcoord_") else name
     return kvcoord_router(plan.engines, plan.model_dir, plan.log_dir, plan.max_model_len, tag,
-                          policy=policy, core=plan.router_core)
+                          policy=policy, core=plan.router_core, embedded=plan.embedded)
 
 
 def _by_role(router: RouterRun, before: dict[str, float], after: dict[str, float]

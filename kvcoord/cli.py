@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workload", metavar="NAMES", help="engines suite: trace (the Mooncake "
                        "synthetic trace), chat, agent (generated families); comma-separated "
                        "(default: trace)")
+    bench.add_argument("--coordinator", metavar="NAMES", help="engines suite: where our "
+                       "routers' coordinator runs: embedded (in the gateway's process), "
+                       "process (its own); comma-separated (default: embedded)")
 
     up = sub.add_parser("up", help="a local fleet (coordinator + workers), a demo workload "
                         "under kv_aware and round_robin, and a report")

@@ -73,6 +73,21 @@ class AsyncCoordinatorClient:
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
         self._retry = True
 
+    @classmethod
+    def over_stub(cls, stub: Any, target: str, *,
+                  timeout: float = DEFAULT_TIMEOUT) -> AsyncCoordinatorClient:
+        """A client whose unary calls go to ``stub`` rather than a channel: a coordinator
+        serving in this very process (``coordinator.server.in_process.InProcessStub``), named
+        ``target`` in errors. The same retries and refusals; ``close`` closes nothing."""
+        client = cls.__new__(cls)
+        client._targets = Targets.parse(target)
+        client._metadata = call_metadata(None)
+        client._timeout = timeout
+        client._channels = []
+        client._stubs = [stub]
+        client._retry = True
+        return client
+
     def as_caller(self, token: str | None) -> AsyncCoordinatorClient:
         """A view of this client that calls with ``token`` (a gateway passing on its client's
         own credentials) and does not wait out RetryInfo delays itself (the caller decides);

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -49,6 +50,9 @@ class RunningCoordinator:
     metrics_port: int | None
     sync_frontends: SyncFrontends | None = None
     shards: ShardRouting | None = None
+    servicer: Any = None
+    """The servicer as the server serves it (guarded, errors mapped): what
+    ``in_process.InProcessStub`` calls for a gateway embedding this coordinator."""
 
     async def stop(self, grace: float = 2.0) -> None:
         """Report NOT_SERVING, let in-flight calls finish for ``grace`` seconds, then close."""
@@ -120,7 +124,8 @@ async def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
         **security.describe(),
     )
     warn_if_open(config.listen, security)
-    return RunningCoordinator(server, service, health, port, metrics_port, frontends, shards)
+    return RunningCoordinator(server, service, health, port, metrics_port, frontends, shards,
+                              servicer)
 
 
 def shard_routing_of(config: CoordinatorConfig,

@@ -15,6 +15,10 @@ def add_gateway_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                              "request by the global prefix cache")
     gateway.add_argument("--coordinator", metavar="TARGETS", help="coordinator host:port, a "
                          "comma-separated list, or dns:///name:port (env KVCOORD_COORDINATOR)")
+    gateway.add_argument("--embed-coordinator", metavar="HOST:PORT", help="run a coordinator "
+                         "in this process, listening here for workers and bridges (its other "
+                         "settings from KVCOORD_* variables), and route to it without an RPC; "
+                         "instead of --coordinator (env KVCOORD_EMBED_COORDINATOR)")
     gateway.add_argument("--listen", metavar="HOST:PORT",
                          help="where clients connect (default 127.0.0.1:8080)")
     gateway.add_argument("--tokenizer", metavar="DIR", help="the engines' Hugging Face "
@@ -48,23 +52,30 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from coordinator.logs import configure_logging
+    from coordinator.store.protocol import StoreUnavailable
     from kvcoord.gateway.config import ConfigError, GatewayConfig
-    from kvcoord.gateway.main import load_tokenizer, serve_forever
+    from kvcoord.gateway.main import embedded_coordinator_config, load_tokenizer, serve_forever
 
     flags = {name: getattr(args, name) for name in (
-        "coordinator", "listen", "tokenizer", "model", "max_context", "metrics_port",
-        "metrics_host", "route_retries", "drain_wait_ms", "token_file", "tls_ca", "log_level")}
+        "coordinator", "embed_coordinator", "listen", "tokenizer", "model", "max_context",
+        "metrics_port", "metrics_host", "route_retries", "drain_wait_ms", "token_file",
+        "tls_ca", "log_level")}
     try:
         config = GatewayConfig.from_sources(flags, os.environ)
         load_tokenizer(config)  # a bad directory is refused before anything starts
         config.own_token()  # and so is a token file that holds no token
+        embedded = embedded_coordinator_config(config, os.environ, coordinator_given=bool(
+            args.coordinator or os.environ.get("KVCOORD_COORDINATOR")))
     except ConfigError as exc:
         print(f"kvcoord gateway: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            return runner.run(serve_forever(config))
+            return runner.run(serve_forever(config, embedded))
     except ConfigError as exc:
         print(f"kvcoord gateway: {exc}", file=sys.stderr)
         return 2
+    except StoreUnavailable as exc:  # the embedded coordinator's Redis is not up (yet)
+        print(f"kvcoord gateway: {exc}", file=sys.stderr)
+        return 1

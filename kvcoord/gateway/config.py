@@ -18,6 +18,11 @@ __all__ = ["ConfigError", "GatewayConfig"]
 class GatewayConfig:
     coordinator: str = "127.0.0.1:50051"
     """TARGETS of the coordinator: ``host:port``, a comma-separated list, or ``dns:///name``."""
+    embed_coordinator: str | None = None
+    """HOST:PORT: run a coordinator replica in the gateway's own process, listening there for
+    workers, bridges and SDK clients (its other settings from the ``KVCOORD_*`` variables
+    ``kvcoord coordinator`` reads), and route this gateway's requests to it in process, with no
+    RPC; ``coordinator`` is then not used. Unset: route through ``coordinator``."""
     listen: str = "127.0.0.1:8080"
     """HOST:PORT the OpenAI-compatible endpoint listens on; port 0 picks a free one."""
     tokenizer: str | None = None
@@ -55,9 +60,12 @@ class GatewayConfig:
             Targets.parse(self.coordinator)
         except ValueError as exc:
             raise ConfigError(f"coordinator: {exc}") from None
-        _host, sep, port = self.listen.rpartition(":")
-        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError(f"listen must be HOST:PORT, got {self.listen!r}")
+        for name in ("listen", "embed_coordinator"):
+            value = getattr(self, name)
+            _host, sep, port = (value or "").rpartition(":")
+            if value is not None and (not sep or not port.isdigit()
+                                      or not 0 <= int(port) <= 65535):
+                raise ConfigError(f"{name} must be HOST:PORT, got {value!r}")
         positive = ("max_body_bytes", "drain_wait_ms", "connect_timeout_ms",
                     "upstream_timeout_ms", "shutdown_grace_ms")
         for name in positive:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Mapping
 
 import structlog
 
 from coordinator.client import AsyncCoordinatorClient, ClientTls, KvcoordError
+from coordinator.config import CoordinatorConfig
 from coordinator.metrics_http import serve_metrics
+from coordinator.server.in_process import InProcessStub
+from coordinator.server.main import RunningCoordinator, start_coordinator
 from kvcoord.gateway.config import ConfigError, GatewayConfig
 from kvcoord.gateway.routing import RouteFinder
 from kvcoord.gateway.server import GatewayServer
@@ -30,15 +34,43 @@ def load_tokenizer(config: GatewayConfig) -> TextTokenizer:
         raise ConfigError(f"tokenizer: {exc}") from None
 
 
-async def start_gateway(config: GatewayConfig, *, token: str | None = None
+def embedded_coordinator_config(config: GatewayConfig, env: Mapping[str, str], *,
+                                coordinator_given: bool) -> CoordinatorConfig | None:
+    """The coordinator ``--embed-coordinator`` runs in this process: its ``listen`` is that
+    address, the rest from ``env``'s ``KVCOORD_*`` variables as ``kvcoord coordinator`` reads
+    them. None without it. ConfigError when a coordinator to route through was given too, or
+    when the variables do not make a coordinator."""
+    if config.embed_coordinator is None:
+        return None
+    if coordinator_given:
+        raise ConfigError("give --coordinator (route through a coordinator elsewhere) or "
+                          "--embed-coordinator (run one here), not both")
+    coordinator = CoordinatorConfig.from_sources({"listen": config.embed_coordinator}, env)
+    if coordinator.metrics_port is not None and coordinator.metrics_port == config.metrics_port:
+        raise ConfigError(f"the embedded coordinator's metrics port ({coordinator.metrics_port}, "
+                          "KVCOORD_METRICS_PORT) is the gateway's --metrics-port: give it "
+                          "another, or none")
+    return coordinator
+
+
+async def start_gateway(config: GatewayConfig, *, token: str | None = None,
+                        embedded: CoordinatorConfig | None = None,
                         ) -> tuple[GatewayServer, AsyncCoordinatorClient]:
     """A started gateway and its coordinator client (close both: ``server.stop()``, then the
     client). ``token``: the gateway's own identity, used only to ask whether it is ready.
     ``/metrics`` (with ``metrics_port``) is bound before the gateway listens; a host or port it
-    cannot bind raises ConfigError with nothing left running."""
+    cannot bind raises ConfigError with nothing left running. ``embedded``: the coordinator to
+    run in this process and route to in process (``server.embedded``; stopped by
+    ``server.stop()``)."""
     tokenizer = load_tokenizer(config)
-    tls = None if config.tls_ca is None else ClientTls.from_files(config.tls_ca)
-    client = AsyncCoordinatorClient(config.coordinator, tls=tls)
+    running: RunningCoordinator | None = None
+    if embedded is not None:
+        running = await start_coordinator(embedded)
+        client = AsyncCoordinatorClient.over_stub(InProcessStub(running.servicer),
+                                                  f"127.0.0.1:{running.port}")
+    else:
+        tls = None if config.tls_ca is None else ClientTls.from_files(config.tls_ca)
+        client = AsyncCoordinatorClient(config.coordinator, tls=tls)
     own = client.as_caller(token)
 
     async def readiness() -> str | None:
@@ -54,22 +86,26 @@ async def start_gateway(config: GatewayConfig, *, token: str | None = None
         return "no routable worker"
 
     routes = RouteFinder(client, model=config.model, drain_wait_s=config.drain_wait_ms / 1000)
-    server = GatewayServer(config, routes, tokenizer, readiness)
+    server = GatewayServer(config, routes, tokenizer, readiness, embedded=running)
     if config.metrics_port is not None:  # first: a host that cannot be bound starts nothing
         try:
             server.metrics_port = serve_metrics(
                 server.metrics.registry, config.metrics_bind_host(), config.metrics_port)
         except ConfigError:
             await client.close()
+            if running is not None:
+                await running.stop()
             raise
     await server.start()
     return server, client
 
 
-async def serve_forever(config: GatewayConfig) -> int:
+async def serve_forever(config: GatewayConfig,
+                        embedded: CoordinatorConfig | None = None) -> int:
     """Serve until SIGINT/SIGTERM (stop accepting, finish what is in flight within
-    ``shutdown_grace_ms``); returns the exit status."""
-    server, client = await start_gateway(config, token=config.own_token())
+    ``shutdown_grace_ms``, then stop the embedded coordinator, if any); returns the exit
+    status."""
+    server, client = await start_gateway(config, token=config.own_token(), embedded=embedded)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

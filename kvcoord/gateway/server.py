@@ -19,7 +19,7 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import structlog
@@ -46,6 +46,9 @@ from worker.http_api.serving import (
     openai_errors,
 )
 from worker.text.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from coordinator.server.main import RunningCoordinator
 
 log = structlog.get_logger(__name__)
 
@@ -87,9 +90,13 @@ class GatewayServer:
 
     def __init__(self, config: GatewayConfig, routes: RouteFinder, tokenizer: TextTokenizer,
                  readiness: Callable[[], Awaitable[str | None]],
-                 metrics: GatewayMetrics | None = None) -> None:
-        """``readiness()``: None when requests can be served, else why not."""
+                 metrics: GatewayMetrics | None = None,
+                 embedded: RunningCoordinator | None = None) -> None:
+        """``readiness()``: None when requests can be served, else why not. ``embedded``: the
+        coordinator running in this process (``--embed-coordinator``), stopped last by
+        ``stop``."""
         self.metrics = metrics or GatewayMetrics()
+        self.embedded = embedded
         self._config = config
         self._routes = routes
         self._readiness = readiness
@@ -134,6 +141,8 @@ class GatewayServer:
         if self._session is not None:
             await self._session.close()
         await self._routes.ends.flush()
+        if self.embedded is not None:  # last: the ends above went to it
+            await self.embedded.stop()
 
     # ------------------------------------------------------------------ endpoints
 
