@@ -51,6 +51,7 @@ from bench.engines_fleet import (
 )
 from bench.engines_load import send_one
 from bench.engines_model import WORDS, ModelShape, check_words, template_tokens, write_model
+from bench.engines_predict import predict, prediction_text
 from bench.engines_procs import run_in_scratch
 from bench.engines_report import (
     ROUTERS,
@@ -260,6 +261,14 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
     print(table(routers))
     print(decomposition_table(routers))
     print(cpu_table(routers, idle))
+    prediction = None
+    if rig.compute_cores(config.engines) == config.engines:  # else engines share a core
+        prediction = predict(paced, engines=config.engines, kv_tokens=kv_tokens,
+                             engine_block=ENGINE_BLOCK, block_tokens=config.stream.block_tokens,
+                             prefill=prefill, routers=routers,
+                             step_tokens=engine_config.max_batched_tokens,
+                             answer_tokens=config.stream.max_output_tokens)
+        print(prediction_text(prediction))
     return {"rig": rig.name, "regime": regime.name, "prefill": prefill,
             "engines": {"count": config.engines, "cores": list(cores),
                         "block_tokens": ENGINE_BLOCK, "kv_cache_tokens": kv_tokens,
@@ -272,7 +281,7 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
             "routers": routers, "verdicts": verdicts(routers), "idle": idle,
             "decomposition": decompositions(routers),
             "index_checks": {f"run{i}": check for i, check in enumerate(index_checks)},
-            }, comparison
+            "prediction": prediction}, comparison
 
 
 def _version(python: Path, distribution: str) -> str | None:

@@ -3,8 +3,10 @@
 A worker is modelled as one prefill server with a FIFO queue, plus decoding batched beside it:
 
 - **Prefill**: a request's prefill starts when it reaches the head of its worker's queue (and
-  its pages fit, see ``simworker``); it computes only its *uncached* prompt tokens. Its first
-  token comes out when the prefill ends: ``TTFT = prefill end - arrival`` (queueing included).
+  its pages fit, see ``simworker``); it computes only its *uncached* prompt tokens, plus a
+  fixed cost per request (``request_overhead_s``, 0 by default) counted as the prefill tokens
+  it takes at the full rate. Its first token comes out when the prefill ends:
+  ``TTFT = prefill end - arrival`` (queueing included).
 - **Decode interferes with prefill** (chunked prefill, as vLLM and SGLang run it): every engine
   step carries :attr:`CostModel.step_prefill_tokens` prefill tokens plus one token for each
   sequence decoding on that worker, and a step takes as long as its tokens' compute. A decode
@@ -64,11 +66,21 @@ class CostModel:
     step_prefill_tokens: int = 8192
     kv_read_tokens: int = 1700
     tiers: TierCosts = field(default_factory=TierCosts)
+    request_overhead_s: float = 0.0
+    """A fixed cost per prefill, paid even by a prompt with nothing to compute (the engine's
+    per-request work). 0 by default: not measured for the GPU figures above; ``bench engines``
+    measures it for its own engines (the cached prefill)."""
 
     def __post_init__(self) -> None:
         if not (self.prefill_tokens_per_s > 0 and self.decode_s_per_token > 0
                 and self.step_prefill_tokens > 0 and self.kv_read_tokens > 0):
             raise ValueError(f"cost model constants must be > 0, got {self!r}")
+        if not self.request_overhead_s >= 0:
+            raise ValueError(f"request_overhead_s must be >= 0, got {self.request_overhead_s}")
+
+    def overhead_tokens(self) -> float:
+        """The fixed cost per prefill in prefill tokens (at the rate with nothing decoding)."""
+        return self.request_overhead_s * self.prefill_tokens_per_s
 
     def prefill_rate(self, decoding: int, decoding_context_tokens: int) -> float:
         """Prefill tokens per second while ``decoding`` sequences, whose contexts add up to
