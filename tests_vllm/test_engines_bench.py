@@ -58,10 +58,18 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
         assert signals["added_mean_ms"] + signals["engine_ttft_mean_ms"] == pytest.approx(
             signals["client_ttft_mean_ms"]), name
         assert case["idle"][name]["seconds"] == 1.0, name
-    # kvcoord's CPU is counted per process; smg is one.
+    # kvcoord's CPU is counted per process (the coordinator runs in the gateway's: embedded,
+    # the default); smg is one.
     by_process = case["routers"]["kv_aware"]["runs"]["run0"][
         "router_cpu_ms_per_request_by_process"]
-    assert sorted(by_process) == ["bridge-vllm-0", "bridge-vllm-1", "coordinator", "gateway"]
+    assert sorted(by_process) == ["bridge-vllm-0", "bridge-vllm-1", "gateway"]
+    assert case["coordinator"] == "embedded"
+    # The simulator, calibrated on these engines, predicted each router it stands for.
+    prediction = case["prediction"]
+    assert sorted(prediction["routers"]) == ["kv_aware", "smg_cache_aware", "smg_round_robin"]
+    assert prediction["cost_model"]["request_overhead_ms"] == case["prefill"]["cached_ms"]
+    for predicted in prediction["routers"].values():
+        assert predicted["predicted"]["ttft_p50_ms"] > 0 and predicted["error"]["ttft_p50_ms"]
     assert sorted(case["routers"]["smg_cache_aware"]["runs"]["run0"][
         "router_cpu_ms_per_request_by_process"]) == ["smg"]
     # Only our gateway measures its own added latency.
