@@ -1,10 +1,13 @@
 """A bridge reads its engine's capacity: vLLM's /metrics text (as vLLM 0.32 writes it) read
-into free and total pages and request counts, exported as the bridge's metrics, read again only
-while the engine publishes."""
+into free and total pages and request counts, exported as the bridge's metrics, and read only
+when the bridge's own /metrics is scraped."""
 
 from __future__ import annotations
 
-import asyncio
+import http.server
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from worker.bridge.bridge import Bridge, BridgeConfig
 from worker.bridge.engine_gauges import Gauges, parse_vllm
@@ -56,61 +59,60 @@ def _bridge(engine_url: str, engine: str = "vllm") -> Bridge:
                                engine_block_size=32))
 
 
-def test_the_gauges_are_exported_and_the_heartbeat_keeps_the_registrations_capacity(
+@contextmanager
+def vllm_metrics(text: str) -> Iterator[tuple[str, list[str]]]:
+    """A loopback HTTP server answering ``/metrics`` with ``text``: its base URL, and the
+    paths it was asked for (a real engine's /metrics: tests_vllm/test_vllm_engine.py)."""
+    asked: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            body = text.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_gauges_are_read_at_each_scrape_and_the_heartbeat_keeps_the_registrations_capacity(
 ) -> None:
     from prometheus_client import generate_latest
 
     from worker.bridge.main import bridge_registry
 
-    bridge = _bridge("http://127.0.0.1:3")
-    assert bridge.gauges is not None
-    assert bridge.gauges.metrics_url == "http://127.0.0.1:3/metrics"
-    bridge.gauges.latest = parse_vllm(RANK0)
-    text = generate_latest(bridge_registry(bridge)).decode()
-    assert "kvcoord_bridge_engine_free_pages 2272.0" in text
-    assert "kvcoord_bridge_engine_total_pages 3030.0" in text
-    assert 'kvcoord_bridge_engine_requests{state="waiting"} 2.0' in text
+    with vllm_metrics(RANK0 + RANK1) as (url, asked):
+        bridge = _bridge(url)
+        assert bridge.gauges is not None and bridge.gauges.metrics_url == f"{url}/metrics"
+        registry = bridge_registry(bridge)
+        assert asked == []  # nothing is read until someone scrapes the bridge
+        text = generate_latest(registry).decode()
+        assert asked == ["/metrics"]
+        assert "kvcoord_bridge_engine_free_pages 3030.0" in text
+        assert "kvcoord_bridge_engine_total_pages 6060.0" in text
+        assert 'kvcoord_bridge_engine_requests{state="waiting"} 2.0' in text
+        generate_latest(registry)
+        assert asked == ["/metrics", "/metrics"]  # one engine read per scrape
     # Not sent as load (engine_gauges says why): the registration's capacity stands.
     beat = bridge.heartbeat()
     assert (beat.free_pages, beat.total_pages, beat.running_requests) == (0, 0, 0)
+    # The engine gone: a scrape exports no engine gauges (and says so once in the log).
+    text = generate_latest(registry).decode()
+    assert "kvcoord_bridge_engine_total_pages" not in text and bridge.gauges.failures == 1
 
 
 def test_without_an_engine_url_or_for_sglang_nothing_is_read() -> None:
     assert _bridge("").gauges is None
     assert _bridge("http://127.0.0.1:3", engine="sglang").gauges is None
-
-
-async def test_an_idle_engine_is_read_once_and_again_only_after_it_publishes() -> None:
-    # What is read and when, against an HTTP server on loopback that serves the vLLM text
-    # above and counts the reads (a real engine's /metrics: tests_vllm/test_vllm_engine.py).
-    from aiohttp import web
-
-    from worker.bridge.engine_gauges import EngineGauges
-
-    reads: list[float] = []
-
-    async def metrics(request: web.Request) -> web.Response:
-        reads.append(asyncio.get_running_loop().time())
-        return web.Response(text=RANK0)
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    gauges = EngineGauges(f"http://127.0.0.1:{port}/metrics", period_s=0.05)
-    task = asyncio.create_task(gauges.run())
-    try:
-        while gauges.latest is None:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)  # six periods with no engine event: no more reads
-        assert len(reads) == 1
-        gauges.engine_active()
-        while len(reads) < 2:
-            await asyncio.sleep(0.01)
-        assert gauges.latest == parse_vllm(RANK0)
-    finally:
-        task.cancel()
-        await runner.cleanup()

@@ -92,11 +92,10 @@ class Bridge:
         self._zmq: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self._engine: asyncio.Task[None] | None = None
-        # The engine's capacity and requests, read from its /metrics (vLLM's), as metrics.
-        self.gauges = EngineGauges(f"{config.engine_url}/metrics",
-                                   (config.heartbeat_ms or 1000) / 1000) \
+        # The engine's capacity and requests, read from its /metrics (vLLM's) when the
+        # bridge's own /metrics is scraped.
+        self.gauges = EngineGauges(f"{config.engine_url}/metrics") \
             if config.engine_url and config.engine == "vllm" else None
-        self._gauging: asyncio.Task[None] | None = None
 
     @property
     def incarnation(self) -> int:
@@ -117,8 +116,6 @@ class Bridge:
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(self.config.events)
         self._engine = asyncio.create_task(self._follow_engine(), name="bridge-engine")
-        if self.gauges is not None:
-            self._gauging = asyncio.create_task(self.gauges.run(), name="bridge-gauges")
         register = True
         if self.member is not None:
             assert self.config.http_listen is not None
@@ -159,10 +156,6 @@ class Bridge:
             self._engine.cancel()
             await asyncio.wait([self._engine], timeout=2.0)
             self._engine = None
-        if self._gauging is not None:
-            self._gauging.cancel()
-            await asyncio.wait([self._gauging], timeout=2.0)
-            self._gauging = None
         await self.sync.stop(deregister=True)
         if self._sub is not None:
             self._sub.close(linger=0)
@@ -210,8 +203,6 @@ class Bridge:
         assert self._sub is not None
         while True:
             frames = await self._sub.recv_multipart()
-            if self.gauges is not None:
-                self.gauges.engine_active()
             try:
                 seq, payload = _published(frames)
             except MalformedInput as exc:

@@ -4,9 +4,12 @@ vLLM publishes its KV cache's size (``vllm:cache_config_info``'s ``num_gpu_block
 ``block_size`` labels), how full it is (``vllm:kv_cache_usage_perc``: blocks held by running
 requests; cached blocks no request holds are free to reuse, so they count as free) and its
 requests (``vllm:num_requests_running``, ``vllm:num_requests_waiting``), summed over its
-data-parallel ranks. ``EngineGauges`` reads them at most every ``period_s`` while the engine
-publishes events (one GET, off the event path) and keeps the latest; the bridge exports them
-(``kvcoord_bridge_engine_*``).
+data-parallel ranks. ``EngineGauges`` reads them when the bridge's own ``/metrics`` is scraped
+(``read_now``, in the scrape's thread, off the event path), and the bridge exports them
+(``kvcoord_bridge_engine_*``). Nothing reads them otherwise: rendering a vLLM 0.32 CPU engine's
+``/metrics`` is 58 KB of text on the engine's server, and parsing it is the bridge's CPU, so a
+bridge that nobody scrapes costs its engine nothing, and one scraped every 15 s costs one read
+per 15 s.
 
 They are not sent in heartbeats yet. A bridge's heartbeat carries no free pages, which
 ``kv_aware`` prices as memory pressure on every page a prompt needs on every engine: in effect
@@ -22,12 +25,12 @@ An engine without these metrics (SGLang publishes others) exports nothing.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 
-import aiohttp
 import structlog
 
 log = structlog.get_logger(__name__)
@@ -78,43 +81,29 @@ def parse_vllm(text: str) -> Gauges | None:
 
 
 class EngineGauges:
-    """The latest ``Gauges`` of the engine at ``metrics_url`` (None until one was read, or
-    while its metrics lack them); ``run`` reads them every ``period_s`` until cancelled."""
+    """The ``Gauges`` of the engine at ``metrics_url``, read at each ``read_now`` (None until
+    one was read, or while its metrics lack them)."""
 
-    def __init__(self, metrics_url: str, period_s: float) -> None:
+    def __init__(self, metrics_url: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> None:
         self.metrics_url = metrics_url
-        self.period_s = period_s
+        self.timeout_s = timeout_s
         self.latest: Gauges | None = None
         self.failures = 0
-        self._active = asyncio.Event()
 
-    async def read_once(self, session: aiohttp.ClientSession) -> None:
+    def read_now(self) -> Gauges | None:
+        """Read the engine's /metrics now (blocking, at most ``timeout_s``): the gauges, also
+        kept as ``latest``; None when it cannot be read (logged once per run of failures) or
+        names no cache size."""
         try:
-            async with session.get(self.metrics_url) as answer:
-                if answer.status != 200:
-                    raise aiohttp.ClientError(f"status {answer.status}")
-                self.latest = parse_vllm(await answer.text())
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            with urllib.request.urlopen(self.metrics_url, timeout=self.timeout_s) as answer:
+                text = answer.read().decode("utf-8", "replace")
+        except (urllib.error.URLError, OSError, TimeoutError) as exc:
             self.failures += 1
             if self.failures == 1:  # once per run of failures: the engine may be starting
                 log.warning("bridge.engine_metrics_unreadable", url=self.metrics_url,
                             error=str(exc) or type(exc).__name__)
-            return
+            self.latest = None
+            return None
         self.failures = 0
-
-    def engine_active(self) -> None:
-        """The engine published events: its capacity may have moved (``run`` reads again)."""
-        self._active.set()
-
-    async def run(self) -> None:
-        """Read now, then at most once a period while the engine publishes events: an idle
-        engine's capacity does not move, and reading its /metrics costs its server CPU (58 KB
-        of text on a vLLM 0.32 CPU engine), so an idle fleet is not read at all."""
-        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while True:
-                self._active.clear()
-                await self.read_once(session)
-                await asyncio.sleep(self.period_s)
-                if self.failures == 0:  # a failed read is retried without waiting for events
-                    await self._active.wait()
+        self.latest = parse_vllm(text)
+        return self.latest

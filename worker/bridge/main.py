@@ -49,7 +49,7 @@ class BridgeCollector(Collector):
         yield GaugeMetricFamily("kvcoord_bridge_blocks", "Engine blocks held", value=len(b.blocks))
         yield GaugeMetricFamily("kvcoord_bridge_last_seq", "Last engine sequence number applied",
                                 value=b.last_seq)
-        gauges = None if b.gauges is None else b.gauges.latest
+        gauges = None if b.gauges is None else b.gauges.read_now()  # the engine's, now
         if gauges is not None:
             requests = GaugeMetricFamily("kvcoord_bridge_engine_requests", "The engine's "
                                          "requests, by state (its /metrics)", labels=["state"])
