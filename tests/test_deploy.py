@@ -722,7 +722,7 @@ class Started:
 
 
 def _capture_servers(scope: pytest.MonkeyPatch, record: Started) -> None:
-    async def serve_forever(config: Any) -> int:
+    async def serve_forever(config: Any, *embedded: Any) -> int:
         record.configs.append(config)
         return 0
 
@@ -730,14 +730,15 @@ def _capture_servers(scope: pytest.MonkeyPatch, record: Started) -> None:
         record.cuda_checks += 1
         return True  # the pod's node has the GPU it asked for
 
-    from kvcoord.gateway.main import load_tokenizer
+    from kvcoord.gateway.main import embedded_coordinator_config, load_tokenizer
 
     fake_server = types.SimpleNamespace(serve_forever=serve_forever)
     scope.setitem(sys.modules, "coordinator.server.main", fake_server)
     scope.setitem(sys.modules, "worker.main", fake_server)
     # The gateway's tokenizer is still loaded for real (a bad one is refused before serving).
     scope.setitem(sys.modules, "kvcoord.gateway.main", types.SimpleNamespace(
-        serve_forever=serve_forever, load_tokenizer=load_tokenizer))
+        serve_forever=serve_forever, load_tokenizer=load_tokenizer,
+        embedded_coordinator_config=embedded_coordinator_config))
     scope.setattr("worker.config._cuda_available", cuda_available)
     scope.setattr("coordinator.logs.configure_logging", lambda level: None)
 

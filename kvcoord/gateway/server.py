@@ -130,7 +130,8 @@ class GatewayServer:
         self.port = int(sock.getsockname()[1])
         await web.SockSite(self._runner, sock).start()
         log.info("gateway.serving", listen=self._config.listen, port=self.port,
-                 coordinator=self._config.coordinator, model=self._config.model,
+                 coordinator=self._config.embed_coordinator or self._config.coordinator,
+                 embedded=self.embedded is not None, model=self._config.model,
                  tokenizer=self._tokenizer.source, max_context=self._max_context)
         return self.port
 
