@@ -25,8 +25,8 @@ from coordinator.server.sync_relay import SyncFrontends
 from coordinator.store.memory import MemoryStore
 from kvcoord.cli_security import CLIENT_FILE_VARIABLES, TOKEN_VARIABLE
 from kvcoord.gateway.metrics import GatewayMetrics
+from tests.test_bridge_engine_gauges import RANK0, vllm_metrics
 from worker.bridge.bridge import Bridge, BridgeConfig
-from worker.bridge.engine_gauges import Gauges
 from worker.bridge.main import bridge_registry
 from worker.config import WorkerConfig
 from worker.metrics import WorkerMetrics
@@ -72,17 +72,17 @@ def exposed_metric_names() -> set[str]:
     bridge.malformed["frame"] = 1
     text += generate_latest(bridge_registry(bridge)).decode()
     # A bridge with policy control (the CLI's default) exposes its policy metrics too.
-    controlling = Bridge(BridgeConfig(
-        events="tcp://127.0.0.1:1", coordinator="127.0.0.1:1", worker_id="engine",
-        worker_address="127.0.0.1:2", engine_url="http://127.0.0.1:3", policy_control=True,
-        http_listen="127.0.0.1:4"))
-    assert controlling.member is not None and controlling.gauges is not None
-    # Once it has read its engine's /metrics, the engine's capacity and requests too.
-    controlling.gauges.latest = Gauges(total_blocks=10, block_tokens=32, usage=0.5, running=1,
-                                       waiting=0)
-    controlling.member.driver.counters.failures["apply"] = 1
-    controlling.member.driver.counters.stages["drain"] = 1
-    text += generate_latest(bridge_registry(controlling)).decode()
+    # With its engine's /metrics readable (read at the scrape), the engine's capacity and
+    # requests too.
+    with vllm_metrics(RANK0) as (engine_url, _asked):
+        controlling = Bridge(BridgeConfig(
+            events="tcp://127.0.0.1:1", coordinator="127.0.0.1:1", worker_id="engine",
+            worker_address="127.0.0.1:2", engine_url=engine_url, policy_control=True,
+            http_listen="127.0.0.1:4"))
+        assert controlling.member is not None and controlling.gauges is not None
+        controlling.member.driver.counters.failures["apply"] = 1
+        controlling.member.driver.counters.stages["drain"] = 1
+        text += generate_latest(bridge_registry(controlling)).decode()
     gateway = GatewayMetrics()
     gateway.requests.labels("/v1/completions", "200").inc()
     for histogram in (gateway.ttft, gateway.inter_token, gateway.latency):
