@@ -60,6 +60,8 @@ def test_without_vllm_or_smg_it_exits_2_with_one_line_saying_how_to_install(
     ("--rig", ",", "kvcoord bench engines: --rig names nothing; known: production, shared\n"),
     ("--workload", "rag", "kvcoord bench engines: unknown workload 'rag'; known: trace, chat, "
      "agent\n"),
+    ("--coordinator", "remote", "kvcoord bench engines: unknown coordinator 'remote'; known: "
+     "embedded, process\n"),
 ])
 def test_an_unknown_rig_or_regime_exits_2_listing_the_known_ones(
     tmp_path: Path, flag: str, value: str, said: str,
