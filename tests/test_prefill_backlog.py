@@ -178,3 +178,52 @@ def test_prompts_of_one_size_cannot_tell_a_fixed_cost_from_the_rate() -> None:
         backlog.observe_stored([f"k{i}".encode()], now)
         now += 1.0
     assert (backlog.per_route_s, backlog.tokens_per_s) == (0.0, pytest.approx(200.0))
+
+
+def _measure(backlog: PrefillBacklog, tokens_per_s: float, key: bytes) -> None:
+    """One prefill of 100 tokens seen to end at ``tokens_per_s``, on an idle worker."""
+    backlog.book(100, now=0.0, end_keys=[key])
+    backlog.observe_stored([key], now=100 / tokens_per_s)
+
+
+def test_a_worker_that_measured_nothing_costs_routes_at_its_measured_peers_median() -> None:
+    fleet = fleet_of("a", "b", "c", rate=15_000.0)
+    a, b, c = (fleet.get(w) for w in "abc")
+    assert a is not None and b is not None and c is not None
+    assert c.backlog.tokens_per_s == 15_000.0  # nobody measured: the configured rate
+    _measure(a.backlog, 500.0, b"a0")
+    assert c.backlog.tokens_per_s == pytest.approx(500.0) and not c.backlog.measured
+    _measure(b.backlog, 1_500.0, b"b0")
+    assert c.backlog.tokens_per_s == pytest.approx(1_000.0)  # the median of 500 and 1,500
+    assert a.backlog.tokens_per_s == pytest.approx(500.0)  # its own, not the median
+    _measure(c.backlog, 2_000.0, b"c0")
+    assert c.backlog.measured and c.backlog.tokens_per_s == pytest.approx(2_000.0)
+    # A worker that leaves takes its costs along; one that joins starts at the others'.
+    fleet.remove("a")
+    fleet.put(session("d"))
+    d = fleet.get("d")
+    assert d is not None and d.backlog.tokens_per_s == pytest.approx(1_750.0)
+    # Another model's workers are not peers.
+    other = RegisteredWorker(worker_id="e", incarnation=1, address="", model="other",
+                             policy_version=0, external=False, total_pages=100,
+                             lease_deadline=math.inf, connected=True)
+    fleet.put(other)
+    assert other.backlog.tokens_per_s == 15_000.0
+
+
+def test_a_new_worker_beside_a_measured_one_shares_fresh_prompts_with_it() -> None:
+    # "a" measured its engine at 1,000 tokens/s; "b" just joined. Prompts of 100 tokens arrive
+    # every 20 ms, each to the worker with the least work left. Judged at the configured
+    # 15,000 tokens/s, b would drain each prompt in 7 ms and look idle at every arrival, so it
+    # would take all of them; at its peer's pace it takes its share.
+    fleet = fleet_of("a", "b", rate=15_000.0)
+    a, b = fleet.get("a"), fleet.get("b")
+    assert a is not None and b is not None
+    _measure(a.backlog, 1_000.0, b"a0")
+    landed = []
+    for i in range(6):
+        now = 10.0 + 0.02 * i
+        chosen = min((a, b), key=lambda s: (s.floor_at(now), s.worker_id))
+        chosen.queue_prefill(100, now)
+        landed.append(chosen.worker_id)
+    assert landed.count("a") == landed.count("b") == 3, landed

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from coordinator.core.errors import FailedPrecondition
+from coordinator.core.fleet.peer_costs import PeerCosts
 from coordinator.core.fleet.prefill_backlog import PrefillBacklog
 from coordinator.core.fleet.worker_load import Candidate, WorkerLoad
 from coordinator.core.index.page_events import PageEvent, PagesStored
@@ -88,7 +89,7 @@ class RegisteredWorker:
     load_floor: float = 0.0
     floor_of: Callable[[WorkerLoad], float] | None = None
     # The prefill work routed here and not yet done, and the rate it drains at
-    # (core.prefill_backlog; Fleet.put gives it the configured rate).
+    # (core.prefill_backlog; Fleet.put shares its model's PeerCosts with it).
     backlog: PrefillBacklog = field(
         default_factory=lambda: PrefillBacklog(TierCosts().prefill_tokens_per_s))
     backlog_weight: float = 1.0  # the router's queued_token weight (set by Fleet)
@@ -286,6 +287,7 @@ class Fleet:
         self._backlog_weight = backlog_weight
         self._prefill_tokens_per_s = prefill_tokens_per_s
         self._sessions: dict[str, RegisteredWorker] = {}
+        self._peer_costs: dict[str, PeerCosts] = {}  # by model
         self._epoch = 0
         self._routable_cache: dict[tuple[int, int, str], list[RegisteredWorker]] = {}
 
@@ -315,10 +317,15 @@ class Fleet:
     def put(self, session: RegisteredWorker) -> RegisteredWorker | None:
         """Install ``session``, returning the replaced (older incarnation) one, if any."""
         old = self._sessions.get(session.worker_id)
+        if old is not None:
+            self._forget_costs(old)
         self._sessions[session.worker_id] = session
         session.floor_of = self._load_floor
         session.backlog_weight = self._backlog_weight
-        session.backlog = PrefillBacklog(self._prefill_tokens_per_s)
+        peers = self._peer_costs.get(session.model)
+        if peers is None:
+            peers = self._peer_costs[session.model] = PeerCosts(self._prefill_tokens_per_s)
+        session.backlog = PrefillBacklog(self._prefill_tokens_per_s, peers)
         session.served_versions.add(session.policy_version)
         session._load_changed()
         self.changed()
@@ -326,7 +333,15 @@ class Fleet:
 
     def remove(self, worker_id: str) -> RegisteredWorker | None:
         self.changed()
-        return self._sessions.pop(worker_id, None)
+        session = self._sessions.pop(worker_id, None)
+        if session is not None:
+            self._forget_costs(session)
+        return session
+
+    def _forget_costs(self, session: RegisteredWorker) -> None:
+        peers = self._peer_costs.get(session.model)
+        if peers is not None:
+            peers.forget(session.backlog)
 
     def require(self, worker_id: str, incarnation: int) -> RegisteredWorker:
         """The session of exactly this incarnation; FailedPrecondition for unknown or stale."""

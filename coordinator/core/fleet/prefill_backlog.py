@@ -4,8 +4,9 @@ Every route adds the prefill work it counted on (``routing.booked_work``) when i
 worker computes its prompts first in, first out, so the work drains at the worker's pace. A
 prompt costs ``per_route_s + work / tokens_per_s`` seconds: a fixed cost per request (the
 engine's scheduling, its first decode step, the answer's trip: about 33 ms on a vLLM CPU engine
-for a prompt it holds whole) and a per-token rate. Both start as configured (the fixed cost at
-0) and are then learned from what the worker reports: a route that left pages to compute marks
+for a prompt it holds whole) and a per-token rate. Both start as the worker's measured peers
+learned them (``peer_costs``; with none, as configured, the fixed cost at 0) and are then
+learned from what the worker reports: a route that left pages to compute marks
 its last pending keys (``END_KEYS`` of them: an engine publishes whole blocks only, so a
 prompt's last page may sit in a block that is never stored, while the last full block is
 stored when the prefill ends), and the first of them a Stored event reports says when its
@@ -34,6 +35,8 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from coordinator.core.fleet.peer_costs import PeerCosts
 
 RATE_WINDOW = 32
 """Measured prefills the estimate uses: enough to smooth one odd prefill, few enough to follow
@@ -68,16 +71,17 @@ class _Measure:
 
 
 class PrefillBacklog:
-    """One worker's booked prefill work. ValueError for a rate that is not finite and > 0."""
+    """One worker's booked prefill work. ValueError for a rate that is not finite and > 0.
+    ``peers``: the learned costs of the other workers of its model, which it costs its routes
+    at until it has measured a prefill of its own (``peer_costs``); it adds its own to them."""
 
-    def __init__(self, tokens_per_s: float) -> None:
+    def __init__(self, tokens_per_s: float, peers: PeerCosts | None = None) -> None:
         if not (0 < tokens_per_s < float("inf")):
             raise ValueError(f"prefill_tokens_per_s must be finite and > 0, got {tokens_per_s!r}")
         self.configured_rate = tokens_per_s
-        self.tokens_per_s = tokens_per_s
-        """The rate: learned once a prefill was measured, else the configured one."""
-        self.per_route_s = 0.0
-        """The fixed cost of a route, learned (0 until the measures can tell it apart)."""
+        self._peers = peers
+        self.own_tokens_per_s = tokens_per_s  # as learned (the configured rate until then)
+        self.own_per_route_s = 0.0  # as learned (0 until the measures can tell it apart)
         self._left_s = 0.0  # seconds of work queued at time _at
         self._at = 0.0
         self._booked = 0.0  # all work ever booked here
@@ -88,6 +92,27 @@ class PrefillBacklog:
         # Past this time the backlog is surely 0 (a second after it drained): tokens() answers
         # without arithmetic, as it does for most of a fleet.
         self._zero_after = -math.inf
+
+    @property
+    def measured(self) -> bool:
+        """Whether it has measured a prefill of its own engine."""
+        return bool(self._measures)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The rate: its own once a prefill was measured, else its peers' (their median),
+        else the configured one."""
+        if self._measures or self._peers is None:
+            return self.own_tokens_per_s
+        return self._peers.costs()[0]
+
+    @property
+    def per_route_s(self) -> float:
+        """The fixed cost of a route: its own once measured (0 until the measures can tell it
+        from the rate), else its peers'."""
+        if self._measures or self._peers is None:
+            return self.own_per_route_s
+        return self._peers.costs()[1]
 
     def seconds(self, now: float) -> float:
         """Seconds of prefill still queued at ``now``."""
@@ -155,6 +180,8 @@ class PrefillBacklog:
         if measure.seconds > 0 and measure.work > 0:
             self._measures.append(measure)
             self._fit()
+            if self._peers is not None:
+                self._peers.learned(self)
         self._last_end = (mark.booked_through, mark.routes_through, now)
         # Routes booked before this one are done too: their marks can never measure anything.
         for old in {id(m): m for m in self._marks.values()
@@ -170,7 +197,7 @@ class PrefillBacklog:
         measures = self._measures
         work = sum(m.work for m in measures)
         seconds = sum(m.seconds for m in measures)
-        self.per_route_s, self.tokens_per_s = 0.0, work / seconds
+        self.own_per_route_s, self.own_tokens_per_s = 0.0, work / seconds
         if len(measures) < MIN_FIT:
             return
         per_route = [m.work / m.routes for m in measures]
@@ -188,4 +215,4 @@ class PrefillBacklog:
             return
         fixed, per_token = (nt * ww - wt * nw) / det, (nn * wt - nw * nt) / det
         if fixed > 0 and per_token > 0:
-            self.per_route_s, self.tokens_per_s = fixed, 1 / per_token
+            self.own_per_route_s, self.own_tokens_per_s = fixed, 1 / per_token
