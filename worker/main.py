@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2
 
 from coordinator.client.channels import channel_options
 from coordinator.metrics_http import host_of, serve_metrics
+from coordinator.process_gc import settle_after_start
 from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.health import add_health_and_reflection, warn_if_open
 from coordinator.rpc.identities import WORKER_PERMISSIONS
@@ -191,6 +192,7 @@ async def serve_forever(config: WorkerConfig) -> int:
     """Run until SIGINT/SIGTERM (deregister, then drain: the k8s termination path) or until the
     coordinator refuses the registration for good. Returns the process exit status."""
     running = await start_worker(config)
+    settle_after_start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -18,6 +18,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.control.shard_routing import ShardRouting
 from coordinator.core import accel
 from coordinator.metrics_http import host_of, serve_metrics
+from coordinator.process_gc import settle_after_start
 from coordinator.replica import CoordinatorReplica
 from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.health import add_health_and_reflection, warn_if_open
@@ -144,6 +145,7 @@ def shard_routing_of(config: CoordinatorConfig,
 async def serve_forever(config: CoordinatorConfig) -> None:
     """Run until SIGINT/SIGTERM, then drain (the k8s termination path)."""
     running = await start_coordinator(config)
+    settle_after_start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -12,6 +12,7 @@ import structlog
 from coordinator.client import AsyncCoordinatorClient, ClientTls, KvcoordError
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics_http import serve_metrics
+from coordinator.process_gc import settle_after_start
 from coordinator.server.in_process import InProcessStub
 from coordinator.server.main import RunningCoordinator, start_coordinator
 from kvcoord.gateway.config import ConfigError, GatewayConfig
@@ -106,6 +107,7 @@ async def serve_forever(config: GatewayConfig,
     ``shutdown_grace_ms``, then stop the embedded coordinator, if any); returns the exit
     status."""
     server, client = await start_gateway(config, token=config.own_token(), embedded=embedded)
+    settle_after_start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

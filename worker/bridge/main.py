@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 from coordinator.client.channels import ClientTls
 from coordinator.metrics_http import serve_metrics
+from coordinator.process_gc import settle_after_start
 from worker.bridge.bridge import Bridge, BridgeConfig
 from worker.bridge.engine_control import EngineStepFailed, MissingEndpoint
 from worker.bridge.policy_member import PolicyMember
@@ -123,6 +124,7 @@ async def serve_bridge(
         loop.add_signal_handler(sig, stop.set)
     try:
         await bridge.start()
+        settle_after_start()
     except RegistrationRefused as exc:  # a hash key or protocol mismatch: retrying cannot help
         log.error("bridge.exit", worker=config.worker_id, reason=str(exc))
         await bridge.stop()
