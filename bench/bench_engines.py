@@ -50,7 +50,14 @@ from bench.engines_fleet import (
     vllm_python,
 )
 from bench.engines_load import send_one
-from bench.engines_model import WORDS, ModelShape, check_words, template_tokens, write_model
+from bench.engines_model import (
+    WORDS,
+    ModelShape,
+    check_words,
+    engine_dtype,
+    template_tokens,
+    write_model,
+)
 from bench.engines_predict import predict, prediction_text
 from bench.engines_procs import run_in_scratch
 from bench.engines_report import (
@@ -225,8 +232,9 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
     kv_tokens = max(2 * config.shape.max_positions,
                     int(stream.distinct_tokens * regime.kv_share) // ENGINE_BLOCK
                     * ENGINE_BLOCK)
+    dtype, dtype_bytes = engine_dtype()
     engine_config = EngineConfig(config.shape.max_positions, kv_tokens,
-                                 config.shape.kv_bytes_per_token())
+                                 config.shape.kv_bytes_per_token(dtype_bytes), dtype)
     cores = rig.engine_cores(config.engines)
     _log(f"{len(stream.requests)} requests, {stream.prompt_tokens:,} prompt tokens, "
          f"{stream.distinct_tokens:,} distinct; KV cache {kv_tokens:,} tokens per engine; "
@@ -272,6 +280,7 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
     return {"rig": rig.name, "regime": regime.name, "prefill": prefill,
             "engines": {"count": config.engines, "cores": list(cores),
                         "block_tokens": ENGINE_BLOCK, "kv_cache_tokens": kv_tokens,
+                        "dtype": dtype,
                         "kv_share": regime.kv_share, "max_num_seqs": engine_config.max_num_seqs,
                         "max_num_batched_tokens": engine_config.max_batched_tokens},
             "routers_core": rig.router_core, "client_core": rig.client_core,

@@ -58,11 +58,13 @@ def smg_command() -> Path | None:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """The engines' flags: context, KV cache (tokens per engine), batch limits."""
+    """The engines' flags: context, KV cache (tokens per engine, at ``kv_bytes_per_token`` in
+    ``dtype``), the dtype they compute in (``engines_model.engine_dtype``), batch limits."""
 
     max_model_len: int
     kv_tokens: int
     kv_bytes_per_token: int
+    dtype: str = "bfloat16"
     max_num_seqs: int = 16
     max_batched_tokens: int = 2048
 
@@ -91,7 +93,7 @@ def _vllm_argv(python: Path, model_dir: Path, port: int, events: str, replay: st
         "--enable-prefix-caching", "--block-size", str(ENGINE_BLOCK),
         "--kv-events-config", json.dumps(kv_events), "--enable-prompt-tokens-details",
         # No torch.compile: minutes on 2 cores, for a bench that measures routing.
-        "--enforce-eager", "--max-model-len", str(config.max_model_len),
+        "--enforce-eager", "--max-model-len", str(config.max_model_len), "--dtype", config.dtype,
         "--max-num-seqs", str(config.max_num_seqs),
         "--max-num-batched-tokens", str(config.max_batched_tokens),
         "--kv-cache-memory-bytes", str(config.kv_tokens * config.kv_bytes_per_token),

@@ -16,7 +16,14 @@ import pytest
 
 from bench.bench_engines import QUICK_TRACE
 from bench.engines_checks import expected_cached
-from bench.engines_model import ModelShape, chat, check_words, prompt_text, write_model
+from bench.engines_model import (
+    ModelShape,
+    chat,
+    check_words,
+    engine_dtype,
+    prompt_text,
+    write_model,
+)
 from bench.engines_report import verdict
 from bench.engines_stream import StreamShape, build_stream, sample_families
 from bench.runner import run_suite
@@ -173,3 +180,14 @@ def test_a_verdict_needs_the_ranges_apart() -> None:
     assert verdict(slow, fast, lower_is_better=True) == "worse"
     assert verdict(fast, {"min": 1.5, "max": 3.0}, lower_is_better=True) == "overlap"
     assert verdict(slow, fast, lower_is_better=False) == "better"
+
+
+def test_engines_compute_in_bfloat16_with_avx512_and_in_float32_with_avx2_alone() -> None:
+    avx512 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw\n"
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    assert engine_dtype(avx512) == ("bfloat16", 2)
+    assert engine_dtype(avx2) == ("float32", 4)
+    assert engine_dtype("") == ("bfloat16", 2)  # no flags to read: vLLM's own default
+    # The KV cache is sized in the dtype's bytes: the same tokens take twice the bytes.
+    shape = ModelShape()
+    assert shape.kv_bytes_per_token(4) == 2 * shape.kv_bytes_per_token(2)
