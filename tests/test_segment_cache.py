@@ -11,6 +11,7 @@ from pathlib import Path
 from bench.engines_model import ModelShape, prompt_text, write_model
 from worker.text.segment_cache import (
     PIECE_CHARS,
+    VERIFY_EVERY,
     VERIFY_FIRST,
     SegmentEncoder,
     SplitToken,
@@ -129,3 +130,25 @@ def test_pieces_that_do_not_add_up_turn_off_only_the_pieces() -> None:
     for _ in range(2):  # cached whole, then found whole
         assert encoder.encode(text) == merges_across_spaces(text)
     assert encoder.hits == 1 and encoder.pieces_exact is False
+
+
+def test_only_calls_that_join_parts_are_checked_the_first_few_then_one_in_many() -> None:
+    encoded: list[str] = []
+
+    def exact(text: str) -> list[int]:  # a tokenizer that keeps the rule: one id per char
+        encoded.append(text)
+        return [ord(c) for c in text]
+
+    encoder = SegmentEncoder(exact, [SplitToken("<s>", lstrip=False, normalized=False)])
+    one = "<s>" + "x" * 100  # a single segment: its ids are the whole text's, nothing to check
+    for _ in range(VERIFY_FIRST):
+        encoder.encode(one)
+    assert encoder.verified == 0
+    two = "<s>" + "y" * 100 + "<s>" + "z" * 100  # two segments joined: checked
+    for _ in range(VERIFY_FIRST + 4):
+        assert encoder.encode(two) == exact(two)
+    assert encoder.verified == VERIFY_FIRST
+    encoded.clear()
+    while encoder.calls % VERIFY_EVERY:
+        encoder.encode(two)
+    assert encoder.verified == VERIFY_FIRST + 1 and encoded == [two]  # the sampled check
