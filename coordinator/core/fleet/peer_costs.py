@@ -35,7 +35,7 @@ class PeerCosts:
     def __init__(self, configured_tokens_per_s: float) -> None:
         self.configured_tokens_per_s = configured_tokens_per_s
         self._learned: dict[LearnedCosts, tuple[float, float]] = {}
-        self._medians: tuple[float, float] | None = (configured_tokens_per_s, 0.0)
+        self._medians: tuple[float, float] | None = None  # None: to be computed on read
 
     def learned(self, backlog: LearnedCosts) -> None:
         """``backlog`` measured its engine (again): its costs count from now on."""
@@ -46,11 +46,6 @@ class PeerCosts:
         """``backlog``'s worker left the fleet: its costs no longer count."""
         if self._learned.pop(backlog, None) is not None:
             self._medians = None
-
-    @property
-    def measured(self) -> int:
-        """How many workers' costs the medians are taken over."""
-        return len(self._learned)
 
     def costs(self) -> tuple[float, float]:
         """(tokens per second, seconds per route) for a worker that has measured nothing."""
