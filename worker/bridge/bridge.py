@@ -11,16 +11,17 @@ given. Engine sequence numbers are checked: a gap, or a first number above 0, is
 engine's replay socket (``[b"", start_seq]`` to a DEALER; replies in either the current vLLM or
 the older vLLM/SGLang form, up to the end marker seq -1). Without replay, or when it fails, the
 bridge asks the coordinator to drop everything the worker holds and rebuilds from the events
-that follow. Bad input is counted by kind (``malformed``), logged once per kind and skipped: the
-bridge never stops on it. Its calls to the coordinator carry a bearer ``token`` and use ``tls``
-when given.
+that follow. Bad input is counted by kind (``malformed``), logged at most once a minute per
+kind and skipped: the bridge never stops on it. Its calls to the coordinator carry a bearer
+``token`` and use ``tls`` when given.
 """
 
 from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
@@ -57,6 +58,9 @@ END_SEQ = -1
 # settles them all, so the coordinator's in-flight count covers one heartbeat period.
 _SETTLE_ALL = 1 << 30
 _REPLAY_TIMEOUT_S = 2.0
+SKIP_LOG_INTERVAL_S = 60.0
+"""A kind of skipped input is logged at most once per this interval (a flood of bad events
+must not flood the logs); every one is counted."""
 
 
 class Bridge:
@@ -72,6 +76,8 @@ class Bridge:
         self.blocks = BlockMap(PageHasher(hash_config), model=config.model,
                                policy_version=config.policy_version, page_size=config.page_size)
         self.malformed: dict[str, int] = {}
+        self.clock: Callable[[], float] = time.monotonic  # for the skip log's interval
+        self._skip_logged: dict[str, tuple[float, int]] = {}  # kind -> (when, count then)
         self.applied: dict[str, int] = {"stored": 0, "removed": 0, "cleared": 0}
         self.last_seq = -1
         self.replays = 0
@@ -303,9 +309,15 @@ class Bridge:
         self._send(out)
 
     def _skip(self, kind: str, message: str) -> None:
+        """Count one skipped input of ``kind``; log it unless that kind was logged less than
+        ``SKIP_LOG_INTERVAL_S`` ago (the line then says how many were skipped since)."""
         count = self.malformed[kind] = self.malformed.get(kind, 0) + 1
-        if count == 1:  # once per kind: a flood of bad frames must not flood the logs
-            log.warning("bridge.malformed", kind=kind, detail=message[:300])
+        now = self.clock()
+        last = self._skip_logged.get(kind)
+        if last is None or now - last[0] >= SKIP_LOG_INTERVAL_S:
+            self._skip_logged[kind] = (now, count)
+            log.warning("bridge.malformed", kind=kind, detail=message[:300], total=count,
+                        since_last_line=count - (last[1] if last else 0))
 
 
 def _policy_member(bridge: Bridge, token: str | None, tls: ClientTls | None) -> PolicyMember:

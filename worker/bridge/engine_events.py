@@ -5,9 +5,10 @@ either a positional array tagged by its class name (older vLLM, SGLang):
 ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
 lora_name, ...]``, ``["BlockRemoved", block_hashes, medium, ...]``, ``["AllBlocksCleared"]``; or
 a map with a ``"type"`` field and named fields (vLLM 0.26 and later; 0.32.0 is checked by
-``make test-vllm``). Trailing fields may be missing (engines omit defaults), fields this module
-does not know are ignored, hashes are ints or bytes. docs/PROTOCOL.md §8 lists the formats and
-the releases they come from.
+``make test-vllm``). Trailing fields may be missing (engines omit defaults), hashes are ints
+or bytes. Every field vLLM 0.32 publishes is decoded (``extra_keys`` into typed ``BlockExtras``);
+fields of later releases are ignored until a row of docs/BRIDGE.md's field table handles them.
+docs/PROTOCOL.md §8 lists the formats and the releases they come from.
 
 Pure: no zmq, no grpc. Anything that does not fit raises ``MalformedInput`` with a ``kind``
 the bridge counts by.
@@ -33,6 +34,25 @@ class MalformedInput(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class BlockExtras:
+    """What the engine keyed one block on besides its tokens and its parent: vLLM's
+    ``extra_keys`` entry for the block, published untagged (``to_event_extra_keys``) in this
+    order: the LoRA name, ``(mm_identifier, offset)`` pairs, the cache salt, prompt-embedding
+    digests. ``offset`` is where the item starts, counted from the block's first token (negative
+    when it began in an earlier block)."""
+
+    lora_name: str | None = None
+    media: tuple[tuple[str, int], ...] = ()
+    cache_salt: str | None = None
+    embeds: tuple[bytes, ...] = ()
+
+    def binds_content(self) -> bool:
+        """True when the block's KV depends on more than its tokens and the chain before it
+        (images, prompt embeddings): its keys must bind these too."""
+        return bool(self.media or self.embeds)
+
+
+@dataclass(frozen=True, slots=True)
 class BlockStored:
     block_hashes: tuple[EngineHash, ...]
     parent_block_hash: EngineHash | None
@@ -41,15 +61,25 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    # The engine keyed these blocks on more than their tokens (vLLM extra_keys: images, prompt
-    # embeddings, cache salts; SGLang cache_salt): our token-only keys would merge them.
-    salted: bool = False
+    # One entry per block (None: tokens alone), or () when the event carries none.
+    extras: tuple[BlockExtras | None, ...] = ()
+    # SGLang's request-wide salt (its metadata map, or the map encoding's field).
+    cache_salt: str | None = None
+    group_idx: int | None = None  # the KV-cache group (hybrid models have several)
+    spec_kind: str | None = None  # that group's attention kind (vLLM KVCacheSpecKind)
+    sliding_window: int | None = None
+    locality: str | None = None  # LOCAL or REMOTE, relative to the engine
+    ownership: str | None = None  # which secondary offload tier, when several
+    session_id: str | None = None  # the request context that stored or reused the blocks
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: tuple[EngineHash, ...]
     medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +99,13 @@ class EngineBatch:
     skipped: tuple[tuple[str, str], ...] = ()
 
 
+# In vLLM's declaration order (the array encoding is positional). SGLang's arrays put a
+# metadata map ({"cache_salt": ...}) at lora_name's position.
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                  "medium", "lora_name", "extra_keys", "cache_salt")
-_REMOVED_FIELDS = ("block_hashes", "medium")
+                  "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                  "kv_cache_spec_sliding_window", "locality", "ownership", "session_id")
+_STORED_NAMED = (*_STORED_FIELDS, "cache_salt")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 _DECODER = msgspec.msgpack.Decoder()
 
 
@@ -111,13 +145,15 @@ def decode_event(raw: Any) -> EngineEvent:
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     if tag == "BlockStored":
-        values = _named(fields, _STORED_FIELDS) if fields is not None else _positional(
+        values = _named(fields, _STORED_NAMED) if fields is not None else _positional(
             raw[1:], _STORED_FIELDS)
         return _stored(values)
     if tag == "BlockRemoved":
         values = _named(fields, _REMOVED_FIELDS) if fields is not None else _positional(
             raw[1:], _REMOVED_FIELDS)
-        return BlockRemoved(_hashes(values["block_hashes"]), _optional_str(values, "medium"))
+        return BlockRemoved(_hashes(values["block_hashes"]), _optional_str(values, "medium"),
+                            _optional_int(values, "group_idx"),
+                            _optional_str(values, "locality"), _optional_str(values, "ownership"))
     raise MalformedInput("unknown_event", f"unknown event type {tag!r:.40}")
 
 
@@ -147,18 +183,82 @@ def _stored(values: dict[str, Any]) -> BlockStored:
     lora_id = values["lora_id"]
     if lora_id is not None and not _is_int(lora_id):
         raise MalformedInput("event", f"lora_id must be an int: {lora_id!r}")
-    extra = values["extra_keys"]
-    salted = bool(values["cache_salt"]) or (
-        isinstance(extra, list) and any(key is not None for key in extra))
-    return BlockStored(hashes, parent, tuple(tokens), block_size, lora_id,
-                       _optional_str(values, "medium"), _optional_str(values, "lora_name"),
-                       salted)
+    salt = values.get("cache_salt")
+    if isinstance(values["lora_name"], dict):  # SGLang's array: its metadata map is here
+        salt = values["lora_name"].get("cache_salt")
+        values = {**values, "lora_name": None}
+    if salt is not None and not isinstance(salt, str):
+        raise MalformedInput("event", f"cache_salt must be a string: {salt!r:.40}")
+    lora_name = _optional_str(values, "lora_name")
+    window = _optional_int(values, "kv_cache_spec_sliding_window")
+    return BlockStored(
+        hashes, parent, tuple(tokens), block_size, lora_id, _optional_str(values, "medium"),
+        lora_name, extras_of(values["extra_keys"], len(hashes), lora_name), salt or None,
+        _optional_int(values, "group_idx"), _optional_str(values, "kv_cache_spec_kind"), window,
+        _optional_str(values, "locality"), _optional_str(values, "ownership"),
+        _optional_str(values, "session_id"))
+
+
+def extras_of(raw: Any, blocks: int, lora_name: str | None) -> tuple[BlockExtras | None, ...]:
+    """vLLM's untagged ``extra_keys`` -> one ``BlockExtras`` (or None) per block; () for none.
+
+    The entries are told apart by shape and order, as vLLM publishes them: the LoRA name
+    first (exactly when ``lora_name`` is set, and equal to it), ``[identifier, offset]``
+    pairs, one string (the cache salt), then bytes (prompt-embedding digests).
+    MalformedInput ``extra_keys`` for anything else: the event is skipped, never misread."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) != blocks:
+        raise MalformedInput("extra_keys", f"extra_keys must be a list with one entry per block "
+                                           f"({blocks}), got {raw!r:.80}")
+    out: list[BlockExtras | None] = []
+    for entry in raw:
+        if entry is None:
+            out.append(None)
+            continue
+        if not isinstance(entry, list):
+            raise MalformedInput("extra_keys", f"a block's extra keys are a list: {entry!r:.60}")
+        out.append(_block_extras(entry, lora_name))
+    return tuple(out) if any(e is not None for e in out) else ()
+
+
+def _block_extras(entry: list[Any], lora_name: str | None) -> BlockExtras:
+    items = list(entry)
+    lora = None
+    if lora_name is not None:
+        if not items or items[0] != lora_name:
+            raise MalformedInput("extra_keys", f"a LoRA block's extra keys start with its "
+                                               f"lora_name {lora_name!r:.40}: {entry!r:.60}")
+        lora = items.pop(0)
+    media: list[tuple[str, int]] = []
+    salt: str | None = None
+    embeds: list[bytes] = []
+    for item in items:
+        if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) \
+                and _is_int(item[1]) and salt is None and not embeds:
+            media.append((item[0], item[1]))
+        elif isinstance(item, str) and salt is None and not embeds:
+            salt = item
+        elif isinstance(item, bytes):
+            embeds.append(item)
+        else:
+            raise MalformedInput("extra_keys", f"extra key {item!r:.40} is not a LoRA name, "
+                                               "[identifier, offset], a salt or a digest in "
+                                               "vLLM's order")
+    return BlockExtras(lora, tuple(media), salt, tuple(embeds))
 
 
 def _hashes(raw: Any) -> tuple[EngineHash, ...]:
     if not isinstance(raw, list) or not raw or not all(_is_hash(h) for h in raw):
         raise MalformedInput("event", "block_hashes must be a non-empty list of ints or bytes")
     return tuple(raw)
+
+
+def _optional_int(values: dict[str, Any], name: str) -> int | None:
+    value = values.get(name)
+    if value is not None and not _is_int(value):
+        raise MalformedInput("event", f"{name} must be an int: {value!r:.40}")
+    return value
 
 
 def _optional_str(values: dict[str, Any], name: str) -> str | None:

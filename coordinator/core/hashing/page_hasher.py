@@ -75,6 +75,9 @@ def tokens_to_bytes(tokens: Sequence[int] | bytes | bytearray | memoryview) -> b
     return packed.tobytes()
 
 
+_BIND_TAG = b"kvcoord-bind\x00"
+
+
 class PageKeys(tuple[bytes, ...]):
     """Page keys known to be 16-byte ``bytes`` (cut from a wire blob by ``split_page_keys``):
     immutable, so the index's mutators skip re-checking them (``index_types.check_keys``)."""
@@ -201,6 +204,16 @@ class PageHasher:
         if len(self._young) + len(self._young_runs) > self._generation_size:
             self._rotate()
         return keys
+
+    def bind(self, parent: bytes, content: bytes) -> bytes:
+        """The chain point after ``parent`` that also binds ``content``: what an engine keyed a
+        block on besides its tokens (an image's identifier, a prompt-embedding digest, a cache
+        salt). Pages chained from it never share a key with the same tokens chained from
+        ``parent`` or from another ``content``. ``H(parent || H(tag || content) || 0x01)``:
+        33 bytes, never the length of a page's input (16 + 4 x page size), so no run of token
+        ids hashes to a bound point."""
+        inner = self._digest(_BIND_TAG + content)
+        return self._digest(parent + inner + b"\x01")
 
     def extend(self, parent: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
         """Keys of the full pages of ``tokens`` continuing the chain after ``parent`` (the key of
