@@ -370,7 +370,8 @@ def build_config(cls: type[T], flags: Mapping[str, Any], env: Mapping[str, str])
 
 
 def parse_value(name: str, raw: str, hint: Any) -> Any:
-    """Parse one environment string into the field's type (int, str, bool, optional of those)."""
+    """Parse one environment string into the field's type (int, str, bool, optional of those;
+    a tuple of strings from a comma-separated list)."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(a for a in args if a is not type(None))
@@ -383,6 +384,8 @@ def parse_value(name: str, raw: str, hint: Any) -> Any:
             return int(raw)
         if hint is float:
             return float(raw)
+        if typing.get_origin(hint) is tuple:  # tuple[str, ...]: a comma-separated list
+            return tuple(item.strip() for item in raw.split(",") if item.strip())
     except ValueError:
         raise ConfigError(
             f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {hint.__name__}"

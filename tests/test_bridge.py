@@ -183,9 +183,12 @@ async def test_an_engine_block_of_two_pages_becomes_two_keys() -> None:
 @pytest.mark.parametrize("encoding", [Encoding.VLLM_MAP, Encoding.VLLM_ARRAY],
                          ids=lambda e: e.value)
 async def test_a_lora_name_is_the_adapter_namespace(encoding: Encoding) -> None:
+    # vLLM 0.32 (the map encoding) also names the adapter in each block's extra_keys
+    # (to_event_extra_keys); the bridge once took that for a salt and dropped every LoRA block.
+    extra = {"extra_keys": [["sql"], ["sql"]]} if encoding is Encoding.VLLM_MAP else {}
     async with setup(encoding=encoding) as (coord, engine, bridge):
         engine.publish(Stored([h("lora-0"), h("lora-1")], None, PROMPT[:8], P, lora_id=1,
-                              lora_name="sql"))
+                              lora_name="sql", extra=extra))
         await shows(coord, PROMPT, {WORKER: 8}, adapter="sql")
         assert (await lookup(coord, PROMPT)) == {}  # the base model has none of it
         assert (await lookup(coord, PROMPT, adapter="other")) == {}

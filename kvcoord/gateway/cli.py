@@ -24,6 +24,10 @@ def add_gateway_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     gateway.add_argument("--tokenizer", metavar="DIR", help="the engines' Hugging Face "
                          "tokenizer directory (default: the shipped reference tokenizer)")
     gateway.add_argument("--model", help="the model name clients ask for (default 'default')")
+    gateway.add_argument("--adapter", dest="adapters", action="append", metavar="NAME",
+                         help="a LoRA adapter the engines serve (vLLM --lora-modules NAME=...): "
+                         "requests naming it as their model are routed in its namespace; "
+                         "repeatable (env KVCOORD_ADAPTERS, comma-separated)")
     gateway.add_argument("--max-context", type=int, metavar="TOKENS",
                          help="context length (default: the tokenizer's model_max_length)")
     gateway.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
@@ -60,6 +64,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         "coordinator", "embed_coordinator", "listen", "tokenizer", "model", "max_context",
         "metrics_port", "metrics_host", "route_retries", "drain_wait_ms", "token_file",
         "tls_ca", "log_level")}
+    flags["adapters"] = tuple(args.adapters) if args.adapters else None
     try:
         config = GatewayConfig.from_sources(flags, os.environ)
         load_tokenizer(config)  # a bad directory is refused before anything starts

@@ -29,6 +29,10 @@ class GatewayConfig:
     """A Hugging Face tokenizer directory; unset = the shipped reference tokenizer."""
     model: str = "default"
     """The model name clients ask for (and the coordinator's hash namespace)."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters the engines serve (vLLM ``--lora-modules NAME=PATH``): a request whose
+    ``model`` names one is routed in that adapter's hash namespace, where the bridge keys the
+    engine's blocks of that adapter; it goes to the engine unchanged. Env: comma-separated."""
     max_context: int | None = None
     """Tokens of context; unset = the tokenizer config's ``model_max_length``."""
     metrics_port: int | None = None
@@ -79,6 +83,12 @@ class GatewayConfig:
             raise ConfigError(f"metrics_port out of range: {self.metrics_port}")
         if not self.model:
             raise ConfigError("model must not be empty")
+        for adapter in self.adapters:
+            if not adapter or adapter == self.model or not adapter.isprintable():
+                raise ConfigError(f"adapters: {adapter!r} is not an adapter name (empty, the "
+                                  "base model's, or unprintable)")
+        if len(set(self.adapters)) != len(self.adapters):
+            raise ConfigError(f"adapters: a name is given twice in {list(self.adapters)}")
         if self.metrics_host == "":
             raise ConfigError("metrics_host must not be empty (leave it unset for listen's host)")
 

@@ -128,9 +128,10 @@ class RouteFinder:
         return RouteLedger(self.ends, token)
 
     async def route(self, prompt: Sequence[int], token: str | None,
-                    exclude: Sequence[str] = ()) -> Route:
-        """The worker for ``prompt``. A sync drain is waited out for up to ``drain_wait_ms``
-        (the route then runs at the new version); OpenAIError for every refusal."""
+                    exclude: Sequence[str] = (), adapter: str | None = None) -> Route:
+        """The worker for ``prompt`` (in ``adapter``'s namespace when given: a LoRA the request
+        names). A sync drain is waited out for up to ``drain_wait_ms`` (the route then runs at
+        the new version); OpenAIError for every refusal."""
         # NOTE: the view does not wait out RetryInfo (``as_caller``): only a drain is waited
         # for, here and bounded; NO_WORKER and the rest reach the client at once, with
         # Retry-After (``refusal_of``).
@@ -138,20 +139,20 @@ class RouteFinder:
         deadline = time.monotonic() + self._drain_wait_s
         while True:
             try:
-                return await caller.route(prompt, model=self._model, exclude_workers=exclude,
-                                          report_end=True)
+                return await caller.route(prompt, model=self._model, adapter=adapter,
+                                          exclude_workers=exclude, report_end=True)
             except KvcoordError as error:
                 if not await self._waited(error, deadline):
                     raise refusal_of(error) from None
 
-    async def route_batch(self, prompts: Sequence[Sequence[int]],
-                          token: str | None) -> list[Route]:
+    async def route_batch(self, prompts: Sequence[Sequence[int]], token: str | None,
+                          adapter: str | None = None) -> list[Route]:
         """``route`` for several prompts in one RouteBatch: ``routes[i]`` is ``prompts[i]``'s."""
         caller = self._client.as_caller(token)
         deadline = time.monotonic() + self._drain_wait_s
         while True:
             try:
-                return (await caller.route_batch(prompts, model=self._model,
+                return (await caller.route_batch(prompts, model=self._model, adapter=adapter,
                                                  report_end=True)).routes
             except KvcoordError as error:
                 if not await self._waited(error, deadline):

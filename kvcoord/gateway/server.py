@@ -157,34 +157,41 @@ class GatewayServer:
         return web.json_response({"status": "unready", "reason": why}, status=503)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self._config.model, "object": "model", "created": 0, "owned_by": "kvcoord",
-            "max_model_len": self._max_context}]})
+        base = {"id": self._config.model, "object": "model", "created": 0, "owned_by": "kvcoord",
+                "max_model_len": self._max_context}
+        adapters = [{**base, "id": name, "parent": self._config.model}
+                    for name in self._config.adapters]  # as vLLM lists its LoRA modules
+        return web.json_response({"object": "list", "data": [base, *adapters]})
 
     async def _read(self, request: web.Request) -> tuple[bytes, Any]:
         raw = await request.read()
         return raw, json_body(raw)
 
-    def _check(self, model: str, prompt: list[int], max_tokens: int) -> None:
-        check_model(model, self._config.model, "this gateway")
+    def _check(self, model: str, prompt: list[int], max_tokens: int) -> str | None:
+        """The adapter ``model`` names (None: the base model); OpenAIError 404 for a model
+        this gateway does not serve, 400 for a prompt that does not fit."""
+        adapter = model if model in self._config.adapters else None
+        if adapter is None:
+            check_model(model, self._config.model, "this gateway")
         check_context(prompt, max_tokens, self._max_context)
+        return adapter
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         raw, body = await self._read(request)
         parsed = parse_chat(body)
         prompt = self._tokenizer.encode_chat(parsed.messages, tools=parsed.tools)
-        self._check(parsed.model, prompt, parsed.sampling.max_tokens)
-        return await self._forward(request, "chat/completions", raw, prompt)
+        adapter = self._check(parsed.model, prompt, parsed.sampling.max_tokens)
+        return await self._forward(request, "chat/completions", raw, prompt, adapter)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         raw, body = await self._read(request)
         parsed = parse_completion(body)
         prompts = self._prompt_ids(parsed)
-        for prompt in prompts:
-            self._check(parsed.model, prompt, parsed.sampling.max_tokens)
+        adapters = {self._check(parsed.model, p, parsed.sampling.max_tokens) for p in prompts}
+        adapter = adapters.pop() if adapters else None  # one model per request: one adapter
         if len(prompts) == 1:
-            return await self._forward(request, "completions", raw, prompts[0])
-        return await self._forward_many(request, parsed, prompts)
+            return await self._forward(request, "completions", raw, prompts[0], adapter)
+        return await self._forward_many(request, parsed, prompts, adapter)
 
     def _prompt_ids(self, parsed: CompletionRequest) -> list[list[int]]:
         return [p if isinstance(p, list) else self._tokenizer.encode(p) for p in parsed.prompts]
@@ -196,23 +203,24 @@ class GatewayServer:
         return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
     async def _forward(self, request: web.Request, path: str, raw: bytes,
-                       prompt: list[int]) -> web.StreamResponse:
-        """Route ``prompt`` and pass the client's ``raw`` body to the worker's ``path``; the
-        request's routes end however it ends. OpenAIError for a route refused (or no worker
-        answering)."""
+                       prompt: list[int], adapter: str | None) -> web.StreamResponse:
+        """Route ``prompt`` (in ``adapter``'s namespace, when it names one) and pass the
+        client's ``raw`` body to the worker's ``path``; the request's routes end however it
+        ends. OpenAIError for a route refused (or no worker answering)."""
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         token = self._token(request)
         ledger = self._routes.ledger(token)
         try:
-            return await self._forward_one(request, path, raw, prompt, token, request_id, ledger)
+            return await self._forward_one(request, path, raw, prompt, token, request_id, ledger,
+                                           adapter)
         finally:
             ledger.close()
 
     async def _forward_one(self, request: web.Request, path: str, raw: bytes,
                            prompt: list[int], token: str | None, request_id: str,
-                           ledger: RouteLedger) -> web.StreamResponse:
+                           ledger: RouteLedger, adapter: str | None) -> web.StreamResponse:
         upstream, route = await self._open_upstream(path, raw, prompt, token, request_id, ledger,
-                                                    started=request[STARTED])
+                                                    started=request[STARTED], adapter=adapter)
         version = served_version(upstream, route)
         self.metrics.policy_version.set(version)
         streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
@@ -250,7 +258,8 @@ class GatewayServer:
 
     async def _open_upstream(self, path: str, raw: bytes, prompt: list[int],
                              token: str | None, request_id: str, ledger: RouteLedger,
-                             first: Route | None = None, started: float | None = None
+                             first: Route | None = None, started: float | None = None,
+                             adapter: str | None = None
                              ) -> tuple[aiohttp.ClientResponse, Route]:
         """The worker's answer, its status and headers read (nothing of the body yet), and
         the route that chose it (``first``, when given, is tried before routing). The time from
@@ -265,7 +274,7 @@ class GatewayServer:
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         for _ in range(1 + self._config.route_retries):
-            route = first or await self._routes.route(prompt, token, excluded)
+            route = first or await self._routes.route(prompt, token, excluded, adapter)
             first = None
             ledger.issued([route])
             if not route.http_url:
@@ -294,13 +303,14 @@ class GatewayServer:
                           type="server_error", code="no_worker", headers={"Retry-After": "1"})
 
     async def _forward_many(self, request: web.Request, parsed: CompletionRequest,
-                            prompts: list[list[int]]) -> web.StreamResponse:
+                            prompts: list[list[int]], adapter: str | None
+                            ) -> web.StreamResponse:
         """Several completion prompts: routed with one RouteBatch; each worker gets its share
         (the body with only its prompts), and the choices come back merged by index
         (``fanout``): as one answer, or one stream after another."""
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         token = self._token(request)
-        routes = await self._routes.route_batch(prompts, token)
+        routes = await self._routes.route_batch(prompts, token, adapter)
         ledger = self._routes.ledger(token)
         ledger.issued(routes)
         shares = fanout.shares(parsed, routes)
@@ -310,7 +320,7 @@ class GatewayServer:
                 raw = json.dumps({**parsed.body, "prompt": share.prompts}).encode()
                 upstream, route = await self._open_upstream(
                     "completions", raw, prompts[share.indexes[0]], token, request_id, ledger,
-                    first=share.route)
+                    first=share.route, adapter=adapter)
                 opened.append((share, upstream, route))
             headers = {"x-request-id": request_id,
                        "x-kvcoord-worker": ",".join(r.worker_id for _, _, r in opened),
