@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
 from coordinator.core.index import PagesRemoved, PagesStored, Tier
-from worker.bridge.block_map import BlockMap, salt_content
+from worker.bridge.block_map import BlockMap
 from worker.bridge.engine_events import BlockExtras, BlockStored, MalformedInput, decode_payload
 
 PAGE = 4
@@ -94,10 +94,9 @@ def test_a_salted_prompt_shares_keys_only_with_the_same_salt() -> None:
     assert tenant_a == salted("tenant-a")
     assert set(tenant_a).isdisjoint(tenant_b)
     assert set(tenant_a).isdisjoint(plain_keys(TOKENS[:8]))
-    hasher = PageHasher(HASH)
-    root = hasher.root(Namespace(model=MODEL, policy_version=VERSION, page_size=PAGE))
-    assert tenant_a == hasher.extend(hasher.bind(root, salt_content("tenant-a")), TOKENS[:8],
-                                     PAGE)
+    # What a scheduler routing the prompt with its salt computes (Scope.cache_salt).
+    assert tenant_a == PageHasher(HASH).page_keys(TOKENS[:8], Namespace(
+        model=MODEL, policy_version=VERSION, page_size=PAGE, cache_salt="tenant-a"))
 
 
 def test_sglang_salts_its_blocks_as_vllm_does() -> None:

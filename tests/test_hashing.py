@@ -93,12 +93,26 @@ def test_keys_chain_so_a_prefix_has_the_same_keys() -> None:
         Namespace(model="llama-3-8b", tenant="other", policy_version=7, page_size=4),
         Namespace(model="llama-3-8b", tenant="acme", policy_version=8, page_size=4),
         Namespace(model="llama-3-8b", tenant="acme", policy_version=7, page_size=2),
+        Namespace(model="llama-3-8b", tenant="acme", policy_version=7, page_size=4,
+                  cache_salt="s"),
     ],
 )
 def test_any_namespace_field_changes_every_key(other: Namespace) -> None:
     hasher = PageHasher(HashConfig(KEY))
     tokens = list(range(16))
     assert set(hasher.page_keys(tokens, NS)).isdisjoint(hasher.page_keys(tokens, other))
+
+
+def test_a_cache_salt_binds_the_root_and_is_pinned() -> None:
+    # docs/PROTOCOL.md §3: h[-1] = bind(H(root), salt) for a salted scope.
+    hasher = PageHasher(HashConfig(DEV_HASH_KEY, page_size=16))
+    salted = Namespace(cache_salt="tenant-a")
+    assert hasher.root(salted).hex() == "5e1db033280b8a660b84b43e3e8b5197"
+    assert [k.hex() for k in hasher.page_keys(list(range(40)), salted)] == [
+        "9ee3998b49a0ef6df667f7f21f0fe940", "8c0b0a667743326306db4a508a55aead"]
+    assert hasher.bind(hasher.root(Namespace()), b"img").hex() == (
+        "724ec4f66f6c7725c4304a0d38b7a4bf")
+    assert hasher.root(Namespace(cache_salt="")) == hasher.root(Namespace())
 
 
 def test_root_encoding_is_unambiguous_across_field_boundaries() -> None:

@@ -52,6 +52,8 @@ BAD_ROUTES = [
      grpc.StatusCode.INVALID_ARGUMENT, "1025 tokens is over the limit of 1024"),
     (pb.RouteRequest(prompt=_prompt(page_keys=b"x" * 32, token_count=5)),
      grpc.StatusCode.INVALID_ARGUMENT, "does not fit"),
+    (pb.RouteRequest(prompt=_prompt(token_ids=[1, 2]), scope=pb.Scope(cache_salt="s" * 1025)),
+     grpc.StatusCode.INVALID_ARGUMENT, "scope.cache_salt: 1025 characters is over the limit"),
     (pb.RouteRequest(prompt=_prompt(token_ids=[1, 2]), routing_policy="nope"),
      grpc.StatusCode.INVALID_ARGUMENT, "unknown routing policy"),
     (pb.RouteRequest(protocol_version=99, prompt=_prompt(token_ids=[1])),

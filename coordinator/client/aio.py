@@ -143,29 +143,30 @@ class AsyncCoordinatorClient:
 
     async def lookup(
         self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
-        policy_version: int | None = None,
+        policy_version: int | None = None, cache_salt: str | None = None,
     ) -> LookupResult:
-        request = lookup_request(tokens, model, adapter, policy_version)
+        request = lookup_request(tokens, model, adapter, policy_version, cache_salt)
         return await self._parsed("Lookup", request, lookup_from)
 
     async def route(
         self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
         min_policy_version: int | None = None, policy_version: int | None = None,
         routing_policy: str = "", exclude_workers: Sequence[str] = (), report_end: bool = False,
+        cache_salt: str | None = None,
     ) -> Route:
         """The worker for ``tokens`` (never one of ``exclude_workers``). ``report_end``: you
         will call ``end_routes`` when the request ends (see ``Route.end_awaited``)."""
         request = route_request(tokens, model, adapter, min_policy_version, policy_version,
-                                routing_policy, exclude_workers, report_end)
+                                routing_policy, exclude_workers, report_end, cache_salt)
         return await self._parsed("Route", request, route_from)
 
     async def route_batch(
         self, prompts: Sequence[Prompt], *, model: str | None = None, adapter: str | None = None,
         min_policy_version: int | None = None, policy_version: int | None = None,
-        routing_policy: str = "", report_end: bool = False,
+        routing_policy: str = "", report_end: bool = False, cache_salt: str | None = None,
     ) -> RouteBatch:
         request = batch_request(prompts, model, adapter, min_policy_version, policy_version,
-                                routing_policy, report_end)
+                                routing_policy, report_end, cache_salt)
         return await self._parsed("RouteBatch", request, batch_from)
 
     async def end_routes(self, route_ids: Sequence[str]) -> EndedRoutes:

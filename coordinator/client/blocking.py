@@ -137,7 +137,7 @@ class CoordinatorClient:
 
     def lookup(
         self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
-        policy_version: int | None = None,
+        policy_version: int | None = None, cache_salt: str | None = None,
     ) -> LookupResult:
         """Where is this prompt's prefix cached? Reads the index; changes nothing.
 
@@ -145,6 +145,8 @@ class CoordinatorClient:
             tokens: the prompt's token ids (or packed ``token_bytes``), hashed by the server
                 under ``model``/``adapter``, the caller's tenant and ``policy_version``
                 (None: the version serving now).
+            cache_salt: the engine's per-request salt the prompt is sent with (vLLM's
+                ``cache_salt``): only blocks made with the same salt match.
 
         Returns:
             ``LookupResult``: ``matches`` maps each holding worker's id to its matched tokens.
@@ -154,12 +156,13 @@ class CoordinatorClient:
                 PERMISSION_DENIED for the caller's token; UNAVAILABLE when no target serves.
         """
         return lookup_from(self._call("Lookup", lookup_request(tokens, model, adapter,
-                                                               policy_version)))
+                                                               policy_version, cache_salt)))
 
     def route(
         self, tokens: Prompt, *, model: str | None = None, adapter: str | None = None,
         min_policy_version: int | None = None, policy_version: int | None = None,
         routing_policy: str = "", exclude_workers: Sequence[str] = (), report_end: bool = False,
+        cache_salt: str | None = None,
     ) -> Route:
         """Where should this prompt go? Marks it pending on the chosen worker, so the next
         route of the same prefix sees it there before the worker confirms its pages.
@@ -173,6 +176,7 @@ class CoordinatorClient:
             exclude_workers: never chosen (a retry after a worker failed the request).
             report_end: you will call ``end_routes`` when the request ends, so its load is
                 released at once rather than at the next heartbeat (``Route.end_awaited``).
+            cache_salt: as for ``lookup``.
 
         Returns:
             ``Route``: the worker, its address and HTTP URL, the matched tokens, the version
@@ -186,13 +190,13 @@ class CoordinatorClient:
                 RESOURCE_EXHAUSTED with ``RATE_LIMITED`` past the caller's rate.
         """
         request = route_request(tokens, model, adapter, min_policy_version, policy_version,
-                                routing_policy, exclude_workers, report_end)
+                                routing_policy, exclude_workers, report_end, cache_salt)
         return route_from(self._call("Route", request))
 
     def route_batch(
         self, prompts: Sequence[Prompt], *, model: str | None = None, adapter: str | None = None,
         min_policy_version: int | None = None, policy_version: int | None = None,
-        routing_policy: str = "", report_end: bool = False,
+        routing_policy: str = "", report_end: bool = False, cache_salt: str | None = None,
     ) -> RouteBatch:
         """Route many prompts in one call, with ``route``'s arguments and refusals.
 
@@ -204,7 +208,7 @@ class CoordinatorClient:
             KvcoordError: as ``route``; INVALID_ARGUMENT also past the batch size limits.
         """
         request = batch_request(prompts, model, adapter, min_policy_version, policy_version,
-                                routing_policy, report_end)
+                                routing_policy, report_end, cache_salt)
         return batch_from(self._call("RouteBatch", request))
 
     def end_routes(self, route_ids: Sequence[str]) -> EndedRoutes:

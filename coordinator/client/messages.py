@@ -40,9 +40,10 @@ def prompt_pb(tokens: Sequence[int] | PageKeys) -> pb.Prompt:
     return pb.Prompt(token_bytes=packed)
 
 
-def scope_pb(model: str | None, adapter: str | None, version: int | None) -> pb.Scope:
+def scope_pb(model: str | None, adapter: str | None, version: int | None,
+             cache_salt: str | None = None) -> pb.Scope:
     """The request's scope; "" and an unset version mean the coordinator's defaults."""
-    scope = pb.Scope(model=model or "", adapter=adapter or "")
+    scope = pb.Scope(model=model or "", adapter=adapter or "", cache_salt=cache_salt or "")
     # NOTE: optional fields are set only when given: the server reads their presence
     # (``HasField``), so version 0 is a real request and unset leaves it to the coordinator.
     if version is not None:
@@ -51,18 +52,21 @@ def scope_pb(model: str | None, adapter: str | None, version: int | None) -> pb.
 
 
 def lookup_request(
-    tokens: Sequence[int] | PageKeys, model: str | None, adapter: str | None, version: int | None
+    tokens: Sequence[int] | PageKeys, model: str | None, adapter: str | None, version: int | None,
+    cache_salt: str | None = None,
 ) -> pb.LookupRequest:
-    return pb.LookupRequest(prompt=prompt_pb(tokens), scope=scope_pb(model, adapter, version))
+    return pb.LookupRequest(prompt=prompt_pb(tokens),
+                            scope=scope_pb(model, adapter, version, cache_salt))
 
 
 def route_request(
     tokens: Sequence[int] | PageKeys, model: str | None, adapter: str | None,
     min_version: int | None, version: int | None, routing_policy: str,
     exclude_workers: Sequence[str] = (), report_end: bool = False,
+    cache_salt: str | None = None,
 ) -> pb.RouteRequest:
     request = pb.RouteRequest(
-        prompt=prompt_pb(tokens), scope=scope_pb(model, adapter, version),
+        prompt=prompt_pb(tokens), scope=scope_pb(model, adapter, version, cache_salt),
         routing_policy=routing_policy, exclude_workers=list(exclude_workers),
         report_end=report_end,
     )
@@ -74,13 +78,14 @@ def route_request(
 def batch_request(
     prompts: Sequence[Sequence[int] | PageKeys], model: str | None, adapter: str | None,
     min_version: int | None, version: int | None, routing_policy: str,
-    report_end: bool = False,
+    report_end: bool = False, cache_salt: str | None = None,
 ) -> pb.RouteBatchRequest:
     """``route_request`` for many prompts; ValueError for none, or for any bad prompt."""
     if not prompts:
         raise ValueError("route_batch needs at least one prompt")
     request = pb.RouteBatchRequest(
-        prompts=[prompt_pb(p) for p in prompts], scope=scope_pb(model, adapter, version),
+        prompts=[prompt_pb(p) for p in prompts],
+        scope=scope_pb(model, adapter, version, cache_salt),
         routing_policy=routing_policy, report_end=report_end,
     )
     if min_version is not None:

@@ -93,14 +93,22 @@ def prompt_from(prompt: pb.Prompt, config: CoordinatorConfig, what: str = "promp
     return PromptInput(token_count=token_count, page_keys=tuple(keys))
 
 
+MAX_CACHE_SALT_CHARS = 1024
+
+
 def scope_from(scope: pb.Scope, tenant: str = "") -> Scope:
     """The request's scope under ``tenant`` (the caller's, from its identity: the proto has
-    no tenant field, and an unknown field smuggled in is dropped by the parser)."""
+    no tenant field, and an unknown field smuggled in is dropped by the parser).
+    InvalidArgument for a cache salt over ``MAX_CACHE_SALT_CHARS``."""
+    if len(scope.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(f"scope.cache_salt: {len(scope.cache_salt)} characters is over "
+                              f"the limit of {MAX_CACHE_SALT_CHARS}")
     return Scope(
         model=scope.model or None,
         adapter=scope.adapter,
         policy_version=scope.policy_version if scope.HasField("policy_version") else None,
         tenant=tenant,
+        cache_salt=scope.cache_salt,
     )
 
 

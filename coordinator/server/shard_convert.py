@@ -31,7 +31,7 @@ def prompt_to_pb(prompt: PromptInput) -> pb.Prompt:
 
 def scope_to_pb(scope: Scope) -> pb.Scope:
     """The scope's fields (the tenant travels as the caller's credentials, never a field)."""
-    return scope_pb(scope.model, scope.adapter, scope.policy_version)
+    return scope_pb(scope.model, scope.adapter, scope.policy_version, scope.cache_salt)
 
 
 def route_request_to_pb(query: ShardQuery) -> pb.RouteRequest:

@@ -64,14 +64,16 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., page_keys: _Optional[bytes] = ..., token_count: _Optional[int] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class Scope(_message.Message):
-    __slots__ = ("model", "adapter", "policy_version")
+    __slots__ = ("model", "adapter", "policy_version", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     adapter: str
     policy_version: int
-    def __init__(self, model: _Optional[str] = ..., adapter: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., adapter: _Optional[str] = ..., policy_version: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("protocol_version", "prompt", "scope")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import grpc
 import structlog
@@ -114,6 +115,19 @@ class RouteLedger:
         self._ends.end(routes, self._token)
 
 
+class RequestScope(NamedTuple):
+    """What a request names that changes its hash namespace: the LoRA ``adapter`` (its
+    ``model``, when that is one of the gateway's ``--adapter``s) and vLLM's ``cache_salt``.
+    The engine keys its blocks on both; so does the bridge, so a route must too."""
+
+    adapter: str | None = None
+    cache_salt: str | None = None
+
+
+BASE_SCOPE = RequestScope()
+"""The base model, unsalted."""
+
+
 class RouteFinder:
     """Routes under a caller's token through one shared ``AsyncCoordinatorClient``."""
 
@@ -128,9 +142,9 @@ class RouteFinder:
         return RouteLedger(self.ends, token)
 
     async def route(self, prompt: Sequence[int], token: str | None,
-                    exclude: Sequence[str] = (), adapter: str | None = None) -> Route:
-        """The worker for ``prompt`` (in ``adapter``'s namespace when given: a LoRA the request
-        names). A sync drain is waited out for up to ``drain_wait_ms`` (the route then runs at
+                    exclude: Sequence[str] = (), scope: RequestScope = BASE_SCOPE) -> Route:
+        """The worker for ``prompt``, hashed in the namespace ``scope`` names. A sync drain is
+        waited out for up to ``drain_wait_ms`` (the route then runs at
         the new version); OpenAIError for every refusal."""
         # NOTE: the view does not wait out RetryInfo (``as_caller``): only a drain is waited
         # for, here and bounded; NO_WORKER and the rest reach the client at once, with
@@ -139,20 +153,23 @@ class RouteFinder:
         deadline = time.monotonic() + self._drain_wait_s
         while True:
             try:
-                return await caller.route(prompt, model=self._model, adapter=adapter,
-                                          exclude_workers=exclude, report_end=True)
+                return await caller.route(prompt, model=self._model, adapter=scope.adapter,
+                                          cache_salt=scope.cache_salt, exclude_workers=exclude,
+                                          report_end=True)
             except KvcoordError as error:
                 if not await self._waited(error, deadline):
                     raise refusal_of(error) from None
 
     async def route_batch(self, prompts: Sequence[Sequence[int]], token: str | None,
-                          adapter: str | None = None) -> list[Route]:
+                          scope: RequestScope = BASE_SCOPE) -> list[Route]:
         """``route`` for several prompts in one RouteBatch: ``routes[i]`` is ``prompts[i]``'s."""
         caller = self._client.as_caller(token)
         deadline = time.monotonic() + self._drain_wait_s
         while True:
             try:
-                return (await caller.route_batch(prompts, model=self._model, adapter=adapter,
+                return (await caller.route_batch(prompts, model=self._model,
+                                                 adapter=scope.adapter,
+                                                 cache_salt=scope.cache_salt,
                                                  report_end=True)).routes
             except KvcoordError as error:
                 if not await self._waited(error, deadline):

@@ -29,7 +29,7 @@ from coordinator.client.types import Route
 from kvcoord.gateway import fanout
 from kvcoord.gateway.config import GatewayConfig
 from kvcoord.gateway.metrics import GatewayMetrics, Observation
-from kvcoord.gateway.routing import RouteFinder, RouteLedger
+from kvcoord.gateway.routing import BASE_SCOPE, RequestScope, RouteFinder, RouteLedger
 from worker.http_api.openai_requests import (
     CompletionRequest,
     OpenAIError,
@@ -167,31 +167,40 @@ class GatewayServer:
         raw = await request.read()
         return raw, json_body(raw)
 
-    def _check(self, model: str, prompt: list[int], max_tokens: int) -> str | None:
-        """The adapter ``model`` names (None: the base model); OpenAIError 404 for a model
-        this gateway does not serve, 400 for a prompt that does not fit."""
-        adapter = model if model in self._config.adapters else None
-        if adapter is None:
+    def _check(self, model: str, prompt: list[int], max_tokens: int) -> None:
+        """OpenAIError 404 for a model this gateway does not serve (neither its model nor
+        one of its adapters), 400 for a prompt that does not fit."""
+        if model not in self._config.adapters:
             check_model(model, self._config.model, "this gateway")
         check_context(prompt, max_tokens, self._max_context)
-        return adapter
+
+    def _scope(self, model: str, body: Any) -> RequestScope:
+        """The hash namespace the request names: its adapter (``model``, when that is one of
+        ours) and its ``cache_salt`` (OpenAIError 400 unless a non-empty string, as vLLM)."""
+        salt = body.get("cache_salt") if isinstance(body, dict) else None
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise OpenAIError(400, "cache_salt must be a non-empty string if given",
+                              param="cache_salt")
+        return RequestScope(model if model in self._config.adapters else None, salt)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         raw, body = await self._read(request)
         parsed = parse_chat(body)
         prompt = self._tokenizer.encode_chat(parsed.messages, tools=parsed.tools)
-        adapter = self._check(parsed.model, prompt, parsed.sampling.max_tokens)
-        return await self._forward(request, "chat/completions", raw, prompt, adapter)
+        self._check(parsed.model, prompt, parsed.sampling.max_tokens)
+        return await self._forward(request, "chat/completions", raw, prompt,
+                                   self._scope(parsed.model, body))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         raw, body = await self._read(request)
         parsed = parse_completion(body)
         prompts = self._prompt_ids(parsed)
-        adapters = {self._check(parsed.model, p, parsed.sampling.max_tokens) for p in prompts}
-        adapter = adapters.pop() if adapters else None  # one model per request: one adapter
+        for prompt in prompts:
+            self._check(parsed.model, prompt, parsed.sampling.max_tokens)
+        scope = self._scope(parsed.model, body)
         if len(prompts) == 1:
-            return await self._forward(request, "completions", raw, prompts[0], adapter)
-        return await self._forward_many(request, parsed, prompts, adapter)
+            return await self._forward(request, "completions", raw, prompts[0], scope)
+        return await self._forward_many(request, parsed, prompts, scope)
 
     def _prompt_ids(self, parsed: CompletionRequest) -> list[list[int]]:
         return [p if isinstance(p, list) else self._tokenizer.encode(p) for p in parsed.prompts]
@@ -203,8 +212,8 @@ class GatewayServer:
         return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
     async def _forward(self, request: web.Request, path: str, raw: bytes,
-                       prompt: list[int], adapter: str | None) -> web.StreamResponse:
-        """Route ``prompt`` (in ``adapter``'s namespace, when it names one) and pass the
+                       prompt: list[int], scope: RequestScope) -> web.StreamResponse:
+        """Route ``prompt`` (in the namespace ``scope`` names) and pass the
         client's ``raw`` body to the worker's ``path``; the request's routes end however it
         ends. OpenAIError for a route refused (or no worker answering)."""
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
@@ -212,15 +221,15 @@ class GatewayServer:
         ledger = self._routes.ledger(token)
         try:
             return await self._forward_one(request, path, raw, prompt, token, request_id, ledger,
-                                           adapter)
+                                           scope)
         finally:
             ledger.close()
 
     async def _forward_one(self, request: web.Request, path: str, raw: bytes,
                            prompt: list[int], token: str | None, request_id: str,
-                           ledger: RouteLedger, adapter: str | None) -> web.StreamResponse:
+                           ledger: RouteLedger, scope: RequestScope) -> web.StreamResponse:
         upstream, route = await self._open_upstream(path, raw, prompt, token, request_id, ledger,
-                                                    started=request[STARTED], adapter=adapter)
+                                                    started=request[STARTED], scope=scope)
         version = served_version(upstream, route)
         self.metrics.policy_version.set(version)
         streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
@@ -259,7 +268,7 @@ class GatewayServer:
     async def _open_upstream(self, path: str, raw: bytes, prompt: list[int],
                              token: str | None, request_id: str, ledger: RouteLedger,
                              first: Route | None = None, started: float | None = None,
-                             adapter: str | None = None
+                             scope: RequestScope = BASE_SCOPE
                              ) -> tuple[aiohttp.ClientResponse, Route]:
         """The worker's answer, its status and headers read (nothing of the body yet), and
         the route that chose it (``first``, when given, is tried before routing). The time from
@@ -274,7 +283,7 @@ class GatewayServer:
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         for _ in range(1 + self._config.route_retries):
-            route = first or await self._routes.route(prompt, token, excluded, adapter)
+            route = first or await self._routes.route(prompt, token, excluded, scope)
             first = None
             ledger.issued([route])
             if not route.http_url:
@@ -303,14 +312,14 @@ class GatewayServer:
                           type="server_error", code="no_worker", headers={"Retry-After": "1"})
 
     async def _forward_many(self, request: web.Request, parsed: CompletionRequest,
-                            prompts: list[list[int]], adapter: str | None
+                            prompts: list[list[int]], scope: RequestScope
                             ) -> web.StreamResponse:
         """Several completion prompts: routed with one RouteBatch; each worker gets its share
         (the body with only its prompts), and the choices come back merged by index
         (``fanout``): as one answer, or one stream after another."""
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         token = self._token(request)
-        routes = await self._routes.route_batch(prompts, token, adapter)
+        routes = await self._routes.route_batch(prompts, token, scope)
         ledger = self._routes.ledger(token)
         ledger.issued(routes)
         shares = fanout.shares(parsed, routes)
@@ -320,7 +329,7 @@ class GatewayServer:
                 raw = json.dumps({**parsed.body, "prompt": share.prompts}).encode()
                 upstream, route = await self._open_upstream(
                     "completions", raw, prompts[share.indexes[0]], token, request_id, ledger,
-                    first=share.route, adapter=adapter)
+                    first=share.route, scope=scope)
                 opened.append((share, upstream, route))
             headers = {"x-request-id": request_id,
                        "x-kvcoord-worker": ",".join(r.worker_id for _, _, r in opened),

@@ -213,22 +213,16 @@ class BlockMap:
                     f"parent block {event.parent_block_hash!r:.40} was never stored: cannot chain",
                 )
             return known.keys[-1]
-        root = self._hasher.root(Namespace(
+        # The salt binds the root (Namespace.cache_salt), as vLLM binds it into the prompt's
+        # first block: a gateway routing the request with its salt computes the same keys.
+        return self._hasher.root(Namespace(
             model=self._model, adapter=_adapter(event), policy_version=self._version,
-            page_size=self._page_size))
-        salt = salts[0] if salts else event.cache_salt
-        return root if not salt else self._hasher.bind(root, salt_content(salt))
-
-
-def salt_content(salt: str) -> bytes:
-    """What a prompt's cache salt binds into its chain (``PageHasher.bind``), as vLLM binds it
-    into the hash of the prompt's first block; a gateway that forwards the salt binds the same."""
-    return msgspec.msgpack.encode(["cache_salt", salt])
+            page_size=self._page_size, cache_salt=(salts[0] if salts else event.cache_salt) or ""))
 
 
 def _content(extras: BlockExtras) -> bytes:
     """A block's images and prompt-embedding digests, tagged by source as vLLM tags them in its
-    own block hash (the salt is bound at the root, see ``salt_content``)."""
+    own block hash (the salt is bound at the root: ``Namespace.cache_salt``)."""
     parts: list[object] = [["mm", ident, offset] for ident, offset in extras.media]
     parts += [["prompt_embeds", digest] for digest in extras.embeds]
     return msgspec.msgpack.encode(parts)

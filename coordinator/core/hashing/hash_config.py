@@ -71,6 +71,9 @@ class Namespace:
     tenant: str = ""
     policy_version: int = 0
     page_size: int = 16
+    cache_salt: str = ""
+    """An engine's per-request salt (vLLM's ``cache_salt``): bound after the root
+    (``PageHasher.root``), so "" leaves every other namespace's keys as they were."""
 
     def __post_init__(self) -> None:
         _check_page_size(self.page_size)

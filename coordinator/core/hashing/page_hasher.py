@@ -78,6 +78,12 @@ def tokens_to_bytes(tokens: Sequence[int] | bytes | bytearray | memoryview) -> b
 _BIND_TAG = b"kvcoord-bind\x00"
 
 
+def salt_content(salt: str) -> bytes:
+    """What a cache salt binds into a chain (``PageHasher.bind``): length-prefixed, tagged."""
+    raw = salt.encode()
+    return b"cache_salt\x00" + len(raw).to_bytes(4, "little") + raw
+
+
 class PageKeys(tuple[bytes, ...]):
     """Page keys known to be 16-byte ``bytes`` (cut from a wire blob by ``split_page_keys``):
     immutable, so the index's mutators skip re-checking them (``index_types.check_keys``)."""
@@ -127,10 +133,13 @@ class PageHasher:
         self._roots: dict[Namespace, bytes] = {}  # few namespaces in practice; bounded anyway
 
     def root(self, namespace: Namespace) -> bytes:
-        """``h_{-1}`` for ``namespace``: H(encode_root(namespace, algorithm))."""
+        """``h_{-1}`` for ``namespace``: H(encode_root(namespace, algorithm)), bound to the
+        namespace's cache salt when it has one (``bind``)."""
         root = self._roots.get(namespace)
         if root is None:
             root = self._digest(encode_root(namespace, self.config.algorithm))
+            if namespace.cache_salt:
+                root = self.bind(root, salt_content(namespace.cache_salt))
             if len(self._roots) >= 4096:  # tenants are unbounded; roots are cheap to redo
                 self._roots.clear()
             self._roots[namespace] = root

@@ -29,6 +29,7 @@ class Scope:
     adapter: str = ""
     policy_version: int | None = None
     tenant: str = ""
+    cache_salt: str = ""  # the engine's per-request salt (Namespace.cache_salt)
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,7 @@ class RouteViews:
             tenant=scope.tenant,
             policy_version=version,
             page_size=self._page_size,
+            cache_salt=scope.cache_salt,
         )
 
     def keys(self, prompt: PromptInput, namespace: Namespace) -> list[bytes]:

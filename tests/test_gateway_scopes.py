@@ -1,6 +1,8 @@
-"""``kvcoord gateway --adapter NAME``: a request whose ``model`` names a LoRA adapter is routed in
-that adapter's hash namespace, the one where the bridge keys the engine's blocks of that adapter
-(vLLM 0.32 publishes the name in ``lora_name`` and in every block's ``extra_keys``).
+"""The hash namespace a gateway request names, routed where the bridge keyed the engine's
+blocks: ``kvcoord gateway --adapter NAME`` routes a request whose ``model`` names a LoRA adapter
+in that adapter's namespace (vLLM 0.32 publishes the name in ``lora_name`` and in every block's
+``extra_keys``), and a request's ``cache_salt`` binds its keys as the engine binds its first
+block (the salt is that block's extra key).
 
 A real coordinator, a real reference worker (``w0``) and a real bridge (external worker
 ``engine``) whose engine publishes LoRA blocks of one prompt (``tests/engine_publisher.py``).
@@ -29,13 +31,14 @@ from worker.main import start_worker
 
 PAGE = 16
 PROMPT = list(range(1000, 1064))  # 4 pages
+SALTED = list(range(2000, 2064))
 ROUTES = 8  # a cache-blind choice between two workers lands all 8 on one with p = 2/256
 
 
 @pytest.fixture
 async def fleet() -> AsyncIterator[tuple[str, int]]:
     """(coordinator target, gateway port): the engine behind the bridge holds PROMPT under the
-    adapter ``sql``, the reference worker holds nothing."""
+    adapter ``sql`` and SALTED under the salt ``tenant-a``, the reference worker nothing."""
     engine = EnginePublisher(encoding=Encoding.VLLM_MAP)
     try:
         async with running_coordinator(page_size=PAGE) as coord:
@@ -50,13 +53,18 @@ async def fleet() -> AsyncIterator[tuple[str, int]]:
                 await bridge.start()
                 await engine.wait_subscribed()
                 engine.publish(Stored([1, 2, 3, 4], None, PROMPT, PAGE, lora_id=1,
-                                      lora_name="sql", extra={"extra_keys": [["sql"]] * 4}))
+                                      lora_name="sql", extra={"extra_keys": [["sql"]] * 4}),
+                               Stored([5, 6, 7, 8], None, SALTED, PAGE, extra={
+                                   "extra_keys": [["tenant-a"], None, None, None]}))
                 async with AsyncCoordinatorClient(target(coord)) as client:
                     async def indexed() -> bool:
-                        found = await client.lookup(PROMPT, adapter="sql")
-                        return found.matches.get("engine") == len(PROMPT)
+                        lora = await client.lookup(PROMPT, adapter="sql")
+                        salted = await client.lookup(SALTED, cache_salt="tenant-a")
+                        return lora.matches.get("engine") == salted.matches.get("engine") == 64
                     await eventually(indexed)
                     assert (await client.lookup(PROMPT)).matches == {}  # not the base model's
+                    assert (await client.lookup(SALTED)).matches == {}  # nor the unsalted
+                    assert (await client.lookup(SALTED, cache_salt="b")).matches == {}
                 async with running_gateway(target(coord), adapters=("sql", "chat")) as gateway:
                     yield target(coord), gateway.port
             finally:
@@ -66,10 +74,11 @@ async def fleet() -> AsyncIterator[tuple[str, int]]:
         engine.close()
 
 
-async def _chosen(port: int, model: str) -> tuple[int, str]:
+async def _chosen(port: int, model: str, prompt: list[int] = PROMPT,
+                  **fields: Any) -> tuple[int, str]:
     async with aiohttp.ClientSession() as session, session.post(
             f"http://127.0.0.1:{port}/v1/completions",
-            json={"model": model, "prompt": PROMPT, "max_tokens": 1}) as answer:
+            json={"model": model, "prompt": prompt, "max_tokens": 1, **fields}) as answer:
         await answer.read()
         return answer.status, answer.headers.get("x-kvcoord-worker", "")
 
@@ -92,6 +101,18 @@ async def test_another_adapter_and_the_base_model_are_not_credited_the_adapters_
         # by it: 400 for the base model, whose vocabulary these ids are outside; 404 for chat).
         for model, status in (("chat", 404), ("default", 400)):
             assert (await _chosen(port, model))[0] == status
+
+
+async def test_a_salted_request_lands_where_its_salt_made_the_prefix(
+    fleet: tuple[str, int],
+) -> None:
+    _, port = fleet
+    chosen = [(await _chosen(port, "default", SALTED, cache_salt="tenant-a"))[1]
+              for _ in range(ROUTES)]
+    assert chosen == ["engine"] * ROUTES
+    for bad in ("", 7):
+        status, worker = await _chosen(port, "default", SALTED, cache_salt=bad)
+        assert (status, worker) == (400, "")  # refused by the gateway, as vLLM refuses it
 
 
 async def test_models_lists_each_adapter_under_its_base_and_an_unknown_model_is_404(
