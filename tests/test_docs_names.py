@@ -24,6 +24,7 @@ from coordinator.server.peer_shards import peer_shards
 from coordinator.server.sync_relay import SyncFrontends
 from coordinator.store.memory import MemoryStore
 from kvcoord.cli_security import CLIENT_FILE_VARIABLES, TOKEN_VARIABLE
+from kvcoord.gateway.config import GatewayConfig
 from kvcoord.gateway.metrics import GatewayMetrics
 from tests.test_bridge_engine_gauges import RANK0, vllm_metrics
 from worker.bridge.bridge import Bridge, BridgeConfig
@@ -117,7 +118,8 @@ def test_every_metric_the_docs_name_is_exposed() -> None:
 
 
 def test_every_variable_the_docs_name_is_read() -> None:
-    known = {"KVCOORD_" + f.name.upper() for cls in (CoordinatorConfig, WorkerConfig)
+    known = {"KVCOORD_" + f.name.upper()
+             for cls in (CoordinatorConfig, WorkerConfig, GatewayConfig)
              for f in dataclasses.fields(cls)} | OTHER_VARIABLES
     mentioned = _mentioned(r"\bKVCOORD_[A-Z_]*[A-Z]")
     unknown = {name: docs for name, docs in mentioned.items()

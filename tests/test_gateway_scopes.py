@@ -153,3 +153,22 @@ async def test_the_cli_takes_adapter_repeated() -> None:
         stderr=asyncio.subprocess.PIPE)
     _, err = await proc.communicate()
     assert proc.returncode == 2 and b"not an adapter name" in err
+
+
+async def test_a_chat_with_an_image_is_refused_never_routed_on_its_text_alone(
+    fleet: tuple[str, int],
+) -> None:
+    # The engine keys an image's blocks on its identifier and placeholder tokens, which the
+    # gateway cannot compute (docs/BRIDGE.md, Limits): routing the text would credit prefixes
+    # the engine does not share, so the request is refused, not routed.
+    _, port = fleet
+    message = {"role": "user", "content": [
+        {"type": "text", "text": "what is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="},
+         "uuid": "cat-1"}]}
+    async with aiohttp.ClientSession() as session, session.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={"model": "default", "messages": [message]}) as answer:
+        body = json.loads(await answer.read())
+    assert answer.status == 400 and "x-kvcoord-worker" not in answer.headers
+    assert "only text parts are supported, got 'image_url'" in body["error"]["message"]
