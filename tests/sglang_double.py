@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+from tests.fastapi_double import Handler, json_body, serve
+
 MODES = ("abort", "retract", "in_place")
 LOAD_SECTIONS = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
@@ -120,7 +119,6 @@ class SglangDouble:
         return self.running == 0 and (self.waiting == 0 or self.scheduler_paused)
 
     async def __aenter__(self) -> SglangDouble:
-        app = web.Application(middlewares=[self._faults])
         routes: list[tuple[str, str, Handler]] = [
             ("POST", "/pause_generation", self._pause),
             ("POST", "/continue_generation", self._continue),
@@ -133,15 +131,8 @@ class SglangDouble:
             ("GET", "/flush_cache", self._flush_cache),
             ("POST", "/flush_cache", self._flush_cache),
         ]
-        for method, path, handler in routes:
-            if path not in self.without:
-                app.router.add_route(method, path, handler)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        self._runner, self.url = await serve(routes, without=self.without,
+                                             middlewares=[self._faults])
         return self
 
     async def __aexit__(self, *_: object) -> None:
@@ -154,15 +145,10 @@ class SglangDouble:
     async def _faults(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in self.broken:
             return web.Response(status=500, text="Internal Server Error")
-        try:
-            return await handler(request)
-        except web.HTTPNotFound:
-            return web.json_response({"detail": "Not Found"}, status=404)
-        except web.HTTPMethodNotAllowed:
-            return web.json_response({"detail": "Method Not Allowed"}, status=405)
+        return await handler(request)
 
     async def _pause(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await json_body(request)
         if body is None:
             return _validation_error("body: Field required")
         mode = body.get("mode", "abort")
@@ -182,7 +168,7 @@ class SglangDouble:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def _continue(self, request: web.Request) -> web.Response:
-        if await _body(request) is None:
+        if await json_body(request) is None:
             return _validation_error("body: Field required")
         self.paused = self.scheduler_paused = False
         return web.json_response({"message": "Generation continued successfully.",
@@ -218,7 +204,7 @@ class SglangDouble:
             "accelerator": None, "num_accelerators": 1, "loads": [load]})
 
     async def _update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await _body(request) or {}
+        body = await json_body(request) or {}
         path = body.get("model_path")
         if not isinstance(path, str):
             return _validation_error("body.model_path: Field required")
@@ -250,7 +236,7 @@ class SglangDouble:
         return True, "Succeeded to update model weights."
 
     async def _update_weight_version(self, request: web.Request) -> web.Response:
-        body = await _body(request) or {}
+        body = await json_body(request) or {}
         version = body.get("new_version")
         if not isinstance(version, str):
             return _validation_error("body.new_version: Field required")
@@ -287,12 +273,3 @@ class SglangDouble:
     def _abort_all(self) -> None:
         self.aborted += self.running + self.waiting
         self.running = self.waiting = 0
-
-
-async def _body(request: web.Request) -> dict[str, Any] | None:
-    """The JSON object FastAPI would validate (None: missing or not an object)."""
-    try:
-        body = await request.json()
-    except ValueError:
-        return None
-    return body if isinstance(body, dict) else None

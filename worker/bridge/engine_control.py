@@ -27,8 +27,8 @@ _REASON_CHARS = 300
 
 
 class EngineStepFailed(Exception):
-    """The engine failed ``step`` (``pause``, ``load``, ``reset``, ``version``, ``resume``,
-    ``idle``, ``wait_weights``); ``reason`` says how, in one line."""
+    """The engine failed ``step`` (``pause``, ``load``, ``verify``, ``reset``, ``version``,
+    ``resume``, ``idle``, ``wait_weights``); ``reason`` says how, in one line."""
 
     def __init__(self, step: str, reason: str) -> None:
         super().__init__(f"{step}: {reason}")
@@ -82,9 +82,16 @@ class EngineControl(abc.ABC):
     async def load_weights(self, path: str) -> None:
         """Load the checkpoint at ``path`` (as the engine's host sees it) in place."""
 
+    async def weight_checksums(self) -> dict[str, str] | None:
+        """A digest of every loaded weight, by name, or None where the engine gives none (the
+        default). An engine that gave digests once gives them on every later call."""
+        return None
+
     @abc.abstractmethod
     async def reset_prefix_cache(self) -> None:
-        """Drop every cached KV block (the engine publishes AllBlocksCleared)."""
+        """Drop every cached KV block the engine can be asked to drop: its own cache and the
+        offload tiers it loads prefixes back from (vLLM's connector-managed ones). The engine
+        publishes AllBlocksCleared."""
 
     @abc.abstractmethod
     async def set_weight_version(self, version: str) -> None:
@@ -157,7 +164,7 @@ class EngineControl(abc.ABC):
             raise EngineStepFailed(step, f"GET {path}: {type(exc).__name__} "
                                          f"{_one_line(str(exc))}") from exc
 
-    async def _serves(self, path: str) -> bool:
+    async def _serves(self, path: str, step: str = "check") -> bool:
         """Whether the engine routes ``path``: probed with a GET, which a POST-only route answers
         with 405 and an unknown one with 404 (nothing is changed)."""
         timeout = aiohttp.ClientTimeout(total=self.step_timeout_s)
@@ -165,8 +172,8 @@ class EngineControl(abc.ABC):
             async with self._http().get(f"{self.base_url}{path}", timeout=timeout) as answer:
                 return answer.status not in (404,)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise EngineStepFailed("check", f"GET {path}: {type(exc).__name__} "
-                                            f"{_one_line(str(exc))}") from exc
+            raise EngineStepFailed(step, f"GET {path}: {type(exc).__name__} "
+                                         f"{_one_line(str(exc))}") from exc
 
 
 def _one_line(text: str) -> str:

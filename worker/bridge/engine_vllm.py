@@ -11,7 +11,16 @@ vllm/entrypoints/serve/dev/, only then):
 - ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": P}}``: every
   model worker reloads the checkpoint in place (refused for an engine started with
   ``--load-format dummy``).
-- ``POST /reset_prefix_cache``: ``{"success": false}`` while blocks are held; retried.
+- ``POST /weight_checker {"action": "checksum"}`` (api_router.py): ``{"checksums": {NAME:
+  SHA256}}``, one per weight of every model worker (names prefixed ``dp0:pp0:pcp0:tp0:``).
+  Probed once, at the first call: an engine without it (404) gives no checksums.
+- ``POST /reset_prefix_cache?reset_external=true`` (serve/dev/cache/api_router.py):
+  ``{"success": false}`` while blocks are held, or while an offload transfer is in flight;
+  retried. ``reset_external`` also clears the connector-managed tiers (CPU or disk offload
+  through the OffloadingConnector, LMCache), whose blocks vLLM keys without the weights: a
+  bare reset leaves KV of the old weights there, loaded back for the next request of its prefix.
+  Without a connector it is a no-op that succeeds (v1/core/sched/scheduler.py
+  ``reset_connector_cache``).
 - ``POST /update_weight_version {"new_version": V}``, ``GET /weight_info``.
 - ``POST /resume``.
 - ``GET /v1/models``: the first model's ``root``, the path the engine loaded at start.
@@ -26,7 +35,12 @@ from __future__ import annotations
 
 import asyncio
 
-from worker.bridge.engine_control import EngineControl, EngineStepFailed, MissingEndpoint
+from worker.bridge.engine_control import (
+    EngineControl,
+    EngineStepFailed,
+    MissingEndpoint,
+    _one_line,
+)
 
 DEV_MODE_FLAG = "VLLM_SERVER_DEV_MODE=1 in the engine's environment"
 _RESET_ATTEMPTS = 50
@@ -36,6 +50,10 @@ _METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 class VllmControl(EngineControl):
     kind = "vllm"
+
+    def __init__(self, base_url: str, **timeouts: float) -> None:
+        super().__init__(base_url, **timeouts)
+        self._checks_weights: bool | None = None  # /weight_checker served; None: not probed
 
     async def check_endpoints(self) -> None:
         for path in ("/is_paused", "/weight_info", "/reset_prefix_cache", "/collective_rpc",
@@ -60,9 +78,25 @@ class VllmControl(EngineControl):
         await self._call("load", "POST", "/collective_rpc", body=body,
                          timeout_s=self.load_timeout_s)
 
+    async def weight_checksums(self) -> dict[str, str] | None:
+        if self._checks_weights is None:
+            self._checks_weights = await self._serves("/weight_checker", step="verify")
+        if not self._checks_weights:
+            return None
+        # Every worker hashes every byte of its weights: as long as a reload, not a flag flip.
+        answer = await self._call("verify", "POST", "/weight_checker",
+                                  body={"action": "checksum"}, timeout_s=self.load_timeout_s)
+        checksums = answer.get("checksums") if isinstance(answer, dict) else None
+        if not (isinstance(checksums, dict) and checksums
+                and all(isinstance(digest, str) for digest in checksums.values())):
+            raise EngineStepFailed("verify", f"/weight_checker answered "
+                                             f"{_one_line(repr(answer))}")
+        return checksums
+
     async def reset_prefix_cache(self) -> None:
         for _ in range(_RESET_ATTEMPTS):
-            answer = await self._call("reset", "POST", "/reset_prefix_cache")
+            answer = await self._call("reset", "POST", "/reset_prefix_cache",
+                                      params={"reset_external": "true"})
             if isinstance(answer, dict) and answer.get("success") is True:
                 return
             await asyncio.sleep(_RESET_RETRY_S)  # blocks still held by a finishing request

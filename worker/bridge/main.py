@@ -80,6 +80,13 @@ def _policy_metrics(member: PolicyMember) -> Iterator[Metric]:
     for step, count in sorted(counters.failures.items()):
         failures.add_metric([step], count)
     yield failures
+    checks = CounterMetricFamily("kvcoord_bridge_weight_checks",
+                                 "Weight loads by their check: weights changed (checked), "
+                                 "unchanged (failed: fenced), no checksums (unchecked)",
+                                 labels=["outcome"])
+    for outcome, count in counters.weight_checks.items():
+        checks.add_metric([outcome], count)
+    yield checks
     yield GaugeMetricFamily("kvcoord_bridge_fenced",
                             "1 while the engine is fenced (never routed, at any version)",
                             value=int(counters.fenced))

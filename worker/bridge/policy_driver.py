@@ -10,10 +10,13 @@ acknowledged only once the engine has done it (docs/BRIDGE.md "RL with vLLM / SG
   ``weights="uri"`` asks the engine to load ``uri`` in place (relative to ``weights_root`` when
   relative), ``weights="trainer"`` waits for the trainer's signal, the engine's own weight
   version reaching ``v`` (vLLM: ``/finish_weight_update {"weight_version": "v"}`` after the
-  trainer's transfer); the prefix cache is reset; the version is set to ``v`` and read back;
-  the engine resumes and the bridge waits to see AllBlocksCleared on the event stream; only
-  then does the proxy forward again and APPLIED(v) go out. An APPLY of the version already
-  confirmed (an aborted update) only resumes.
+  trainer's transfer); a load from ``uri`` is checked where the engine checksums its weights
+  (vLLM's ``/weight_checker``): taken before and after, equal checksums (the load left every
+  weight as it was) fail step ``verify``; the prefix cache is reset (vLLM's offload tiers
+  too); the version is set to ``v`` and read back; the engine resumes and the bridge waits to
+  see AllBlocksCleared on the event stream; only then does the proxy forward again and
+  APPLIED(v) go out. An APPLY of the version already confirmed (an aborted update) only
+  resumes.
 - **RESUME**: resume and reopen (an update aborted after DRAIN).
 - **Any failure** (``EngineStepFailed``, or a version read back other than asked) fences the
   engine: the proxy answers 503, the engine is left paused, FAILED(v, reason) is acked (the
@@ -39,15 +42,20 @@ from worker.serving.in_order import InOrder
 log = structlog.get_logger(__name__)
 
 WEIGHT_SOURCES = ("uri", "trainer")
+# What the check of a load from a URI found: the weights changed, or not (fenced), or the
+# engine gives no checksums.
+WEIGHT_CHECKS = ("checked", "failed", "unchecked")
 _POLL_S = 0.1
 
 
 @dataclass(slots=True)
 class PolicyCounters:
-    """What ``/metrics`` shows of the driver: stages done, failures by step, pause seconds."""
+    """What ``/metrics`` shows of the driver: stages done, failures by step, weight checks by
+    outcome (``WEIGHT_CHECKS``), pause seconds."""
 
     stages: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
+    weight_checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(WEIGHT_CHECKS, 0))
     fenced: bool = False
     last_pause_s: float = 0.0
 
@@ -165,8 +173,28 @@ class PolicyDriver:
                                            f"(--weights uri); begin it with weights_uri, or run "
                                            f"the bridge with --weights trainer")
         path = self.resolve(weights_uri)
+        before = await self.engine.weight_checksums()
         await self.engine.load_weights(path)
+        await self._check_changed(version, path, before)
         self.known_paths[version] = path
+
+    async def _check_changed(self, version: int, path: str, before: dict[str, str] | None
+                             ) -> None:
+        """Fail step ``verify`` when the load left every weight's checksum as ``before`` (a
+        checkpoint of the old weights, a loader that did nothing): the engine would serve
+        ``version``'s tag on the old weights. Unchecked when the engine gave no checksums."""
+        if before is None:
+            if not self.counters.weight_checks["unchecked"]:  # once: it cannot change
+                log.warning("bridge.weights_unchecked", engine=self.engine.kind,
+                            reason="the engine gives no weight checksums")
+            self.counters.weight_checks["unchecked"] += 1
+            return
+        if await self.engine.weight_checksums() == before:
+            self.counters.weight_checks["failed"] += 1
+            raise EngineStepFailed("verify", f"every weight is unchanged after loading {path} "
+                                             f"for version {version} ({len(before)} checksums "
+                                             f"equal to those before)")
+        self.counters.weight_checks["checked"] += 1
 
     async def confirm(self, version: int) -> None:
         """Steps 2 to 4: the cache dropped, the version set and read back, the engine resumed
