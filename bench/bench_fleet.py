@@ -41,6 +41,7 @@ from bench.fleet_coordinators import (
 from bench.fleet_shard_decisions import shard_decisions_case
 from bench.fleet_shared_routes import shared_routes_case
 from coordinator.core.index.holdings import compiled_available
+from kvcoord import child_process
 
 LAG_BOUND_MS = 300.0
 OTHER_LAG = {"replicas": "replicated to the other replica (it applies every batch)",
@@ -65,7 +66,7 @@ def run_case(workers: int, *, replicas: int = 1, appendfsync: str | None = None,
         argv = [sys.executable, "-m", "bench.fleet_load", json.dumps(config)]
         if pinning():
             argv = ["taskset", "-c", GENERATOR_CORE, *argv]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+        done = child_process.run(argv, capture_output=True, text=True, timeout=600,
                               stdin=subprocess.DEVNULL)
         if done.returncode != 0:
             raise RuntimeError(f"the fleet load generator failed: {done.stderr[-6000:]}")

@@ -43,6 +43,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
 from coordinator.server.main import RunningCoordinator, start_coordinator
 from coordinator.store.redis_store import RedisStore
+from kvcoord import child_process
 from tests.redis_server import RedisServer
 
 WORKERS = 4
@@ -79,7 +80,7 @@ async def _workers(target: str, n: int, prefix: str) -> list[ScriptedWorker]:
 async def _peer_process(url: str) -> AsyncIterator[None]:
     """A replica in its own process, SERVING (listed as live) when this yields."""
     env = {**os.environ, "KVCOORD_LOG_LEVEL": "warning", "KVCOORD_REPLICA_ID": "peer"}
-    proc = subprocess.Popen(
+    proc = child_process.start(
         [sys.executable, "-m", "kvcoord.cli", "coordinator", "--redis", url, "--listen",
          "127.0.0.1:0"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     store = await RedisStore.connect(url, namespace="default")

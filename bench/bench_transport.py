@@ -47,6 +47,7 @@ from typing import Any
 import redis
 
 from bench.transport_consumer import cpu_seconds
+from kvcoord import child_process
 from kvcoord.tables import render_table
 from tests.redis_server import RedisServer, redis_server_available
 
@@ -142,7 +143,7 @@ def _broker(case: Case) -> Iterator[tuple[str, int | None]]:
             with redis.Redis.from_url(server.url) as client:
                 pid = int(client.info("server")["process_id"])
             if _pinning():
-                subprocess.run(["taskset", "-a", "-p", "-c", PRODUCER_CORE, str(pid)],
+                child_process.run(["taskset", "-a", "-p", "-c", PRODUCER_CORE, str(pid)],
                                check=True, stdout=subprocess.DEVNULL)
             yield server.url, pid
 
@@ -193,7 +194,7 @@ def run_case(name: str, workers: int, *, seconds: float = 10.0) -> dict[str, Any
                            "workers": workers, "expected": expected, "wait_s": wait_s,
                            "broker_pid": broker_pid, "parser": case.parser,
                            "linger_ms": case.linger_ms}
-        consumer = subprocess.Popen(
+        consumer = child_process.start(
             _pinned(CONSUMER_CORE, [sys.executable, "-m", "bench.transport_consumer",
                                     json.dumps(consumer_config)]),
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
@@ -206,7 +207,7 @@ def run_case(name: str, workers: int, *, seconds: float = 10.0) -> dict[str, Any
             producer_config = {"transport": case.transport, "address": first["ready"],
                                "name": stream, "workers": workers, "batches": batches,
                                "rate": RATE, "one_connection": case.one_connection}
-            produced = subprocess.run(
+            produced = child_process.run(
                 _pinned(PRODUCER_CORE, [sys.executable, "-m", "bench.transport_producer",
                                         json.dumps(producer_config)]),
                 capture_output=True, text=True, timeout=wait_s, stdin=subprocess.DEVNULL)

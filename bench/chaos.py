@@ -50,6 +50,7 @@ from bench.chaos_round import POLICY_STALE_S, Chaos, Round
 from bench.chaos_watch import STALE_SLACK_S
 from coordinator.client import KvcoordError
 from coordinator.logs import configure_logging
+from kvcoord import machine_load
 from kvcoord.provenance import provenance
 from kvcoord.tables import render_table
 from tests.multihost_cluster import LAG_BOUND_S, LEASE_S, PAGE, REPLICAS, running_cluster
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT_DIR,
                         help="directory for chaos.json (default bench/results/), or a "
                              "path ending in .json")
+    parser.add_argument("--allow-busy", action="store_true",
+                        help="run even when other processes use more than half a core at the "
+                        "start (by default it refuses, exit 2, naming them)")
     args = parser.parse_args(argv)
     kinds = [k for k in args.faults.split(",") if k]
     if unknown := sorted(set(kinds) - set(FAULTS)):
@@ -149,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     if (no_nft := nft_missing()) is not None:
         kinds = [k for k in kinds if not FAULTS[k].needs_nft]
         print(f"chaos: skipping the nftables faults: {no_nft}", file=sys.stderr)
+    machine = machine_load.measure()
+    if machine.busy() and not args.allow_busy:
+        print(machine.refusal("chaos"), file=sys.stderr)
+        return 2
     configure_logging("error")  # the SDK's hashing warning; the fleet logs to files
     logs = Path(tempfile.mkdtemp(prefix="kvcoord-chaos-logs-"))
     began = time.monotonic()
@@ -192,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(f"\n{name}: {text}" for name, text in DEFINITIONS.items()))
     broken = invariants_broken(summary) + ([crash] if crash else [])
     results = {
-        **provenance(),
+        **provenance(), "machine_at_start": machine.as_json(),
         "definitions": DEFINITIONS, "summary": summary, "lag": lag,
         "invariants_broken": broken, "stream_lost_warnings": resnapshots,
         "rounds": [_round_json(r, began) for r in rounds],

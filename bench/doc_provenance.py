@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kvcoord import child_process
 from kvcoord.provenance import SOURCE_ROOT
 
 MARKER = re.compile(r"^<!-- provenance: (?P<paths>\S+(?: \S+)*) -->$")
@@ -161,7 +161,7 @@ def repo_commits(tokens: Sequence[str], root: Path) -> set[str]:
     """Those ``tokens`` that name a commit of the checkout at ``root`` (one ``git cat-file``)."""
     if not tokens or not (root / ".git").exists():
         return set()
-    done = subprocess.run(
+    done = child_process.run(
         ["git", "-C", str(root), "cat-file", "--batch-check"],
         input="".join(f"{token}^{{commit}}\n" for token in tokens),
         capture_output=True, text=True, check=True, timeout=60)

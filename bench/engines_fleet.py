@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.engines_procs import EnginesError, Proc, http_get, http_post, start, stop, wait_until
+from kvcoord.engine_envs import env_dir
 from kvcoord.fleet_procs import free_port
 
 VLLM_PYTHON_VAR = "KVCOORD_VLLM_PYTHON"
@@ -36,20 +37,21 @@ RUNNER_PYTHON_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV"
 
 
 def vllm_python() -> Path | None:
-    """``$KVCOORD_VLLM_PYTHON``, else the checkout's ``.venv-vllm/bin/python``, when it is an
-    executable file."""
+    """``$KVCOORD_VLLM_PYTHON``, else the machine's vLLM environment (``make engines-peers``,
+    kvcoord.engine_envs), when it is an executable file."""
     configured = os.environ.get(VLLM_PYTHON_VAR)
-    path = Path(configured) if configured else CHECKOUT / ".venv-vllm" / "bin" / "python"
+    path = Path(configured) if configured else env_dir("vllm") / "bin" / "python"
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
 def smg_command() -> Path | None:
-    """``$KVCOORD_SMG``, else the checkout's ``.venv-smg/bin/smg``, else ``smg`` on PATH."""
+    """``$KVCOORD_SMG``, else the machine's smg environment (``make engines-peers``), else
+    ``smg`` on PATH."""
     configured = os.environ.get(SMG_VAR)
     if configured:
         path = Path(configured)
         return path if path.is_file() and os.access(path, os.X_OK) else None
-    local = CHECKOUT / ".venv-smg" / "bin" / "smg"
+    local = env_dir("smg") / "bin" / "smg"
     if local.is_file() and os.access(local, os.X_OK):
         return local
     found = shutil.which("smg")

@@ -1,9 +1,9 @@
 """The engines bench's processes: each in its own session with its output in a log file,
 started on loopback only, polled with bounded waits that name what they wait for, stopped
-SIGTERM-then-SIGKILL by process group (``kvcoord.fleet_procs.stop_processes``).
+SIGTERM-then-SIGKILL by process group (``kvcoord.child_process.stop_processes``).
 
-A process started here also gets ``PR_SET_PDEATHSIG`` (util-linux ``setpriv``), so a bench
-killed with SIGKILL still takes its engines with it. An engine is pinned to one core twice:
+A process started here is started by ``kvcoord.child_process``, with a death signal, so a
+bench killed with SIGKILL still takes its engines with it. An engine is pinned to one core twice:
 the whole process tree by ``taskset`` (``os.sched_setaffinity`` where it is missing), and
 vLLM's OpenMP threads by ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's CPU docs: the cores a rank's
 OpenMP threads are bound to).
@@ -28,7 +28,8 @@ from typing import TypeVar
 
 import psutil
 
-from kvcoord.fleet_procs import stop_processes
+from kvcoord import child_process
+from kvcoord.child_process import stop_processes
 
 Result = TypeVar("Result")
 
@@ -55,11 +56,6 @@ class Proc:
         return text[-chars:]
 
 
-def _die_with_parent() -> list[str]:
-    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
-    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
-
-
 def start(name: str, argv: Sequence[str], *, env: Mapping[str, str], log_dir: Path,
           core: int | None = None) -> Proc:
     """Start ``argv`` in a new session with exactly ``env``, its output to
@@ -70,9 +66,8 @@ def start(name: str, argv: Sequence[str], *, env: Mapping[str, str], log_dir: Pa
         pin = [taskset, "-c", str(core)]
     log = log_dir / f"{name}.log"
     with log.open("wb") as out:
-        process = subprocess.Popen(
-            [*_die_with_parent(), *pin, *argv], env=dict(env), start_new_session=True,
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        process = child_process.start(
+            [*pin, *argv], env=dict(env), stdout=out, stderr=subprocess.STDOUT)
     if core is not None and not pin:
         # Before the interpreter is up: the children it forks later inherit the mask.
         os.sched_setaffinity(process.pid, {core})

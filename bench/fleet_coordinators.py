@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from coordinator.core.accel import NO_ACCEL_VARIABLE
-from kvcoord.fleet_procs import free_port, start_coordinator_process, stop_processes, wait_healthy
+from kvcoord import child_process
+from kvcoord.child_process import stop_processes
+from kvcoord.fleet_procs import free_port, start_coordinator_process, wait_healthy
 from tests.redis_server import RedisServer
 
 COORDINATOR_CORE, GENERATOR_CORE = "0", "1"
@@ -34,7 +36,7 @@ def child_pids(pid: int) -> list[int]:
 
 
 def _pin(pid: int, core: str) -> None:
-    subprocess.run(["taskset", "-a", "-p", "-c", core, str(pid)], check=True,
+    child_process.run(["taskset", "-a", "-p", "-c", core, str(pid)], check=True,
                    stdout=subprocess.DEVNULL)
 
 
@@ -98,7 +100,7 @@ def coordinator_processes(count: int, appendfsync: str | None,
                     # on a shared core; here it stands for a core of its own, shared only
                     # because this machine has two, so it competes with the generator as an
                     # equal.
-                    subprocess.run(["renice", "-n", "0", "-p", str(pid)], check=True,
+                    child_process.run(["renice", "-n", "0", "-p", str(pid)], check=True,
                                    stdout=subprocess.DEVNULL)
         yield targets, [p.pid for p in processes], frontends
     finally:

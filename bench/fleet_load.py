@@ -44,6 +44,7 @@ from bench.scripted_worker import ScriptedWorker
 from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from kvcoord import child_process
 from kvcoord.simulate.trace import load_trace, trace_page_keys
 from worker.sync.coordinator_channels import on_port
 
@@ -211,10 +212,10 @@ class Fleet:
     async def routes_elsewhere(self, seconds: float) -> None:
         """Routes at ``routes_per_s`` from a scheduler process of its own (bench/fleet_routes.py:
         this process's loop is busy with the fleet, and would add its own delay)."""
-        scheduler = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.fleet_routes", self.config.targets[0],
-            str(self.config.routes_per_s), str(seconds), str(self.config.requests),
-            stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
+        scheduler = await child_process.start_async(
+            [sys.executable, "-m", "bench.fleet_routes", self.config.targets[0],
+             str(self.config.routes_per_s), str(seconds), str(self.config.requests)],
+            stdout=asyncio.subprocess.PIPE)
         out, _ = await scheduler.communicate()
         answer = json.loads(out.decode().splitlines()[-1])
         self.route_ms.extend(answer["ms"])

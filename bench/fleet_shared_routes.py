@@ -27,7 +27,8 @@ from typing import Any
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
-from kvcoord.fleet_procs import free_port, start_coordinator_process, stop_processes, wait_healthy
+from kvcoord.child_process import stop_processes
+from kvcoord.fleet_procs import free_port, start_coordinator_process, wait_healthy
 from tests.redis_server import RedisServer
 
 WORKERS = 8

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvcoord import child_process
+
 REPO = Path(__file__).resolve().parent.parent
 WORKTREE = "worktree"
 """The revision name that means this checkout as it is, not a commit."""
@@ -108,7 +110,7 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 def git(*args: str) -> subprocess.CompletedProcess[str]:
     """``git ARGS`` in this repository; never raises for a failing status."""
-    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+    return child_process.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, check=False)
 
 
@@ -128,7 +130,7 @@ def check_imports(python: str, checkout: Path) -> str | None:
     own PACKAGES; otherwise one line saying which package comes from where."""
     probe = ("import importlib.util as u, sys\n"
              "for n in sys.argv[1:]:\n    s = u.find_spec(n)\n    print(s and s.origin)")
-    done = subprocess.run([python, "-c", probe, *PACKAGES], cwd=checkout, env=env_for(checkout),
+    done = child_process.run([python, "-c", probe, *PACKAGES], cwd=checkout, env=env_for(checkout),
                           capture_output=True, text=True, check=False)
     origins = done.stdout.split("\n")[:len(PACKAGES)]
     wrong = [f"{name} not found" if origin == "None" else f"{name} from {origin}"
@@ -142,7 +144,7 @@ def check_imports(python: str, checkout: Path) -> str | None:
 def accel_of(python: str, checkout: Path) -> str:
     """Which index core ``checkout``'s benchmarks run (``coordinator.core.accel.status()``)."""
     probe = "from coordinator.core import accel; print(accel.status())"
-    done = subprocess.run([python, "-c", probe], cwd=checkout, env=env_for(checkout),
+    done = child_process.run([python, "-c", probe], cwd=checkout, env=env_for(checkout),
                           capture_output=True, text=True, check=False)
     return done.stdout.strip() if done.returncode == 0 else f"unknown: {done.stderr.strip()}"
 
@@ -150,7 +152,7 @@ def accel_of(python: str, checkout: Path) -> str:
 def build_accel(python: str, checkout: Path, log: Path) -> bool:
     """Build the compiled core in place in ``checkout`` (output to ``log``); True if it built."""
     with log.open("w") as stream:
-        return subprocess.run([python, "setup.py", "build_ext", "--inplace"], cwd=checkout,
+        return child_process.run([python, "setup.py", "build_ext", "--inplace"], cwd=checkout,
                               env=env_for(checkout), stdout=stream, stderr=subprocess.STDOUT,
                               stdin=subprocess.DEVNULL, check=False).returncode == 0
 
@@ -168,7 +170,7 @@ def run_once(python: str, checkout: Path, suite: str, cpus: str | None, results:
     if cpus:
         command = ["taskset", "-c", cpus, *command]
     with log.open("w") as stream:
-        status = subprocess.run(command, cwd=checkout, env=env_for(checkout), stdout=stream,
+        status = child_process.run(command, cwd=checkout, env=env_for(checkout), stdout=stream,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 check=False).returncode
     figures: dict[str, float] = {}

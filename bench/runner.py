@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.suites import SUITES, Choices, Suite
+from kvcoord import machine_load
 from kvcoord.provenance import provenance
 from kvcoord.tables import render_table
 
@@ -72,14 +73,18 @@ def _run_steps(suite: Suite, quick: bool, choices: Choices) -> dict[str, Any]:
 
 def run_suite(suite: str, *, quick: bool = False, out: Path = RESULTS,
               suites: Mapping[str, Suite] = SUITES,
-              options: Mapping[str, str] | None = None) -> int:
+              options: Mapping[str, str] | None = None, allow_busy: bool = False) -> int:
     """Run one suite of ``suites``, or every one for ``all``: 0 when every step ran and every
     invariant held, 1 otherwise, 2 for an unknown suite, a suite whose ``preflight`` says what
     it lacks (its line printed) or an ``out`` that cannot be made a directory (checked first).
     ``all`` runs the suites whose ``in_all`` is true. JSON goes to ``out/<suite>.json``.
     ``options`` (option -> the value given, e.g. ``{"rig": "production"}``) go to a suite that
     takes them; one it does not take, or an unknown name in one, exits 2 naming the known ones.
-    Run it from the checkout's root: steps start ``python -m bench.…`` servers."""
+    Run it from the checkout's root: steps start ``python -m bench.…`` servers.
+
+    Before anything runs, the other processes' CPU is sampled (kvcoord.machine_load): above
+    half a core the run exits 2 naming them, unless ``allow_busy``; either way each JSON
+    records it (``machine_at_start``)."""
     names = [n for n, s in suites.items() if s.in_all] if suite == "all" else [suite]
     if any(n not in suites for n in names):
         known = ", ".join([*suites, "all"])
@@ -100,6 +105,10 @@ def run_suite(suite: str, *, quick: bool = False, out: Path = RESULTS,
         print(f"kvcoord bench: --out {out}: cannot create the directory ({exc.strerror})",
               file=sys.stderr)
         return 2
+    machine = machine_load.measure()
+    if machine.busy() and not allow_busy:
+        print(machine.refusal("kvcoord bench"), file=sys.stderr)
+        return 2
     failures: list[str] = []
     took: list[str] = []
     for name in names:
@@ -113,7 +122,7 @@ def run_suite(suite: str, *, quick: bool = False, out: Path = RESULTS,
         finally:
             took.append(f"{name} {time.perf_counter() - started:.0f}s")
         broken = suites[name].invariants(results)
-        _report(name, results, suites[name].targets(results), broken, quick, out)
+        _report(name, results, suites[name].targets(results), broken, quick, out, machine)
         failures.extend(f"{name}: invariant broken: {b}" for b in broken)
     print(f"kvcoord bench: {', '.join(took)}", file=sys.stderr)
     for failure in failures:
@@ -140,7 +149,7 @@ def _choices(suite: str, names: list[str], suites: Mapping[str, Suite],
 
 
 def _report(suite: str, results: dict[str, Any], targets: list[list[str]], broken: list[str],
-            quick: bool, out: Path) -> None:
+            quick: bool, out: Path, machine: machine_load.MachineLoad) -> None:
     for name, section in results.items():
         if section is None:
             print(f"\n{name}: not measured (optional peer package not installed)")
@@ -155,7 +164,8 @@ def _report(suite: str, results: dict[str, Any], targets: list[list[str]], broke
         "suite": suite, "quick": quick, "python": platform.python_version(),
         "machine": platform.machine(), "cpus": os.cpu_count(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        **provenance(), "invariants_broken": broken, "results": results,
+        **provenance(), "machine_at_start": machine.as_json(),
+        "invariants_broken": broken, "results": results,
     }
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{suite}.json"

@@ -223,7 +223,7 @@ SUITES: dict[str, Suite] = {
     "engines": Suite(engines_steps, engines_report.targets, engines_report.invariants,
                      in_all=False, preflight=engines_preflight, chosen=engines_steps,
                      parse=engines_parse),
-    # RL policy updates on two real vLLM engines (.venv-vllm): run by name, never in `all`.
+    # RL policy updates on two real vLLM engines (vLLM's environment): run by name, never in `all`.
     "rl": Suite(rl_steps, rl_report.targets, rl_report.invariants, in_all=False,
                 preflight=rl_preflight),
 }

@@ -21,7 +21,7 @@ NEEDS_CHECKOUT = ("kvcoord bench: the benchmarks need a source checkout (bench/ 
 
 
 def run(suite: str, *, quick: bool, out: Path | None,
-        options: dict[str, str] | None = None) -> int:
+        options: dict[str, str] | None = None, allow_busy: bool = False) -> int:
     """``bench.runner.run_suite``'s exit status (0 ran clean, 1 a crash or a broken invariant,
     2 an unknown suite or option), run from the checkout's root (``out`` relative to the caller's
     directory); or 2 with NEEDS_CHECKOUT when there is no ``bench`` package."""
@@ -36,5 +36,6 @@ def run(suite: str, *, quick: bool, out: Path | None,
         return 2
     where = {} if out is None else {"out": out.resolve()}
     os.chdir(Path(str(runner.__file__)).resolve().parent.parent)  # after resolving out
-    status: int = runner.run_suite(suite, quick=quick, options=options or {}, **where)
+    status: int = runner.run_suite(suite, quick=quick, options=options or {},
+                                   allow_busy=allow_busy, **where)
     return status

@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workload", metavar="NAMES", help="engines suite: trace (the Mooncake "
                        "synthetic trace), chat, agent (generated families); comma-separated "
                        "(default: trace)")
+    bench.add_argument("--allow-busy", action="store_true",
+                       help="measure even when other processes use more than half a core at "
+                       "the start (by default the run refuses, exit 2, naming them)")
     bench.add_argument("--coordinator", metavar="NAMES", help="engines suite: where our "
                        "routers' coordinator runs: embedded (in the gateway's process), "
                        "process (its own); comma-separated (default: embedded)")

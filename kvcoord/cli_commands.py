@@ -244,7 +244,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     options = {name: value for name in ("rig", "regime", "workload", "coordinator")
                if (value := getattr(args, name)) is not None}
-    return run(args.suite, quick=args.quick, out=args.out, options=options)
+    return run(args.suite, quick=args.quick, out=args.out, options=options,
+               allow_busy=args.allow_busy)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -7,7 +7,8 @@ so existing importers (the integration tests) keep working.
 
 from __future__ import annotations
 
-from kvcoord.fleet_procs import free_port, start_coordinator_process, stop_process, wait_healthy
+from kvcoord.child_process import stop_process
+from kvcoord.fleet_procs import free_port, start_coordinator_process, wait_healthy
 
 __all__ = ["free_port", "run_demo", "start_coordinator_process", "stop_process", "wait_healthy"]
 

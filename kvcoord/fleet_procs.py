@@ -9,11 +9,8 @@ drain), then SIGKILL to whatever outlives the grace period; it is idempotent.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.client import CoordinatorClient
+from kvcoord import child_process
 from worker.client import WorkerClient
 
 # Why a shorter heartbeat than the coordinator's 2 s default: in-flight accounting and worker
@@ -47,22 +45,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> list[str]:
-    """An argv prefix asking Linux to SIGTERM the child when the launcher dies (util-linux
-    ``setpriv --pdeathsig``, kept across exec; empty where it is missing). Not a
-    ``preexec_fn``: that forces ``fork()`` instead of ``vfork()``, and grpc's fork handlers can
-    then deadlock the parent while one of its channels is open."""
-    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
-    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
-
-
 def spawn(args: Sequence[str], *, env: Mapping[str, str] | None = None,
           stderr: IO[bytes] | int | None = subprocess.PIPE) -> subprocess.Popen[bytes]:
     """``python -m kvcoord.cli ARGS`` in a new session (own process group), stdout discarded."""
-    return subprocess.Popen(
-        [*_die_with_parent(), sys.executable, "-m", "kvcoord.cli", *args],
-        env={**os.environ, **(env or {})}, start_new_session=True,
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+    return child_process.start(
+        [sys.executable, "-m", "kvcoord.cli", *args],
+        env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=stderr,
     )
 
 
@@ -92,32 +80,6 @@ def wait_healthy(target: str, process: subprocess.Popen[bytes], timeout: float =
             except grpc.RpcError:
                 time.sleep(0.1)
     raise TimeoutError(f"{target} not healthy after {timeout}s")
-
-
-def stop_processes(processes: Sequence[subprocess.Popen[bytes]],
-                   grace: float = STOP_GRACE_S) -> None:
-    """SIGTERM every process group at once, wait up to ``grace`` seconds in all, SIGKILL the
-    groups still alive and reap them. Already exited processes are skipped (and reaped)."""
-    for process in processes:
-        if process.poll() is None:
-            _signal_group(process, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(process, signal.SIGKILL)
-            process.wait()
-
-
-def stop_process(process: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    """``stop_processes`` for one process (SIGTERM its group, SIGKILL after ``grace``)."""
-    stop_processes([process], grace)
-
-
-def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
-        os.killpg(process.pid, sig)
 
 
 @dataclass
@@ -276,7 +238,7 @@ class LocalFleet:
         """The gateway, the workers (SIGTERM, then SIGKILL after ``grace``), then the
         coordinator. Idempotent."""
         if self._gateway is not None:
-            stop_processes([self._gateway], grace)
-        stop_processes(list(self._worker_procs.values()), grace)
+            child_process.stop_processes([self._gateway], grace)
+        child_process.stop_processes(list(self._worker_procs.values()), grace)
         if self._coordinator is not None:
-            stop_processes([self._coordinator], grace)
+            child_process.stop_processes([self._coordinator], grace)

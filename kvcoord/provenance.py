@@ -20,6 +20,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from kvcoord import child_process
+
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 """The checkout this package was imported from (when it was imported from one)."""
 
@@ -29,7 +31,7 @@ RESULTS_DIR = "bench/results"
 def _git(root: Path, *args: str) -> str | None:
     """``git ARGS`` in ``root``: its stdout, or None when git is missing or fails."""
     try:
-        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+        done = child_process.run(["git", "-C", str(root), *args], capture_output=True, text=True,
                               stdin=subprocess.DEVNULL, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None

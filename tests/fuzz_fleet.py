@@ -16,7 +16,8 @@ import grpc
 from coordinator.core.hashing import HashConfig
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
-from kvcoord.fleet_procs import free_port, spawn, stop_processes, wait_healthy
+from kvcoord.child_process import stop_processes
+from kvcoord.fleet_procs import free_port, spawn, wait_healthy
 from tests.fuzz_campaign import Endpoint, Metadata
 from worker.v1 import worker_pb2 as wpb
 

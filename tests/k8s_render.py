@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from kvcoord import child_process
+
 Resource = dict[str, Any]
 
 KUSTOMIZATION = "kustomization.yaml"
@@ -54,7 +56,7 @@ def system_kubectl() -> Path | None:
 
 def client_version(kubectl: Path) -> str:
     """``kubectl version --client`` in one line: the kubectl and the kustomize inside it."""
-    done = subprocess.run([str(kubectl), "version", "--client"], capture_output=True, text=True,
+    done = child_process.run([str(kubectl), "version", "--client"], capture_output=True, text=True,
                           timeout=60, check=True, stdin=subprocess.DEVNULL)
     return ", ".join(line.strip() for line in done.stdout.splitlines() if line.strip())
 
@@ -62,7 +64,7 @@ def client_version(kubectl: Path) -> str:
 def render(directory: Path, kubectl: Path) -> list[Resource]:
     """The resources ``kubectl kustomize directory`` prints, in its order (kustomize sorts by
     kind). RenderError, with kustomize's message, when it refuses."""
-    done = subprocess.run([str(kubectl), "kustomize", str(directory)], capture_output=True,
+    done = child_process.run([str(kubectl), "kustomize", str(directory)], capture_output=True,
                           text=True, timeout=120, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         raise RenderError(f"{kubectl} kustomize {directory} exited {done.returncode}:\n"

@@ -35,6 +35,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from coordinator.client import CoordinatorClient, RolloutRecord, WorkerInfo
+from kvcoord import child_process
 from kvcoord.demo import wait_healthy
 from tests.netns import Host, Network
 from worker.client import WorkerClient
@@ -265,7 +266,7 @@ def running_cluster(logs: Path, layout: Layout = Layout()) -> Iterator[Cluster]:
             yield cluster
         finally:
             net.close()  # before the Redis data dir goes: redis-server is one of its processes
-            subprocess.run(["rm", "-rf", str(cluster.redis.dir)], check=False)
+            child_process.run(["rm", "-rf", str(cluster.redis.dir)], check=False)
 
 
 # ---------------------------------------------------------------------- observations

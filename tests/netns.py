@@ -34,6 +34,8 @@ from typing import IO, NoReturn
 
 import pytest
 
+from kvcoord import child_process
+
 SKIP_REASON = "network namespace tests need root and iproute2 (ip netns)"
 PREFIX = "10.251"
 STOP_GRACE_S = 5.0
@@ -59,7 +61,7 @@ class NetnsError(RuntimeError):
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``ip ARGS`` in the root namespace; NetnsError with its stderr when it fails."""
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    done = child_process.run(["ip", *args], capture_output=True, text=True)
     if check and done.returncode != 0:
         raise NetnsError(f"ip {' '.join(args)}: {done.stderr.strip()}")
     return done
@@ -73,15 +75,6 @@ def _used_subnets() -> set[int]:
             if word.startswith(f"{PREFIX}."):
                 used.add(int(word.split(".")[2].split("/")[0]))
     return used
-
-
-def _die_with_parent() -> list[str]:
-    """An argv prefix that makes the child SIGKILLed when the test process dies (util-linux
-    ``setpriv``; kept across exec), so a killed pytest leaves nothing running in namespaces no
-    one will delete. Why not ``preexec_fn``: it forces ``fork()`` instead of ``vfork()``, and
-    grpc's fork handlers then deadlock the parent while a channel is open (seen here)."""
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
 
 
 @dataclass
@@ -101,10 +94,9 @@ class Host:
         """``argv`` inside this host (``ip netns exec``, which execs it: same pid), in its own
         session (process group = pid), with ``env`` (default: the test's environment). Call it
         from the main thread: the parent-death signal follows the thread that started it."""
-        process = subprocess.Popen(
-            ["ip", "netns", "exec", self.namespace, *_die_with_parent(), *argv],
-            env=dict(env or os.environ), start_new_session=True,
-            stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        process = child_process.start(
+            ["ip", "netns", "exec", self.namespace, *argv], death_signal=signal.SIGKILL,
+            env=dict(env or os.environ), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
         )
         self.processes.append(process)
         return process
@@ -149,7 +141,7 @@ class Host:
     def _nft(self, script: str) -> None:
         if shutil.which("nft") is None:
             raise NetnsError("no `nft` command (apt-get install nftables)")
-        done = subprocess.run(["ip", "netns", "exec", self.namespace, "nft", "-f", "-"],
+        done = child_process.run(["ip", "netns", "exec", self.namespace, "nft", "-f", "-"],
                               input=script, capture_output=True, text=True)
         if done.returncode != 0:
             raise NetnsError(f"nft in {self.name}: {done.stderr.strip()}\n{script}")

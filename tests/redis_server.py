@@ -21,6 +21,8 @@ from types import TracebackType
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from kvcoord import child_process
+
 BINARY = "redis-server"
 
 
@@ -89,7 +91,7 @@ class RedisServer:
             "--logfile", "redis.log",
             "--daemonize", "no",
         ]  # fmt: skip
-        self._proc = subprocess.Popen(args, cwd=self.dir, stdout=subprocess.DEVNULL)
+        self._proc = child_process.start(args, cwd=self.dir, stdout=subprocess.DEVNULL)
         self.port = port
         client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0)
         deadline = time.monotonic() + self.startup_timeout_s

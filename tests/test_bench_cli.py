@@ -15,6 +15,7 @@ import pytest
 
 from bench.runner import run_suite
 from bench.suites import SUITES, Suite
+from kvcoord import child_process
 from kvcoord.bench_runner import NEEDS_CHECKOUT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +25,7 @@ WHEEL_PACKAGES = ("coordinator", "worker", "kvcoord")
 
 def kvcoord(*args: str, cwd: Path, env: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvcoord.cli", *args], cwd=cwd, env=env,
+    return child_process.run([sys.executable, "-m", "kvcoord.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
 
 
@@ -79,11 +80,11 @@ def suite(step: object, broken: list[str]) -> Suite:
 
 
 def test_a_clean_suite_writes_its_json_with_provenance_and_exits_0(tmp_path: Path) -> None:
-    assert run_suite("s", out=tmp_path, suites={"s": suite({"n": 1}, [])}) == 0
+    assert run_suite("s", out=tmp_path, suites={"s": suite({"n": 1}, [])}, allow_busy=True) == 0
     report = json.loads((tmp_path / "s.json").read_text())
     assert report["results"] == {"only": {"n": 1}}
     assert report["invariants_broken"] == []
-    assert report["commit"] == subprocess.run(
+    assert report["commit"] == child_process.run(
         ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
         check=True).stdout.strip()
     assert isinstance(report["dirty"], bool) and report["trace"] is None
@@ -92,7 +93,8 @@ def test_a_clean_suite_writes_its_json_with_provenance_and_exits_0(tmp_path: Pat
 def test_a_broken_invariant_fails_the_run_and_keeps_the_evidence(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     broken = ["wrong_routes = 3: routes to a worker not READY"]
-    assert run_suite("s", out=tmp_path, suites={"s": suite({"wrong_routes": 3}, broken)}) == 1
+    assert run_suite("s", out=tmp_path, suites={"s": suite({"wrong_routes": 3}, broken)},
+                     allow_busy=True) == 1
     assert json.loads((tmp_path / "s.json").read_text())["invariants_broken"] == broken
     assert ("kvcoord bench: FAILED s: invariant broken: wrong_routes = 3: routes to a worker "
             "not READY") in capsys.readouterr().err
@@ -102,7 +104,7 @@ def test_a_step_that_raises_fails_the_run_writes_no_json_and_the_next_suite_runs
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     suites = {"crash": suite(RuntimeError("RPC already finished"), []),
               "fine": suite({"n": 1}, [])}
-    assert run_suite("all", out=tmp_path, suites=suites) == 1
+    assert run_suite("all", out=tmp_path, suites=suites, allow_busy=True) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fine.json"]
     err = capsys.readouterr().err
     assert "Traceback" in err

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from bench.interleave import accel_of, flatten, summarize, verdict
+from kvcoord import child_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,7 +59,7 @@ def test_summarize_lists_separate_figures_first_with_their_ranges() -> None:
 
 
 def _interleave(*args: str, out: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return child_process.run(
         [sys.executable, "-m", "bench.interleave", *args, "--out", str(out)], cwd=REPO,
         capture_output=True, text=True, timeout=30, check=False,
     )
@@ -85,10 +86,10 @@ def test_accel_of_names_the_core_a_checkout_runs(tmp_path: Path) -> None:
 
     assert accel_of(sys.executable, REPO) == accel.status()
     bare = tmp_path / "bare"
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(bare), "HEAD"],
+    child_process.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(bare), "HEAD"],
                    check=True, capture_output=True)
     try:
         assert accel_of(sys.executable, bare).startswith("pure Python (not built:")
     finally:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(bare)],
+        child_process.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(bare)],
                        check=False, capture_output=True)

@@ -25,7 +25,9 @@ from coordinator.client import AsyncCoordinatorClient
 from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
 from coordinator.core.index import Tier
 from coordinator.server.main import RunningCoordinator
-from kvcoord.fleet_procs import free_port, spawn, stop_process
+from kvcoord import child_process
+from kvcoord.child_process import stop_process
+from kvcoord.fleet_procs import free_port, spawn
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from tests.engine_publisher import (
     SEQ,
@@ -648,7 +650,7 @@ def test_kvcoord_bridge_refuses_bad_config_with_one_line(
 ) -> None:
     import os
 
-    result = subprocess.run(
+    result = child_process.run(
         [sys.executable, "-m", "kvcoord.cli", "bridge", "vllm", *BRIDGE_ARGS, *extra],
         capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL,
         env={**os.environ, "KVCOORD_LOG_LEVEL": "warning", **env},

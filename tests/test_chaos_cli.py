@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvcoord import child_process
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,7 +20,7 @@ def chaos(*args: str, ci: bool, tmp: Path) -> subprocess.CompletedProcess[str]:
     env["PATH"] = str(tmp / "empty")  # no `ip`, no `redis-server`, no `nft`
     if ci:
         env["CI"] = "true"
-    return subprocess.run([sys.executable, "-m", "bench.chaos", *args, "--out", str(tmp)],
+    return child_process.run([sys.executable, "-m", "bench.chaos", *args, "--out", str(tmp)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -52,7 +54,7 @@ def test_a_bad_round_count_or_out_is_refused_before_anything_starts(tmp_path: Pa
     blocker.write_text("")
     for args, needle in [(["--rounds", "0"], "--rounds must be >= 1, got 0"),
                          (["--out", str(blocker / "x")], f"--out {blocker / 'x'}: cannot create")]:
-        done = subprocess.run([sys.executable, "-m", "bench.chaos", *args], cwd=ROOT,
+        done = child_process.run([sys.executable, "-m", "bench.chaos", *args], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, done.stderr[-2000:]
         assert needle in done.stderr

@@ -13,13 +13,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvcoord import child_process
 from kvcoord.demo import free_port, start_coordinator_process, stop_process, wait_healthy
 
 KVCOORD = [sys.executable, "-m", "kvcoord.cli"]
 
 
 def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return child_process.run(
         [*KVCOORD, *args], capture_output=True, text=True, timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
@@ -64,7 +65,7 @@ def test_bad_flags_and_bad_tokens_exit_with_a_clear_message() -> None:
     bad_tokens = run_cli("route", "--tokens", "1,x,3")
     assert bad_tokens.returncode != 0
     assert "comma-separated integers" in bad_tokens.stderr
-    bad_env = subprocess.run(
+    bad_env = child_process.run(
         [*KVCOORD, "coordinator", "--listen", "127.0.0.1:0"], capture_output=True, text=True,
         env={**os.environ, "KVCOORD_LEASE_MS": "soon"}, timeout=30, stdin=subprocess.DEVNULL,
     )
@@ -77,7 +78,7 @@ def test_bad_flags_and_bad_tokens_exit_with_a_clear_message() -> None:
 
 def test_coordinator_serves_metrics_and_exits_cleanly_on_sigterm() -> None:
     port, metrics_port = free_port(), free_port()
-    process = subprocess.Popen(
+    process = child_process.start(
         [*KVCOORD, "coordinator", "--listen", f"127.0.0.1:{port}", "--metrics-port",
          str(metrics_port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
@@ -162,22 +163,20 @@ def test_coordinator_and_worker_metrics_bind_the_listen_host_unless_told_otherwi
     extra: tuple[str, ...], served: str, refused: str,
 ) -> None:
     port, metrics_port, worker_port, worker_metrics = (free_port() for _ in range(4))
-    coordinator = subprocess.Popen(
+    coordinator = child_process.start(
         [*KVCOORD, "coordinator", "--listen", f"127.0.0.1:{port}", "--metrics-port",
          str(metrics_port), *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-            start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     worker = None
     try:
         wait_healthy(f"127.0.0.1:{port}", coordinator)
         assert _answers_metrics(served, metrics_port)
         assert not _answers_metrics(refused, metrics_port)
-        worker = subprocess.Popen(
+        worker = child_process.start(
             [*KVCOORD, "worker", "--coordinator", f"127.0.0.1:{port}", "--listen",
              f"127.0.0.1:{worker_port}", "--device", "cpu", "--pages", "64",
              "--metrics-port", str(worker_metrics), *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-            start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
         wait_healthy(f"127.0.0.1:{worker_port}", worker, timeout=60)
         assert _answers_metrics(served, worker_metrics)
         assert not _answers_metrics(refused, worker_metrics)

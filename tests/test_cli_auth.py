@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcoord import child_process
 from kvcoord.demo import free_port, start_coordinator_process, stop_process, wait_healthy
 from tests.auth_fixtures import IdentityFile, write_identities
 from tests.test_cli import KVCOORD, run_cli
@@ -41,7 +42,7 @@ def test_clients_authenticate_with_a_token_file_or_the_environment(
     status = run_cli("status", "--coordinator", target, "--json", "--token-file", str(token_file))
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["workers"] == []
-    by_env = subprocess.run(
+    by_env = child_process.run(
         [*KVCOORD, "route", "--coordinator", target, "--random", "32", "--lookup", "--json"],
         capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
         env={**os.environ, "KVCOORD_TOKEN": identities.tokens["sched-a"]},

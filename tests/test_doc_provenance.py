@@ -6,7 +6,6 @@ named one commit while simulate.json recorded another)."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from bench.doc_provenance import (
     rewrite,
     stale,
 )
+from kvcoord import child_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,7 +77,7 @@ def test_every_reason_given_still_matches_its_doc() -> None:
 # The mechanism on a checkout of its own.
 
 def git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True,
+    return child_process.run(["git", "-C", str(root), *args], check=True, capture_output=True,
                           text=True).stdout.strip()
 
 

@@ -23,7 +23,9 @@ from coordinator.server.metrics import CoordinatorMetrics
 from coordinator.server.peer_shards import peer_shards
 from coordinator.server.sync_relay import SyncFrontends
 from coordinator.store.memory import MemoryStore
+from kvcoord.child_process import OWNER_VAR
 from kvcoord.cli_security import CLIENT_FILE_VARIABLES, TOKEN_VARIABLE
+from kvcoord.engine_envs import CACHE_VAR
 from kvcoord.gateway.config import GatewayConfig
 from kvcoord.gateway.metrics import GatewayMetrics
 from tests.test_bridge_engine_gauges import RANK0, vllm_metrics
@@ -41,7 +43,9 @@ OTHER_VARIABLES = {"KVCOORD_COORDINATOR", "KVCOORD_HASH_KEY", "KVCOORD_HASH_ALGO
                    "KVCOORD_PAGE_SIZE", TOKEN_VARIABLE, NO_ACCEL_VARIABLE,
                    *CLIENT_FILE_VARIABLES.values(),
                    # kvcoord bench engines: where the peers' venvs and its trace are
-                   VLLM_PYTHON_VAR, SMG_VAR, TRACE_VAR}
+                   VLLM_PYTHON_VAR, SMG_VAR, TRACE_VAR,
+                   # the engine environments' cache, and the owner mark of a run's processes
+                   CACHE_VAR, OWNER_VAR}
 
 
 def exposed_metric_names() -> set[str]:

@@ -28,6 +28,7 @@ from openai import AsyncOpenAI
 
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.server.main import RunningCoordinator
+from kvcoord import child_process
 from kvcoord.demo import free_port
 from kvcoord.gateway.config import GatewayConfig
 from kvcoord.gateway.main import start_gateway
@@ -283,10 +284,10 @@ async def test_several_prompts_are_spread_by_one_route_batch_and_merged_by_index
 
 async def test_kvcoord_gateway_serves_a_fleet_and_stops_on_sigterm(fleet: Fleet) -> None:
     port = free_port()
-    process = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).parent / "kvcoord"), "gateway", "--coordinator",
-        target(fleet.coordinator), "--listen", f"127.0.0.1:{port}", "--log-level", "warning",
-        stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    process = await child_process.start_async(
+        [Path(sys.executable).parent / "kvcoord", "gateway", "--coordinator",
+         target(fleet.coordinator), "--listen", f"127.0.0.1:{port}", "--log-level", "warning"],
+        stderr=asyncio.subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
 
@@ -324,7 +325,7 @@ async def test_kvcoord_gateway_serves_a_fleet_and_stops_on_sigterm(fleet: Fleet)
      "Cannot assign requested address"),
 ])
 def test_kvcoord_gateway_refuses_bad_settings_in_one_line(flags: list[str], says: str) -> None:
-    result = subprocess.run([str(Path(sys.executable).parent / "kvcoord"), "gateway", *flags],
+    result = child_process.run([str(Path(sys.executable).parent / "kvcoord"), "gateway", *flags],
                             capture_output=True, text=True, timeout=30,
                             stdin=subprocess.DEVNULL)
     assert result.returncode == 2, result.stderr
@@ -479,7 +480,7 @@ async def test_a_worker_killed_mid_stream_fails_that_stream_and_the_next_goes_el
     fleet: Fleet,
 ) -> None:
     http_port = free_port()
-    victim = subprocess.Popen(
+    victim = child_process.start(
         [str(Path(sys.executable).parent / "kvcoord"), "worker", "--coordinator",
          target(fleet.coordinator), "--listen", "127.0.0.1:0", "--worker-id", "victim",
          "--device", "cpu", "--page-size", str(PAGE), "--http-listen", f"127.0.0.1:{http_port}",

@@ -26,6 +26,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.server.in_process import InProcessStub
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.wire import Reason
+from kvcoord import child_process
 from kvcoord.demo import free_port
 from kvcoord.gateway.config import GatewayConfig
 from kvcoord.gateway.main import start_gateway
@@ -147,10 +148,9 @@ async def test_kvcoord_gateway_embeds_its_coordinator_in_one_process(tmp_path: P
     coordinator, listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     env = {**os.environ, "KVCOORD_PAGE_SIZE": str(PAGE)}
     env.pop("KVCOORD_COORDINATOR", None)
-    process = await asyncio.create_subprocess_exec(
-        KVCOORD, "gateway", "--embed-coordinator", coordinator, "--listen", listen,
-        "--log-level", "warning", env=env, stdin=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE)
+    process = await child_process.start_async(
+        [KVCOORD, "gateway", "--embed-coordinator", coordinator, "--listen", listen,
+         "--log-level", "warning"], env=env, stderr=asyncio.subprocess.PIPE)
     worker: RunningWorker | None = None
     try:
         async def registered() -> bool:
@@ -200,7 +200,7 @@ async def test_kvcoord_gateway_embeds_its_coordinator_in_one_process(tmp_path: P
 def test_embedding_refuses_bad_settings_in_one_line(flags: list[str], env: dict[str, str],
                                                     says: str) -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVCOORD_")}
-    result = subprocess.run([KVCOORD, "gateway", *flags], capture_output=True, text=True,
+    result = child_process.run([KVCOORD, "gateway", *flags], capture_output=True, text=True,
                             timeout=30, stdin=subprocess.DEVNULL, env={**clean, **env})
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("kvcoord gateway: ") and says in result.stderr

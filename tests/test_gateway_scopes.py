@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 
 from coordinator.client import AsyncCoordinatorClient
+from kvcoord import child_process
 from kvcoord.gateway.config import ConfigError, GatewayConfig
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from tests.engine_publisher import Encoding, EnginePublisher, Stored
@@ -148,8 +149,8 @@ def test_adapters_come_from_a_comma_separated_variable_and_the_flag_wins() -> No
 
 
 async def test_the_cli_takes_adapter_repeated() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        ".venv/bin/kvcoord", "gateway", "--adapter", "", "--listen", "127.0.0.1:0",
+    proc = await child_process.start_async(
+        [".venv/bin/kvcoord", "gateway", "--adapter", "", "--listen", "127.0.0.1:0"],
         stderr=asyncio.subprocess.PIPE)
     _, err = await proc.communicate()
     assert proc.returncode == 2 and b"not an adapter name" in err

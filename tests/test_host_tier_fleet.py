@@ -20,6 +20,7 @@ import pytest
 from openai import OpenAI
 
 from coordinator.client import CoordinatorClient
+from kvcoord import child_process
 from kvcoord.demo import free_port, start_coordinator_process, stop_process, wait_healthy
 from tests.test_worker_fleet import ENV, PAGE, Fleet, eventually
 from worker.client import WorkerClient
@@ -43,12 +44,11 @@ def fleet() -> Iterator[tuple[Fleet, int]]:
             ("w1", ["--pages", "64"]),
         ):
             worker_port = free_port()
-            process = subprocess.Popen(
+            process = child_process.start(
                 [sys.executable, "-m", "kvcoord.cli", "worker", "--coordinator", fleet.target,
                  "--listen", f"127.0.0.1:{worker_port}", "--worker-id", worker_id,
                  "--device", "cpu", "--log-level", "warning", *extra],
-                env={**os.environ, **ENV}, start_new_session=True,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                env={**os.environ, **ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             )
             fleet.workers[worker_id] = (worker_port, process)
         for worker_id, (worker_port, process) in fleet.workers.items():
@@ -86,7 +86,7 @@ def test_pages_move_down_and_back_up_in_the_index_and_routes_follow_them(
                             if w.worker_id == "w0"] == [(0, 1)], "w0's idle heartbeat")
         assert coordinator.route(A).worker_id == "w0"
 
-        status = subprocess.run(
+        status = child_process.run(
             [sys.executable, "-m", "kvcoord.cli", "status", "--coordinator", fleet_.target,
              "--json"], capture_output=True, text=True, timeout=60, check=True)
         rows = {w["worker_id"]: w for w in json.loads(status.stdout)["workers"]}

@@ -14,6 +14,7 @@ import torch
 
 from coordinator.core.hashing import HashConfig
 from coordinator.core.index import Tier
+from kvcoord import child_process
 from worker.config import ConfigError, WorkerConfig
 from worker.runtime.engine import ModelConfig
 from worker.runtime.kv_buffers import KVBuffers
@@ -197,7 +198,7 @@ def test_a_host_pool_beyond_the_memory_available_is_refused_with_what_fits() -> 
 
 def test_kvcoord_worker_refuses_more_host_pages_than_ram_at_start() -> None:
     # 4e9 pages x 8 KiB (the reference model's page) is 32 TB: no machine here has it.
-    proc = subprocess.run(
+    proc = child_process.run(
         [sys.executable, "-m", "kvcoord.cli", "worker", "--coordinator", "127.0.0.1:1",
          "--listen", "127.0.0.1:0", "--device", "cpu", "--host-pages", "4000000000"],
         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from kvcoord import child_process
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("coordinator", "worker", "kvcoord")
 LINTED = (*PACKAGES, "bench")  # pyproject's root_packages: bench/ is checked for cycles too
@@ -38,7 +40,7 @@ def test_the_import_paths_design_names_stay_importable(module: str, name: str) -
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=root, capture_output=True,
+    return child_process.run([str(LINT_IMPORTS), "--no-cache"], cwd=root, capture_output=True,
                           text=True, timeout=120, env={"PYTHONPATH": str(root), "PATH": ""})
 
 

@@ -21,6 +21,7 @@ from bench.module_map import (
     modules,
     rewritten,
 )
+from kvcoord import child_process
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -28,8 +29,9 @@ DOTTED_NAME = re.compile(rf"`((?:{'|'.join(PACKAGES)})(?:\.[A-Za-z_]\w*)+)(?:\(\
 
 
 def _check(doc: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bench.module_map", "--check", "--doc", str(doc)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    return child_process.run(
+        [sys.executable, "-m", "bench.module_map", "--check", "--doc", str(doc)], cwd=ROOT,
+        capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_the_committed_map_is_current() -> None:

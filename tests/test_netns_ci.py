@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvcoord import child_process
+
 ROOT = Path(__file__).resolve().parent.parent
 NEEDS_NAMESPACES = """
 from tests.netns import Network
@@ -27,11 +29,10 @@ def run_without_ip(tmp_path: Path, ci: str | None) -> subprocess.CompletedProces
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     env |= {"PATH": str(empty), "PYTHONPATH": str(ROOT)} | ({} if ci is None else {"CI": ci})
-    return subprocess.run(
+    return child_process.run(
         [sys.executable, "-m", "pytest", "-q", "-rsf", "-p", "no:cacheprovider", "-c",
          os.devnull, "--rootdir", str(tmp_path), str(tmp_path / "test_child.py")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-        stdin=subprocess.DEVNULL)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("ci", ["true", "1"])

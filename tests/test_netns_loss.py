@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
 
 from bench.chaos_faults import LOSS_PERCENT
+from kvcoord import child_process
 from tests.netns import Host, Network, unavailable
 
 PORT = 50998
@@ -52,7 +52,7 @@ PROBE = ("import socket,sys,time\n"
 
 def answered(src: Host, dst: Host, n: int) -> int:
     """How many of ``n`` UDP probes from ``src`` to ``dst``'s echo came back."""
-    done = subprocess.run(["ip", "netns", "exec", src.namespace, sys.executable, "-c", PROBE,
+    done = child_process.run(["ip", "netns", "exec", src.namespace, sys.executable, "-c", PROBE,
                            dst.ip, str(PORT), str(n)], capture_output=True, text=True,
                           timeout=60, check=True)
     return int(done.stdout)

@@ -6,12 +6,12 @@ clearing the rules heals the pair."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
 
+from kvcoord import child_process
 from tests.netns import Host, NetnsError, Network, unavailable
 
 PORT = 50999
@@ -29,7 +29,7 @@ CONNECT = ("import socket,sys\n"
 
 def reaches(src: Host, dst: Host) -> bool:
     """Whether a TCP connection from ``src`` to ``dst``'s server is answered."""
-    done = subprocess.run(["ip", "netns", "exec", src.namespace, sys.executable, "-c", CONNECT,
+    done = child_process.run(["ip", "netns", "exec", src.namespace, sys.executable, "-c", CONNECT,
                            dst.ip, str(PORT)], capture_output=True, text=True, timeout=10)
     return done.stdout.strip() == "ok"
 

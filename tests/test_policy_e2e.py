@@ -35,6 +35,7 @@ import pytest
 
 from coordinator.client import CoordinatorClient, KvcoordError, PolicyState
 from coordinator.core.hashing import DEV_HASH_KEY, HashConfig
+from kvcoord import child_process
 from kvcoord.demo import free_port, stop_process, wait_healthy
 from tests.conftest import skip_without_redis
 from tests.redis_server import RedisServer
@@ -76,9 +77,9 @@ def eventually(condition: Callable[[], bool], what: str, timeout: float = WAIT_S
 def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     """``python -m kvcoord.cli ARGS`` in its own process group, structlog JSON to ``log``."""
     with log.open("wb") as sink:
-        return subprocess.Popen(
+        return child_process.start(
             [sys.executable, "-m", "kvcoord.cli", *args], env={**os.environ, **ENV},
-            start_new_session=True, stdout=subprocess.DEVNULL, stderr=sink,
+            stdout=subprocess.DEVNULL, stderr=sink,
         )
 
 

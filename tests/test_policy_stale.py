@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -24,6 +23,7 @@ from coordinator.client import AsyncCoordinatorClient, CoordinatorClient, Kvcoor
 from coordinator.config import CoordinatorConfig
 from coordinator.server.main import RunningCoordinator
 from coordinator.wire import Reason
+from kvcoord import child_process
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from tests.redis_server import RedisServer, redis_server_available
 from worker.config import WorkerConfig
@@ -144,7 +144,7 @@ def test_a_bad_policy_stale_ms_stops_the_coordinator_at_start_naming_it(
     value: str, needle: str,
 ) -> None:
     env = {**os.environ, "KVCOORD_POLICY_STALE_MS": value}
-    done = subprocess.run([sys.executable, "-m", "kvcoord.cli", "coordinator", "--listen",
+    done = child_process.run([sys.executable, "-m", "kvcoord.cli", "coordinator", "--listen",
                            "127.0.0.1:0"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr[-2000:]
     assert needle in done.stderr

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from coordinator.process_gc import YOUNG_THRESHOLD
+from kvcoord import child_process
 
 PROBE = """
 import gc, json
@@ -23,7 +24,7 @@ print(json.dumps({"before": before, "after": gc.get_threshold(),
 
 
 def test_settling_freezes_what_start_built_and_raises_the_young_threshold() -> None:
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+    done = child_process.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
                           check=True, stdin=subprocess.DEVNULL)
     seen = json.loads(done.stdout)
     assert seen["before"][0] == 700  # CPython's default

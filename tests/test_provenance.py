@@ -4,14 +4,14 @@ content (kvcoord/provenance.py), on a real git checkout."""
 from __future__ import annotations
 
 import hashlib
-import subprocess
 from pathlib import Path
 
+from kvcoord import child_process
 from kvcoord.provenance import provenance
 
 
 def git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True,
+    return child_process.run(["git", "-C", str(root), *args], check=True, capture_output=True,
                           text=True).stdout.strip()
 
 

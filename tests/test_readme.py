@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.client import CoordinatorClient
+from kvcoord import child_process
 from kvcoord.demo import free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
@@ -44,9 +45,9 @@ def fleet() -> Iterator[dict[str, str]]:
     try:
         for line in shell_lines():
             if line.endswith("&"):
-                started.append(subprocess.Popen(
+                started.append(child_process.start(
                     substitute(line.rstrip("&").strip(), ports), shell=True, env=ENV, cwd=ROOT,
-                    start_new_session=True, stdin=subprocess.DEVNULL,
+                    stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 ))
         assert len(started) == 2, "the README should start a coordinator and a worker"
@@ -81,7 +82,7 @@ def test_readme_shows_the_two_commands() -> None:
 @pytest.mark.parametrize("index", range(len(blocks("python"))))
 def test_python_examples_run(fleet: dict[str, str], index: int) -> None:
     code = substitute(blocks("python")[index], fleet)
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, timeout=60,
+    result = child_process.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, timeout=60,
                             capture_output=True, text=True, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -90,7 +91,7 @@ def test_shell_examples_run(fleet: dict[str, str]) -> None:
     commands = [line for line in shell_lines() if not line.endswith("&")]
     assert commands
     for command in commands:
-        result = subprocess.run(substitute(command, fleet), shell=True, cwd=ROOT, env=ENV,
+        result = child_process.run(substitute(command, fleet), shell=True, cwd=ROOT, env=ENV,
                                 timeout=60, capture_output=True, text=True,
                                 stdin=subprocess.DEVNULL)
         assert result.returncode == 0, f"{command}: {result.stderr[-2000:]}"

@@ -24,6 +24,7 @@ from coordinator.server.main import RunningCoordinator
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
 from coordinator.wire import PROTOCOL_VERSION, Reason
+from kvcoord import child_process
 from kvcoord.fleet_procs import free_port
 from tests.auth_fixtures import write_identities
 from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
@@ -212,7 +213,7 @@ def test_the_shard_flags_refuse_bad_input_at_start_naming_it() -> None:
                           (["--peer-shards", "b=h:1"], "peer_shards needs shard"),
                           (["--shard", "A_1", "--redis", "redis://127.0.0.1:1"],
                            "shard must be 1..32 of")):
-        done = subprocess.run([sys.executable, "-m", "kvcoord.cli", "coordinator", "--listen",
+        done = child_process.run([sys.executable, "-m", "kvcoord.cli", "coordinator", "--listen",
                                "127.0.0.1:0", *flags], capture_output=True, text=True,
                               timeout=60, stdin=subprocess.DEVNULL)
         assert done.returncode == 2, done.stderr[-2000:]

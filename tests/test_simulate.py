@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcoord import child_process
 from kvcoord.simulate.engine import ROUTERS
 from kvcoord.simulate.report import SimulationReport, to_json
 from kvcoord.simulate.runner import simulate
@@ -138,7 +139,7 @@ def test_a_malformed_line_is_refused_with_its_line_number(
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return child_process.run(
         [sys.executable, "-m", "kvcoord.cli", "simulate", *args], capture_output=True,
         text=True, timeout=60, stdin=subprocess.DEVNULL,
     )

@@ -15,6 +15,7 @@ from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient, CoordinatorClient
 from coordinator.control.sessions.registration_checks import MAX_HOST_PAGES
 from coordinator.v1 import coordinator_pb2 as pb
+from kvcoord import child_process
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 
 PAGE = 16
@@ -22,9 +23,9 @@ PROMPT = list(range(1000, 1000 + 6 * PAGE))
 
 
 async def kvcoord(*args: str) -> tuple[int, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvcoord.cli", *args, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
+    process = await child_process.start_async(
+        [sys.executable, "-m", "kvcoord.cli", *args], stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode is not None
     return process.returncode, out.decode() + err.decode()

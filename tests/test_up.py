@@ -19,6 +19,7 @@ from typing import IO
 import pytest
 
 from coordinator.client import CoordinatorClient
+from kvcoord import child_process
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +63,7 @@ def row(report: str, label: str) -> list[str]:
 
 def test_up_runs_the_demo_prints_the_report_and_leaves_no_process(tmp_path: Path) -> None:
     pidfile = tmp_path / "pids"
-    done = subprocess.run(
+    done = child_process.run(
         [*KVCOORD, "up", *SMALLEST, "--pidfile", str(pidfile)],
         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=90,
     )
@@ -108,7 +109,7 @@ def test_up_runs_the_demo_prints_the_report_and_leaves_no_process(tmp_path: Path
 
 def test_ctrl_c_on_a_kept_running_fleet_stops_every_process(tmp_path: Path) -> None:
     pidfile = tmp_path / "pids"
-    up = subprocess.Popen(
+    up = child_process.start(
         [*KVCOORD, "up", *SMALLEST, "--keep-running",
          "--pidfile", str(pidfile)],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -161,7 +162,7 @@ def test_up_serve_keeps_the_fleet_behind_a_gateway_an_openai_client_uses(
     from openai import OpenAI
 
     pidfile = tmp_path / "pids"
-    up = subprocess.Popen(
+    up = child_process.start(
         [*KVCOORD, "up", *SMALLEST, "--serve",
          "--pidfile", str(pidfile)],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from coordinator.client import CoordinatorClient
+from kvcoord import child_process
 from kvcoord.demo import free_port, start_coordinator_process, stop_process, wait_healthy
 from worker.client import WorkerClient
 
@@ -34,12 +35,11 @@ PROMPT = [(7 * i + 3) % 500 for i in range(3 * PAGE + 5)]  # 3 full pages and a 
 
 
 def start_worker_process(coordinator: str, port: int, worker_id: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
+    return child_process.start(
         [sys.executable, "-m", "kvcoord.cli", "worker", "--coordinator", coordinator,
          "--listen", f"127.0.0.1:{port}", "--worker-id", worker_id, "--pages", "64",
          "--device", "cpu", "--log-level", "warning"],
-        env={**os.environ, **ENV}, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, **ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
 
 

@@ -23,6 +23,7 @@ from openai import AsyncOpenAI
 
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
+from kvcoord import child_process
 from tests.auth_fixtures import write_identities
 from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 from worker.config import ConfigError, WorkerConfig
@@ -235,7 +236,7 @@ def test_a_bad_http_listen_or_tokenizer_is_refused_naming_it(tmp_path: Path) -> 
     kvcoord = Path(sys.executable).parent / "kvcoord"
     for tokenizer, says in [(tmp_path / "missing", "does not exist"),
                             (tmp_path, "tokenizer.json: no such file")]:
-        result = subprocess.run(
+        result = child_process.run(
             [str(kvcoord), "worker", "--coordinator", "127.0.0.1:1", "--listen", "127.0.0.1:0",
              "--device", "cpu", "--http-listen", "127.0.0.1:0", "--tokenizer", str(tokenizer)],
             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)

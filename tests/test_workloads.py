@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcoord import child_process
 from kvcoord.simulate.runner import simulate
 from kvcoord.simulate.trace import BLOCK_TOKENS, TraceRequest, load_trace
 from kvcoord.simulate.workloads import WORKLOADS, agent, chat, generate, grpo, jsonl, rag
@@ -175,7 +176,7 @@ def test_simulate_refuses_requests_out_of_order_or_invalid() -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return child_process.run(
         [sys.executable, "-m", "kvcoord.cli", "simulate", *args], capture_output=True,
         text=True, timeout=120, stdin=subprocess.DEVNULL,
     )

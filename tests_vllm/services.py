@@ -2,16 +2,14 @@
 file, polled with bounded waits that name what they waited for, stopped SIGTERM-then-SIGKILL.
 
 A process started here is a session leader, so its process group id is its pid and a stop
-reaches the children it forked (vLLM's engine core and model worker). Under Linux it also gets
-``PR_SET_PDEATHSIG`` (util-linux ``setpriv``), so a test runner killed with SIGKILL still takes
-its processes with it.
+reaches the children it forked (vLLM's engine core and model worker). It is started by
+``kvcoord.child_process``, with a death signal, so a test runner killed with SIGKILL still takes
+its processes with it (tests_vllm/test_vllm_outlived.py).
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcoord.fleet_procs import stop_processes
+from kvcoord import child_process
+from kvcoord.child_process import stop_processes
 
 LOG_SECTIONS = pytest.StashKey[Callable[[], list[tuple[str, str]]]]()
 """``item.stash[LOG_SECTIONS]()``: ``(title, log text)`` of each process a test started;
@@ -45,21 +44,14 @@ class Service:
             text[-chars:]
 
 
-def _die_with_parent() -> list[str]:
-    # Not a preexec_fn: that forces fork() over vfork() in a process holding grpc channels.
-    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
-    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
-
-
 def start_service(name: str, argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
                   log_dir: Path) -> Service:
     """Start ``argv`` in a new session, in ``cwd``, with exactly ``env``; its output goes to
     ``log_dir/<name>.log``."""
     log = log_dir / f"{name}.log"
     with log.open("wb") as out:
-        process = subprocess.Popen(
-            [*_die_with_parent(), *argv], env=dict(env), cwd=cwd, start_new_session=True,
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        process = child_process.start(
+            argv, env=dict(env), cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
     return Service(name, process, log)
 
 

@@ -7,7 +7,7 @@ cached tokens matched the coordinator's index on every probe (bench/engines_chec
 the comparison is exact), and the ``sglang_like``-vs-``smg`` comparison covered every request:
 the suite's invariants, which make the command exit 1. Whether ``kv_aware`` wins is measured
 and reported (targets), not asserted: a quick run of one repeat on a shared machine is no
-verdict. Needs ``.venv-vllm`` and ``.venv-smg`` (``make test-vllm`` builds both).
+verdict. Needs vLLM's and smg's environments (``make test-vllm`` builds both).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from bench.engines_fleet import SMG_VAR, smg_command, vllm_python
+from kvcoord import child_process
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_TIMEOUT_S = 300  # measured ~2 min on 2 cores; the issue allows 3 more minutes in CI
@@ -32,12 +33,14 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
     tmp_path: Path,
 ) -> None:
     if vllm_python() is None or smg_command() is None:
-        pytest.fail(f"the engines bench needs .venv-vllm and smg ({SMG_VAR}): run "
+        pytest.fail(f"the engines bench needs vLLM's environment and smg ({SMG_VAR}): run "
                     "`make test-vllm`, which builds both", pytrace=False)
     out = tmp_path / "out"
     began = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "kvcoord.cli", "bench", "engines", "--quick", "--out", str(out)],
+    done = child_process.run(
+        # --allow-busy: this checks that the bench runs and what it must hold, not its figures.
+        [sys.executable, "-m", "kvcoord.cli", "bench", "engines", "--quick", "--allow-busy",
+         "--out", str(out)],
         cwd=ROOT, env=dict(os.environ), capture_output=True, text=True,
         timeout=BENCH_TIMEOUT_S, stdin=subprocess.DEVNULL)
     took = time.monotonic() - began

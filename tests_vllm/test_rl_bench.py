@@ -7,7 +7,7 @@ It passes only when the kvcoord arm holds the suite's invariants: every request 
 samples that a fresh engine of their version does not reproduce, 0 stale reuse on probes cached
 before the update, every sample's rollout record matching, both engines acking the update. The
 no-barrier arm must have run and reported its counts; that it gets samples wrong is measured,
-not asserted: with one quick update it may not. Needs ``.venv-vllm`` (``make test-vllm`` builds
+not asserted: with one quick update it may not. Needs vLLM's environment (``make test-vllm`` builds
 it).
 """
 
@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from bench.engines_fleet import vllm_python
+from kvcoord import child_process
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_TIMEOUT_S = 300  # measured ~2.7 min on 2 cores (three engine pairs start); CI allows 3
@@ -33,12 +34,14 @@ def test_the_quick_rl_bench_attributes_every_sample_and_reuses_no_kv_across_the_
     tmp_path: Path,
 ) -> None:
     if vllm_python() is None:
-        pytest.fail("the rl bench needs .venv-vllm: run `make test-vllm`, which builds it",
+        pytest.fail("the rl bench needs vLLM's environment: run `make test-vllm`, which builds it",
                     pytrace=False)
     out = tmp_path / "out"
     began = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "kvcoord.cli", "bench", "rl", "--quick", "--out", str(out)],
+    done = child_process.run(
+        # --allow-busy: this checks that the bench runs and what it must hold, not its figures.
+        [sys.executable, "-m", "kvcoord.cli", "bench", "rl", "--quick", "--allow-busy",
+         "--out", str(out)],
         cwd=ROOT, env=dict(os.environ), capture_output=True, text=True,
         timeout=BENCH_TIMEOUT_S, stdin=subprocess.DEVNULL)
     took = time.monotonic() - began

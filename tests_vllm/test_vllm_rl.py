@@ -95,7 +95,7 @@ def fleet(checkpoints: dict[int, Path], tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[RlFleet]:
     python = vllm_python()
     if python is None:
-        pytest.fail("no vLLM interpreter: run `make test-vllm` (it builds .venv-vllm)")
+        pytest.fail("no vLLM interpreter: run `make test-vllm` (it builds vLLM's environment)")
     roots = []
     for name, versions in (("root-0", (1, 2, 3)), ("root-1", (1, 2))):  # vllm-1 has no v3
         root = tmp_path_factory.mktemp(name)
