@@ -102,7 +102,7 @@ class EnginesConfig:
     repeats: int = 3
     shape: ModelShape = field(default_factory=ModelShape)
     load: float = 0.3
-    rigs: tuple[str, ...] = tuple(RIGS)
+    rigs: tuple[str, ...] = ("production", "shared")  # quota: asked by name (it needs root)
     regimes: tuple[str, ...] = tuple(REGIMES)
     workloads: tuple[str, ...] = ("trace",)
     coordinators: tuple[str, ...] = ("embedded",)
@@ -237,11 +237,13 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
     engine_config = EngineConfig(config.shape.max_positions, kv_tokens,
                                  config.shape.kv_bytes_per_token(dtype_bytes), dtype)
     cores = rig.engine_cores(config.engines)
+    capped = f", each capped at {rig.engine_quota} core" if rig.engine_quota else ""
     _log(f"{len(stream.requests)} requests, {stream.prompt_tokens:,} prompt tokens, "
          f"{stream.distinct_tokens:,} distinct; KV cache {kv_tokens:,} tokens per engine; "
-         f"engines on cores {list(cores)}")
+         f"engines on cores {list(cores)}{capped}")
     log_dir.mkdir()
-    with running_engines(python, work / "model", engine_config, log_dir, cores) as engines:
+    with running_engines(python, work / "model", engine_config, log_dir, cores,
+                         quota=rig.engine_quota) as engines:
         prefill = measure_prefill(engines, template_tokens(tokenizer))
         _log(f"prefill of {PREFILL_TOKENS} tokens: cold {prefill['cold_ms']:.0f} ms, "
              f"cached {prefill['cached_ms']:.1f} ms ({prefill['ratio']:.1f}x)")
@@ -271,7 +273,7 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
     print(decomposition_table(routers))
     print(cpu_table(routers, idle))
     prediction = None
-    if rig.compute_cores(config.engines) == config.engines:  # else engines share a core
+    if rig.independent(config.engines):  # else engines share a core
         prediction = predict(paced, engines=config.engines, kv_tokens=kv_tokens,
                              engine_block=ENGINE_BLOCK, block_tokens=config.stream.block_tokens,
                              prefill=prefill, routers=routers,
@@ -280,6 +282,7 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
         print(prediction_text(prediction))
     return {"rig": rig.name, "regime": regime.name, "prefill": prefill,
             "engines": {"count": config.engines, "cores": list(cores),
+                        "quota_cores": rig.engine_quota,
                         "block_tokens": ENGINE_BLOCK, "kv_cache_tokens": kv_tokens,
                         "dtype": dtype,
                         "kv_share": regime.kv_share, "max_num_seqs": engine_config.max_num_seqs,

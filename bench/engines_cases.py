@@ -8,6 +8,12 @@ Rigs, on a machine's first two cores:
   latency and where requests queue.
 - ``shared``: one engine per core, round robin; the routers and the client float over both
   (the bench as it first ran). Router CPU competes with prefill here.
+- ``quota``: one engine per core, round robin, each capped at ``QUOTA_CORES`` of its core by a
+  cgroup CPU quota (``engines_quota``); the routers and the client float over what is left.
+  Engines are then independent servers of one speed whatever their number, as GPUs are: on a
+  shared core a queue-aware rule reads their common slowness as each one's backlog. Needs a
+  writable cgroup v1 ``cpu`` controller (root): asked for where there is none, the command
+  exits 2 saying so.
 
 Workloads (``WORKLOADS``): the synthetic trace, and the simulator's ``chat`` and ``agent``
 families.
@@ -29,24 +35,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+QUOTA_CORES = 0.45
+"""The quota rig's cap per engine: four engines take 1.8 of two cores, leaving the routers
+and the client 0.2 (two take 0.9, leaving 1.1)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Rig:
     """Cores: ``engine_cores(n)`` for n engines; the routers' and the client's core (None:
-    unpinned)."""
+    unpinned); ``engine_quota``: each engine's cap in cores (None: none)."""
 
     name: str
     spread: tuple[int, ...]
     router_core: int | None
     client_core: int | None
     about: str
+    engine_quota: float | None = None
 
     def engine_cores(self, engines: int) -> tuple[int, ...]:
         return tuple(self.spread[i % len(self.spread)] for i in range(engines))
 
-    def compute_cores(self, engines: int) -> int:
-        """Distinct cores the engines compute on: the fleet's prefill capacity in cores."""
+    def compute_cores(self, engines: int) -> float:
+        """The engines' prefill capacity in cores: each one's quota where capped, else the
+        distinct cores they compute on."""
+        if self.engine_quota is not None:
+            return engines * self.engine_quota
         return len(set(self.engine_cores(engines)))
+
+    def independent(self, engines: int) -> bool:
+        """Whether no engine's work slows another's (capped, or a core each)."""
+        return self.engine_quota is not None or len(set(self.engine_cores(engines))) == engines
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +81,11 @@ RIGS = {r.name: r for r in (
         about="engines on core 0; routers and client on core 1"),
     Rig("shared", (0, 1), router_core=None, client_core=None,
         about="an engine per core; routers and client unpinned"),
+    Rig("quota", (0, 1), router_core=None, client_core=None, engine_quota=QUOTA_CORES,
+        about=f"an engine per core, each capped at {QUOTA_CORES} core by a cgroup; routers "
+              "and client on what is left"),
 )}
+NEEDS_CGROUP = frozenset(name for name, rig in RIGS.items() if rig.engine_quota is not None)
 REGIMES = {r.name: r for r in (
     Regime("roomy", 0.5, about="each engine holds half the stream's distinct tokens"),
     Regime("pressure", 0.25, about="each engine holds a quarter: engines evict"),
@@ -87,7 +109,8 @@ class UnknownChoice(ValueError):
 
 def parse_choice(option: str, value: str) -> tuple[str, ...]:
     """``value`` (comma-separated names) as names in the order given, each once;
-    UnknownChoice naming the first unknown one and the known ones (or an unknown option)."""
+    UnknownChoice naming the first unknown one and the known ones (or an unknown option), or
+    saying why a rig that needs a cgroup cannot have one here."""
     if option not in CHOICES:
         raise UnknownChoice(f"unknown option --{option}; known: "
                             + ", ".join(f"--{o}" for o in CHOICES))
@@ -98,6 +121,12 @@ def parse_choice(option: str, value: str) -> tuple[str, ...]:
     for name in names:
         if name not in known:
             raise UnknownChoice(f"unknown {option} {name!r}; known: {', '.join(known)}")
+    if option == "rig" and NEEDS_CGROUP.intersection(names):
+        from bench.engines_quota import quota_problem
+
+        if (problem := quota_problem()) is not None:
+            raise UnknownChoice(f"rig {sorted(NEEDS_CGROUP.intersection(names))[0]!r} caps "
+                                f"each engine with a cgroup CPU quota: {problem}")
     return tuple(dict.fromkeys(names))
 
 

@@ -11,6 +11,7 @@ started fresh for each turn.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.engines_procs import EnginesError, Proc, http_get, http_post, start, stop, wait_until
+from bench.engines_quota import cpu_quotas
 from kvcoord.engine_envs import env_dir
 from kvcoord.fleet_procs import free_port
 
@@ -118,27 +120,35 @@ def vllm_env(scratch: Path, core: int) -> dict[str, str]:
 
 @contextmanager
 def running_engines(python: Path, model_dir: Path, config: EngineConfig, log_dir: Path,
-                    cores: Sequence[int] = (0, 1)) -> Iterator[list[Engine]]:
-    """One engine per core, started together; yields them healthy; stops them all."""
+                    cores: Sequence[int] = (0, 1),
+                    quota: float | None = None) -> Iterator[list[Engine]]:
+    """An engine per entry of ``cores`` (pinned there), each capped at ``quota`` cores by a
+    cgroup of its own when given (``engines_quota``), started together; yields them healthy;
+    stops them all (and removes their groups)."""
     # Not under log_dir: a Unix socket's path is at most 107 bytes.
     scratch = Path(tempfile.mkdtemp(prefix="kvcoord-engines-"))
     engines: list[Engine] = []
-    try:
-        for i, core in enumerate(cores):
-            port = free_port()
-            events, replay = f"ipc://{scratch}/events-{i}", f"ipc://{scratch}/replay-{i}"
-            proc = start(f"vllm-{i}", _vllm_argv(python, model_dir, port, events, replay, config),
-                         env=vllm_env(scratch, core), log_dir=log_dir, core=core)
-            engines.append(Engine(f"vllm-{i}", core, f"http://127.0.0.1:{port}", events, replay,
-                                  proc))
-        procs = [e.proc for e in engines]
-        for engine in engines:
-            wait_until(lambda e=engine: http_get(f"{e.url}/health") is not None,  # type: ignore[misc]
-                       timeout_s=VLLM_START_S, what=f"{engine.worker_id}'s /health", procs=procs)
-        yield engines
-    finally:
-        stop([e.proc for e in engines])
-        shutil.rmtree(scratch, ignore_errors=True)
+    with contextlib.ExitStack() as stack:
+        quotas = stack.enter_context(cpu_quotas()) if quota is not None else None
+        try:
+            for i, core in enumerate(cores):
+                port = free_port()
+                events, replay = f"ipc://{scratch}/events-{i}", f"ipc://{scratch}/replay-{i}"
+                inside = quotas.group(f"vllm-{i}", quota) if quotas and quota else []
+                argv = _vllm_argv(python, model_dir, port, events, replay, config)
+                proc = start(f"vllm-{i}", [*inside, *argv], env=vllm_env(scratch, core),
+                             log_dir=log_dir, core=core)
+                engines.append(Engine(f"vllm-{i}", core, f"http://127.0.0.1:{port}", events,
+                                      replay, proc))
+            procs = [e.proc for e in engines]
+            for engine in engines:
+                wait_until(lambda e=engine: http_get(f"{e.url}/health") is not None,  # type: ignore[misc]
+                           timeout_s=VLLM_START_S, what=f"{engine.worker_id}'s /health",
+                           procs=procs)
+            yield engines
+        finally:
+            stop([e.proc for e in engines])  # before the groups are removed (ExitStack)
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def empty_caches(engines: Sequence[Engine]) -> None:

@@ -62,10 +62,11 @@ def test_without_vllm_or_smg_it_exits_2_with_one_line_saying_how_to_install(
 
 @pytest.mark.parametrize(("flag", "value", "said"), [
     ("--rig", "production,gpu", "kvcoord bench engines: unknown rig 'gpu'; known: production, "
-     "shared\n"),
+     "shared, quota\n"),
     ("--regime", "tight", "kvcoord bench engines: unknown regime 'tight'; known: roomy, "
      "pressure\n"),
-    ("--rig", ",", "kvcoord bench engines: --rig names nothing; known: production, shared\n"),
+    ("--rig", ",", "kvcoord bench engines: --rig names nothing; known: production, shared, "
+     "quota\n"),
     ("--workload", "rag", "kvcoord bench engines: unknown workload 'rag'; known: trace, chat, "
      "agent\n"),
     ("--coordinator", "remote", "kvcoord bench engines: unknown coordinator 'remote'; known: "
@@ -110,6 +111,26 @@ def test_the_engines_config_takes_the_chosen_rigs_and_regimes() -> None:
     assert (RIGS["production"].router_core, RIGS["production"].client_core) == (1, 1)
     assert RIGS["shared"].engine_cores(4) == (0, 1, 0, 1)
     assert RIGS["shared"].compute_cores(2) == 2
+    # quota: capacity is each engine's cap, whatever the cores; engines are independent.
+    assert RIGS["quota"].engine_cores(4) == (0, 1, 0, 1)
+    assert RIGS["quota"].compute_cores(4) == 4 * RIGS["quota"].engine_quota == 1.8
+    assert RIGS["quota"].independent(4) and not RIGS["production"].independent(2)
+
+
+def test_the_quota_rig_where_no_cgroup_can_be_written_exits_2_saying_so(tmp_path: Path) -> None:
+    env = {**os.environ, "KVCOORD_VLLM_PYTHON": str(executable(tmp_path / "python")),
+           "KVCOORD_SMG": str(executable(tmp_path / "smg")),
+           "KVCOORD_CGROUP_CPU": str(tmp_path / "no-cgroup")}
+    done = child_process.run(
+        [sys.executable, "-m", "kvcoord.cli", "bench", "engines", "--rig", "shared,quota",
+         "--out", str(tmp_path / "out")], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        "kvcoord bench engines: rig 'quota' caps each engine with a cgroup CPU quota: no cgroup "
+        f"v1 cpu controller at {tmp_path / 'no-cgroup'} (set KVCOORD_CGROUP_CPU to where it is "
+        "mounted)\n")
+    assert not (tmp_path / "out").exists()
 
 
 def test_with_vllm_but_without_smg_it_names_only_smg(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from prometheus_client import generate_latest
 
 from bench.bench_engines import TRACE_VAR
 from bench.engines_fleet import SMG_VAR, VLLM_PYTHON_VAR
+from bench.engines_quota import CGROUP_VAR
 from coordinator.config import CoordinatorConfig
 from coordinator.control.shard_routing import ShardRouting
 from coordinator.core.accel import NO_ACCEL_VARIABLE
@@ -43,7 +44,7 @@ OTHER_VARIABLES = {"KVCOORD_COORDINATOR", "KVCOORD_HASH_KEY", "KVCOORD_HASH_ALGO
                    "KVCOORD_PAGE_SIZE", TOKEN_VARIABLE, NO_ACCEL_VARIABLE,
                    *CLIENT_FILE_VARIABLES.values(),
                    # kvcoord bench engines: where the peers' venvs and its trace are
-                   VLLM_PYTHON_VAR, SMG_VAR, TRACE_VAR,
+                   VLLM_PYTHON_VAR, SMG_VAR, TRACE_VAR, CGROUP_VAR,
                    # the engine environments' cache, and the owner mark of a run's processes
                    CACHE_VAR, OWNER_VAR}
 

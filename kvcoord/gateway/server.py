@@ -54,6 +54,13 @@ log = structlog.get_logger(__name__)
 
 STARTED = web.RequestKey("started", float)
 """When the request arrived (``time.perf_counter``), for its latency metrics."""
+LINE = web.RequestKey("line", dict)
+"""What the handler learned of a request (worker, route, outcome...): the fields of its one
+``gateway.request`` log line, which the middleware writes however the request ends."""
+# Outcomes of a request, as its log line names them.
+OK, REFUSED, CLIENT_GONE, CLIENT_CLOSED_AT_END, WORKER_FAILED = (
+    "ok", "refused", "client_gone", "client_closed_at_end", "worker_failed_mid_answer")
+LOGGED_PREFIX = "/v1/"  # /livez, /readyz and /metrics scrapes are counted, not logged
 # Headers of the worker's answer that are the transport's business, not the client's.
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
                 "content-encoding", "date", "server"}
@@ -67,11 +74,15 @@ def served_version(upstream: aiohttp.ClientResponse, route: Route) -> int:
 
 
 def _counted(metrics: GatewayMetrics) -> Any:
-    """A middleware counting every answer by endpoint and status (a client gone: 499)."""
+    """A middleware counting every answer by endpoint and status (a client gone: 499), and
+    writing each API request's one ``gateway.request`` line, however it ended: answered,
+    refused, or cut by the client or the worker (the handler's ``LINE`` fields)."""
 
     @web.middleware
     async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
         request[STARTED] = time.perf_counter()
+        line: dict[str, Any] = {}
+        request[LINE] = line
         endpoint = request.match_info.route.resource.canonical if (
             request.match_info.route.resource is not None) else "unknown"
         status = 499
@@ -80,7 +91,14 @@ def _counted(metrics: GatewayMetrics) -> Any:
             status = response.status
             return response
         finally:
+            if line.get("outcome") == CLIENT_GONE:
+                status = 499  # answered in part: what the client got is not an answer
             metrics.requests.labels(endpoint, str(status)).inc()
+            if endpoint.startswith(LOGGED_PREFIX):
+                outcome = line.pop("outcome", None) or (
+                    CLIENT_GONE if status == 499 else OK if status < 400 else REFUSED)
+                log.info("gateway.request", path=endpoint, status=status, outcome=outcome,
+                         ms=round((time.perf_counter() - request[STARTED]) * 1000, 1), **line)
 
     return count
 
@@ -217,6 +235,7 @@ class GatewayServer:
         client's ``raw`` body to the worker's ``path``; the request's routes end however it
         ends. OpenAIError for a route refused (or no worker answering)."""
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request[LINE]["request_id"] = request_id
         token = self._token(request)
         ledger = self._routes.ledger(token)
         try:
@@ -232,6 +251,9 @@ class GatewayServer:
                                                     started=request[STARTED], scope=scope)
         version = served_version(upstream, route)
         self.metrics.policy_version.set(version)
+        request[LINE].update(worker=route.worker_id, policy_version=version,
+                             matched_tokens=route.matched_tokens, prompt_tokens=len(prompt),
+                             upstream_status=upstream.status)
         streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         seen = Observation(self.metrics, route.worker_id, request[STARTED], len(prompt),
                            streamed=streamed)
@@ -247,20 +269,20 @@ class GatewayServer:
                 async for chunk in upstream.content.iter_any():  # as it arrives, never buffered
                     seen.chunk(chunk)
                     await response.write(chunk)
+            except ConnectionResetError:  # the client went away mid-answer (499)
+                request[LINE]["outcome"] = CLIENT_GONE
+                return response
             except (aiohttp.ClientError, TimeoutError) as exc:
                 # After the first byte there is no routing around: the client must see the
                 # answer fail, so the connection is cut rather than the stream ended cleanly.
                 log.warning("gateway.worker_failed_mid_answer", worker=route.worker_id,
                             request_id=request_id, error=str(exc) or type(exc).__name__)
+                request[LINE]["outcome"] = WORKER_FAILED
                 if request.transport is not None:
                     request.transport.close()
                 return response
-            await response.write_eof()
             seen.end(upstream.status)
-            log.info("gateway.request", request_id=request_id, path=path,
-                     worker=route.worker_id, policy_version=version,
-                     matched_tokens=route.matched_tokens, prompt_tokens=len(prompt),
-                     status=upstream.status)
+            await _end_stream(request, response)
             return response
         finally:
             upstream.release()  # a client gone mid-stream closes the worker's request too
@@ -318,6 +340,8 @@ class GatewayServer:
         (the body with only its prompts), and the choices come back merged by index
         (``fanout``): as one answer, or one stream after another."""
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request[LINE].update(request_id=request_id, prompts=len(prompts),
+                             prompt_tokens=sum(len(p) for p in prompts))
         token = self._token(request)
         routes = await self._routes.route_batch(prompts, token, scope)
         ledger = self._routes.ledger(token)
@@ -331,6 +355,8 @@ class GatewayServer:
                     "completions", raw, prompts[share.indexes[0]], token, request_id, ledger,
                     first=share.route, scope=scope)
                 opened.append((share, upstream, route))
+            request[LINE].update(worker=",".join(r.worker_id for _, _, r in opened),
+                                 matched_tokens=sum(r.matched_tokens for _, _, r in opened))
             headers = {"x-request-id": request_id,
                        "x-kvcoord-worker": ",".join(r.worker_id for _, _, r in opened),
                        "x-kvcoord-policy-version": ",".join(sorted(
@@ -355,9 +381,19 @@ class GatewayServer:
             if parsed.sampling.include_usage and totals.usage:
                 await response.write(fanout.usage_line(totals))
             await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
+            await _end_stream(request, response)
             return response
         finally:
             for _, upstream, _ in opened:
                 upstream.release()
             ledger.close()
+
+
+async def _end_stream(request: web.Request, response: web.StreamResponse) -> None:
+    """End a streamed answer whose every byte was written. A client that closed its connection
+    after the last chunk, before the stream's end (it had all it asked for), is not an error:
+    its log line says so and nothing is raised."""
+    try:
+        await response.write_eof()
+    except ConnectionResetError:
+        request[LINE]["outcome"] = CLIENT_CLOSED_AT_END
