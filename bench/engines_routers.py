@@ -34,6 +34,7 @@ from bench.engines_procs import (
     stop,
     wait_until,
 )
+from bench.engines_trace import DECISION_LOG_VAR
 from coordinator.client import CoordinatorClient
 from coordinator.client.errors import KvcoordError
 from kvcoord.fleet_procs import free_port
@@ -65,13 +66,16 @@ class RouterRun:
 @contextmanager
 def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
                    max_model_len: int, tag: str, *, policy: str = "kv_aware",
-                   core: int | None = None, embedded: bool = True) -> Iterator[RouterRun]:
+                   core: int | None = None, embedded: bool = True,
+                   decision_log: bool = False) -> Iterator[RouterRun]:
     """A coordinator routing by ``policy``, one bridge per engine and the gateway (its
     ``/metrics`` on: ``metrics_url``), all fresh, on ``core`` when given. ``embedded``: the
     coordinator runs in the gateway's process (``--embed-coordinator``); else in its own.
-    Yields once the gateway can route and every bridge has applied the engines' cache reset
-    (done here, after the bridges subscribed)."""
+    ``decision_log``: the coordinator logs each decision (``engines_trace``). Yields once the
+    gateway can route and every bridge has applied the engines' cache reset (done here, after
+    the bridges subscribed)."""
     env = kvcoord_env(secrets.token_hex(32))
+    traced = {DECISION_LOG_VAR: "1"} if decision_log else {}
     coordinator = f"127.0.0.1:{free_port()}"
     gateway_port, gateway_metrics = free_port(), free_port()
     procs: list[Proc] = []
@@ -84,12 +88,13 @@ def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
         if embedded:  # the gateway first: the bridges connect to the coordinator in it
             procs.append(start(f"{tag}-gateway", [
                 *gateway_argv, "--embed-coordinator", coordinator],
-                env={**env, "KVCOORD_PAGE_SIZE": str(PAGE_SIZE),
+                env={**env, **traced, "KVCOORD_PAGE_SIZE": str(PAGE_SIZE),
                      "KVCOORD_ROUTING_POLICY": policy}, log_dir=log_dir, core=core))
         else:
             procs.append(start(f"{tag}-coordinator", kvcoord_argv(
                 "coordinator", "--listen", coordinator, "--page-size", str(PAGE_SIZE),
-                "--routing-policy", policy), env=env, log_dir=log_dir, core=core))
+                "--routing-policy", policy), env={**env, **traced}, log_dir=log_dir,
+                core=core))
         for engine in engines:
             port = free_port()
             bridge_metrics.append(f"http://127.0.0.1:{port}/metrics")

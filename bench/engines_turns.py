@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.engines_checks import check_index
-from bench.engines_fleet import MODEL, Engine
+from bench.engines_fleet import MODEL, PAGE_SIZE, Engine
 from bench.engines_load import replay
 from bench.engines_procs import cpu_by_process, metric_sum
 from bench.engines_report import ROUTERS, summarize_turn
@@ -37,6 +37,7 @@ from bench.engines_signals import (
     turn_signals,
 )
 from bench.engines_stream import Stream
+from bench.engines_trace import read_trace, trace_text
 from worker.text.tokenizer import TextTokenizer
 
 Log = Callable[[str], None]
@@ -61,13 +62,23 @@ class TurnPlan:
     """Our coordinator in the gateway's process (else a process of its own)."""
 
 
+TRACED = "kv_aware"  # the router whose decisions are traced (engines_trace)
+
+
 def _open(name: str, plan: TurnPlan, tag: str) -> AbstractContextManager[RouterRun]:
     if name.startswith("smg_"):
         return smg_router(plan.smg, plan.engines, name.removeprefix("smg_"), plan.log_dir, tag,
                           core=plan.router_core)
     policy = name.removeprefix("kvcoord_") if name.startswith("kvcoord_") else name
     return kvcoord_router(plan.engines, plan.model_dir, plan.log_dir, plan.max_model_len, tag,
-                          policy=policy, core=plan.router_core, embedded=plan.embedded)
+                          policy=policy, core=plan.router_core, embedded=plan.embedded,
+                          decision_log=name == TRACED)
+
+
+def _trace(plan: TurnPlan, tag: str) -> dict[str, Any]:
+    """The decision trace of a finished turn, from its router's logs (closed by now)."""
+    logs = [plan.log_dir / f"{tag}-gateway.log", plan.log_dir / f"{tag}-coordinator.log"]
+    return read_trace(logs, PAGE_SIZE)
 
 
 def _by_role(router: RouterRun, before: dict[str, float], after: dict[str, float]
@@ -156,6 +167,9 @@ def run_turns(plan: TurnPlan, repeats: int, tokenizer: TextTokenizer, log: Log,
                     index_checks.append(check_index(router, list(plan.engines), tokenizer,
                                                     plan.stream.requests, plan.probes))
             last = runs[name][-1]
+            if name == TRACED:
+                last["decision_trace"] = _trace(plan, f"r{repeat}-{name}")
+                log(trace_text(last["decision_trace"]))
             log(f"repeat {repeat} {name}: TTFT p50 {last['ttft_p50_ms']:.0f} ms, "
                 f"p99 {last['ttft_p99_ms']:.0f} ms, cached {100 * last['cached_share']:.1f}%, "
                 f"CPU {last['router_cpu_ms_per_request']:.1f} ms/req, "

@@ -116,6 +116,11 @@ class CoordinatorConfig:
     """The other shards' replicas, ``NAME=HOST:PORT[,HOST:PORT...]`` separated by ``;``: a route
     asks every shard for its best candidates and reserves the cheapest (``shard_routing``);
     empty = routes see this shard's workers only."""
+    decision_log: bool = False
+    """Log each routing decision (``route.decision``: the chosen worker's and the best
+    holder's cost, term by term, with their evictions so far) and each awaited route's end
+    (``route.ended``), at info: why a route went where it went. Off by default: it prices
+    every candidate, O(fleet) a route."""
     routing_seed: int | None = None
     """Seeds the router's tie-breaks (unset: from the OS): two coordinators given the same
     seed, state and requests make the same decisions (the sharded bench compares them)."""

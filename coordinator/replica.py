@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import structlog
 
 from coordinator.config import CoordinatorConfig
+from coordinator.control.decision_log import DecisionLog
 from coordinator.control.policy import HighWater, PolicyView
 from coordinator.control.policy_updates import PolicyUpdates
 from coordinator.control.replication_sink import NoReplication, ReplicationSink
@@ -149,6 +150,7 @@ class CoordinatorReplica:
                                   capacity=config.max_inflight_per_worker),
             on_routed=shared_routes.routed if shared_routes else None,
             on_routes_ended=shared_routes.routes_ended if shared_routes else None,
+            decision_sink=DecisionLog(self.fleet) if config.decision_log else None,
         )
         # What Route and RouteBatch call: a drain waited out, a fresh policy state, the router.
         self.routing_gate = RoutingGate(policy_view=self.policy_view, router=self.router)

@@ -80,6 +80,12 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
     assert "gateway_added_p50_ms" not in case["decomposition"]["signals"]["smg_cache_aware"]
     # Through the gateway, every request names the engine it went to.
     assert sum(case["routers"]["kv_aware"]["runs"]["run0"]["by_worker"].values()) == 36
+    # Every kv_aware route was traced, and joined to the engine's answer by its route id.
+    trace = case["routers"]["kv_aware"]["runs"]["run0"]["decision_trace"]
+    assert (trace["routes"], trace["answered"]) == (36, 36), trace
+    assert trace["served_cached_tokens"] == case["routers"]["kv_aware"]["runs"]["run0"][
+        "cached_tokens"], trace
+    assert "decision_trace" not in case["routers"]["smg_cache_aware"]["runs"]["run0"]
     check = case["index_checks"]["run0"]
     assert check["probes"] == 6 and check["agreed"] == 6, check
     compared = engines["sglang_like_vs_smg"]

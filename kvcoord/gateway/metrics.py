@@ -113,10 +113,18 @@ class Observation:
             return
         prompt = int(usage.get("prompt_tokens") or 0)
         self._metrics.prompt_tokens.inc(prompt)
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        self._metrics.cached_tokens.inc(int(cached))
+        self._metrics.cached_tokens.inc(self.cached_tokens or 0)
         if prompt != self._counted:
             self._metrics.tokenizer_drift.inc()
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """The prompt tokens the engine served from its cache, as its usage says (None: it
+        reported no usage, or not yet)."""
+        if self.usage is None:
+            return None
+        details = self.usage.get("prompt_tokens_details") or {}
+        return int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
 
     def _take_usage(self, payload: bytes) -> None:
         try:

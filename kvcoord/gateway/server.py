@@ -251,9 +251,9 @@ class GatewayServer:
                                                     started=request[STARTED], scope=scope)
         version = served_version(upstream, route)
         self.metrics.policy_version.set(version)
-        request[LINE].update(worker=route.worker_id, policy_version=version,
-                             matched_tokens=route.matched_tokens, prompt_tokens=len(prompt),
-                             upstream_status=upstream.status)
+        request[LINE].update(worker=route.worker_id, route_id=route.route_id,
+                             policy_version=version, matched_tokens=route.matched_tokens,
+                             prompt_tokens=len(prompt), upstream_status=upstream.status)
         streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         seen = Observation(self.metrics, route.worker_id, request[STARTED], len(prompt),
                            streamed=streamed)
@@ -282,6 +282,7 @@ class GatewayServer:
                     request.transport.close()
                 return response
             seen.end(upstream.status)
+            request[LINE]["cached_tokens"] = seen.cached_tokens
             await _end_stream(request, response)
             return response
         finally:

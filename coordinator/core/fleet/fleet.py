@@ -16,7 +16,7 @@ from coordinator.core.errors import FailedPrecondition
 from coordinator.core.fleet.peer_costs import PeerCosts
 from coordinator.core.fleet.prefill_backlog import PrefillBacklog
 from coordinator.core.fleet.worker_load import Candidate, WorkerLoad
-from coordinator.core.index.page_events import PageEvent, PagesStored
+from coordinator.core.index.page_events import PageEvent, PagesRemoved, PagesStored
 from coordinator.core.tier_costs import TierCosts
 from coordinator.wire import Reason
 
@@ -98,6 +98,9 @@ class RegisteredWorker:
     routed_requests: int = 0
     routed_tokens: int = 0
     routed_cached_tokens: int = 0
+    # Pages the worker reported removed (its evictions), ever: the decision trace reads it at
+    # a route and at its end, so the evictions between them are known.
+    pages_removed: int = 0
 
     def status(self, now: float) -> WorkerStatus:
         """The worker's routability; DISCONNECTED covers a closed stream and a lapsed lease."""
@@ -146,10 +149,12 @@ class RegisteredWorker:
 
     def observe_page_events(self, events: Iterable[PageEvent], now: float) -> None:
         """Tell the prefill backlog which keys a batch stored: a prefill's last page marks its
-        end (``prefill_backlog``)."""
+        end (``prefill_backlog``); count the pages it removed (``pages_removed``)."""
         for event in events:
             if type(event) is PagesStored:
                 self.observe_stored(event.keys, now)
+            elif type(event) is PagesRemoved:
+                self.pages_removed += len(event.keys)
 
     def observe_stored(self, keys: Iterable[bytes], now: float) -> None:
         """The worker reported ``keys`` stored at ``now``: the prefills they end."""

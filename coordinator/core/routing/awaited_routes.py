@@ -102,6 +102,11 @@ class AwaitedRoutes:
     def ends_remembered(self) -> int:
         return len(self._ended)
 
+    def worker_of(self, route_id: str) -> str | None:
+        """The worker a held route went to (None: not held here)."""
+        held = self._held.get(route_id)
+        return held.session.worker_id if held is not None else None
+
     def new_id(self) -> str:
         return f"{self._prefix}-{next(self._counter):x}"
 

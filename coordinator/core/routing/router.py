@@ -9,11 +9,11 @@ considered, so a page computed under another version can never count as a hit.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from coordinator.core.errors import InvalidArgument, Unavailable
-from coordinator.core.fleet import Fleet, RegisteredWorker
+from coordinator.core.fleet import Candidate, Fleet, RegisteredWorker
 from coordinator.core.hashing import PageHasher
 from coordinator.core.index import PrefixIndex
 from coordinator.core.routing.awaited_routes import AwaitedRoutes, EndedRoutes
@@ -24,6 +24,7 @@ from coordinator.core.routing.choosers import (
     booked_work,
     make_chooser,
 )
+from coordinator.core.routing.decision_trace import DecisionSink, trace_decision
 from coordinator.core.routing.inflight_snapshot import (
     InFlightRoutes,
     inflight_of,
@@ -77,9 +78,12 @@ class Router:
         awaited: AwaitedRoutes | None = None,
         on_routed: Callable[[RouteReservation], None] | None = None,
         on_routes_ended: Callable[[tuple[str, ...]], None] | None = None,
+        decision_sink: DecisionSink | None = None,
     ) -> None:
         """``on_routed`` and ``on_routes_ended`` hear of every decision and every EndRoutes
-        made here (the replication outbox publishes them; unset: nobody else counts them)."""
+        made here (the replication outbox publishes them; unset: nobody else counts them).
+        ``decision_sink`` hears each route's ``DecisionTrace`` and each awaited route's end
+        (a debugging aid: it reads every idle candidate, O(fleet) a route)."""
         self.max_inflight = max_inflight
         self.awaited = (awaited if awaited is not None  # an empty one is falsy
                         else AwaitedRoutes(ttl_s=600.0, capacity=max_inflight))
@@ -95,6 +99,7 @@ class Router:
         self._weights = weights or KvAwareWeights()
         self._on_routed = on_routed
         self._on_routes_ended = on_routes_ended
+        self.decision_sink = decision_sink
         self._choosers: dict[str, RouteChooser] = {}  # by routing rule name
         # Prices the one worker a shard reserves for a decision made elsewhere (``reserve``).
         self._sole_chooser = KvAwareChooser(self._weights)
@@ -267,20 +272,29 @@ class Router:
         self.awaited.expire(now)  # an expired route's load must not weigh on this choice
         chooser = self._chooser(routing or self.default_routing)
         request = self.views.request(views, token_count, copies)
-        decision = self._choose(chooser, request, views, min_policy_version, now)
-        return self._reserve(decision, chooser.name, request, views, report_end, now)
+        holders, idle = self.views.candidates(views, min_policy_version, now)
+        if self.decision_sink is None:
+            decision = self._choose(chooser, request, holders, idle, views, min_policy_version)
+            return self._reserve(decision, chooser.name, request, views, report_end, now)
+        every_idle = list(idle)  # the trace prices every candidate, not only those read
+        decision = self._choose(chooser, request, holders, iter(every_idle), views,
+                                min_policy_version)
+        result = self._reserve(decision, chooser.name, request, views, report_end, now)
+        self.decision_sink.decided(trace_decision(
+            request, [*holders, *every_idle], decision.worker_id, self._weights), result)
+        return result
 
-    def _choose(self, chooser: RouteChooser, request: RoutingRequest, views: list[VersionView],
-                min_policy_version: int | None, now: float) -> Decision:
-        """The worker ``chooser`` picks for ``request`` at ``now``: among every version's
-        holders of the prompt (pending entries included), then its idle eligible workers,
-        cheapest load floor first. Reserves nothing and changes no books (only a chooser's own
-        cursor moves); randomness is drawn from the router's ``rng``, by the chooser alone.
+    def _choose(self, chooser: RouteChooser, request: RoutingRequest,
+                holders: list[Candidate], idle: Iterator[Candidate], views: list[VersionView],
+                min_policy_version: int | None) -> Decision:
+        """The worker ``chooser`` picks for ``request`` among every version's ``holders`` of
+        the prompt (pending entries included), then its ``idle`` eligible workers, cheapest
+        load floor first. Reserves nothing and changes no books (only a chooser's own cursor
+        moves); randomness is drawn from the router's ``rng``, by the chooser alone.
 
         Raises:
             Unavailable: reason NO_WORKER, with ``retry_after_ms``, when no worker is eligible.
         """
-        holders, idle = self.views.candidates(views, min_policy_version, now)
         try:
             return chooser.choose(request, holders, self._rng, idle=idle)
         except NoEligibleWorker:
@@ -348,6 +362,11 @@ class Router:
         """End awaited routes by id (idempotent: see ``core.awaited_routes``). Every id is
         passed on to ``on_routes_ended``, known here or not: another replica may have issued
         it."""
+        if self.decision_sink is not None:
+            for route_id in route_ids:
+                worker_id = self.awaited.worker_of(route_id)
+                if worker_id is not None:
+                    self.decision_sink.ended(route_id, worker_id)
         ended = self.awaited.end(route_ids, self._clock())
         if self._on_routes_ended is not None and route_ids:
             self._on_routes_ended(tuple(route_ids))
