@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.engines_cases import REGIMES, RIGS, Regime, Rig, case_name
+from bench.engines_cases import REGIMES, RIGS, Regime, Rig, case_name, case_parts
 from bench.engines_checks import compare_sglang_like, smg_choices
 from bench.engines_fleet import (
     ENGINE_BLOCK,
@@ -106,13 +106,17 @@ class EnginesConfig:
     regimes: tuple[str, ...] = tuple(REGIMES)
     workloads: tuple[str, ...] = ("trace",)
     coordinators: tuple[str, ...] = ("embedded",)
-    engines: int = 2
+    engines: int | None = None
+    """Engines per case (None: the regime's, ``engines_cases.Regime.engines``)."""
     idle_s: float | None = None
     compare: int = 40
     probes: int = 6
 
     def chosen(self, choices: Mapping[str, tuple[str, ...]]) -> EnginesConfig:
-        """This config with the rigs and regimes the command line chose (the rest kept)."""
+        """This config with the rigs and regimes the command line chose (the rest kept); a
+        ``case`` chooses its workload, rig and regime."""
+        if "case" in choices:
+            choices = {**choices, **case_parts(choices["case"][0])}
         return replace(self, rigs=choices.get("rig", self.rigs),
                        regimes=choices.get("regime", self.regimes),
                        workloads=choices.get("workload", self.workloads),
@@ -230,29 +234,30 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
           embedded: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """One rig and regime: engines started for it, their prefill sized, every router's turns
     (and, when ``compare``, the sglang_like comparison, which needs engines up)."""
+    engines = config.engines or regime.engines
     kv_tokens = max(2 * config.shape.max_positions,
                     int(stream.distinct_tokens * regime.kv_share) // ENGINE_BLOCK
                     * ENGINE_BLOCK)
     dtype, dtype_bytes = engine_dtype()
     engine_config = EngineConfig(config.shape.max_positions, kv_tokens,
                                  config.shape.kv_bytes_per_token(dtype_bytes), dtype)
-    cores = rig.engine_cores(config.engines)
+    cores = rig.engine_cores(engines)
     capped = f", each capped at {rig.engine_quota} core" if rig.engine_quota else ""
     _log(f"{len(stream.requests)} requests, {stream.prompt_tokens:,} prompt tokens, "
          f"{stream.distinct_tokens:,} distinct; KV cache {kv_tokens:,} tokens per engine; "
          f"engines on cores {list(cores)}{capped}")
     log_dir.mkdir()
     with running_engines(python, work / "model", engine_config, log_dir, cores,
-                         quota=rig.engine_quota) as engines:
-        prefill = measure_prefill(engines, template_tokens(tokenizer))
+                         quota=rig.engine_quota) as fleet:
+        prefill = measure_prefill(fleet, template_tokens(tokenizer))
         _log(f"prefill of {PREFILL_TOKENS} tokens: cold {prefill['cold_ms']:.0f} ms, "
              f"cached {prefill['cached_ms']:.1f} ms ({prefill['ratio']:.1f}x)")
         # Pace: the stream's distinct tokens cost `load` of the engines' cold prefill time.
-        capacity = rig.compute_cores(config.engines) * prefill["cold_tokens_per_s"]
+        capacity = rig.compute_cores(engines) * prefill["cold_tokens_per_s"]
         duration = stream.distinct_tokens / (config.load * capacity)
         scale = duration / stream.trace_span_s if stream.trace_span_s else 1.0
         paced = stream.scaled(scale)
-        plan = TurnPlan(tuple(engines), paced, smg, work / "model", log_dir,
+        plan = TurnPlan(tuple(fleet), paced, smg, work / "model", log_dir,
                         config.shape.max_positions, rig.router_core, rig.client_core,
                         paced.duration_s if config.idle_s is None else config.idle_s,
                         config.probes, embedded)
@@ -260,28 +265,28 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
         comparison = None
         if compare:
             compared = stream.requests[:config.compare]
-            with smg_router(smg, engines, "cache_aware", log_dir, "compare") as router:
-                order = smg_worker_order(router, engines)
-                picks = smg_choices(router, engines, compared)
-            comparison = compare_sglang_like(engines, tokenizer, compared, picks, order)
+            with smg_router(smg, fleet, "cache_aware", log_dir, "compare") as router:
+                order = smg_worker_order(router, fleet)
+                picks = smg_choices(router, fleet, compared)
+            comparison = compare_sglang_like(fleet, tokenizer, compared, picks, order)
             _log(f"sglang_like agreed with smg on {comparison['agreed']} of {len(compared)}")
     routers = {name: ranges(runs[name]) for name in ROUTERS}
-    print(f"\nengines, {rig.name}/{regime.name}: routers in front of {config.engines} vLLM "
+    print(f"\nengines, {rig.name}/{regime.name}: routers in front of {engines} vLLM "
           f"CPU engines (mean, min-max over {config.repeats} "
           f"repeat{'s' if config.repeats > 1 else ''})")
     print(table(routers))
     print(decomposition_table(routers))
     print(cpu_table(routers, idle))
     prediction = None
-    if rig.independent(config.engines):  # else engines share a core
-        prediction = predict(paced, engines=config.engines, kv_tokens=kv_tokens,
+    if rig.independent(engines):  # else engines share a core
+        prediction = predict(paced, engines=engines, kv_tokens=kv_tokens,
                              engine_block=ENGINE_BLOCK, block_tokens=config.stream.block_tokens,
                              prefill=prefill, routers=routers,
                              step_tokens=engine_config.max_batched_tokens,
                              answer_tokens=config.stream.max_output_tokens)
         print(prediction_text(prediction))
     return {"rig": rig.name, "regime": regime.name, "prefill": prefill,
-            "engines": {"count": config.engines, "cores": list(cores),
+            "engines": {"count": engines, "cores": list(cores),
                         "quota_cores": rig.engine_quota,
                         "block_tokens": ENGINE_BLOCK, "kv_cache_tokens": kv_tokens,
                         "dtype": dtype,

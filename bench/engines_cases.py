@@ -69,11 +69,13 @@ class Rig:
 
 @dataclass(frozen=True, slots=True)
 class Regime:
-    """``kv_share``: each engine's KV cache as a share of the stream's distinct tokens."""
+    """``kv_share``: each engine's KV cache as a share of the stream's distinct tokens;
+    ``engines``: how many engines its cases run."""
 
     name: str
     kv_share: float
     about: str
+    engines: int
 
 
 RIGS = {r.name: r for r in (
@@ -87,8 +89,12 @@ RIGS = {r.name: r for r in (
 )}
 NEEDS_CGROUP = frozenset(name for name, rig in RIGS.items() if rig.engine_quota is not None)
 REGIMES = {r.name: r for r in (
-    Regime("roomy", 0.5, about="each engine holds half the stream's distinct tokens"),
-    Regime("pressure", 0.25, about="each engine holds a quarter: engines evict"),
+    Regime("roomy", 0.5, about="2 engines, each holding half the stream's distinct tokens",
+           engines=2),
+    # Four engines: together they hold the stream once over, so a router that keeps each
+    # prefix on one engine fits it, and one that spreads prefixes evicts.
+    Regime("pressure", 0.25, about="4 engines, each holding a quarter: engines evict",
+           engines=4),
 )}
 WORKLOADS = ("trace", "chat", "agent")
 """``trace``: the Mooncake synthetic trace; ``chat`` and ``agent``: the simulator's generated
@@ -97,9 +103,25 @@ COORDINATORS = ("embedded", "process")
 """Where our routers' coordinator runs: in the gateway's process (``kvcoord gateway
 --embed-coordinator``: routes with no RPC, one process fewer), or as a ``kvcoord coordinator``
 process of its own that the gateway calls over gRPC."""
+CASES = tuple(f"{workload}/{rig}/{regime}" for workload in WORKLOADS for rig in RIGS
+              for regime in REGIMES)
+"""``--case`` names: ``workload/rig/regime`` (the regime sets the engines: 4 under pressure,
+2 roomy)."""
 CHOICES = {"rig": tuple(RIGS), "regime": tuple(REGIMES), "workload": WORKLOADS,
-           "coordinator": COORDINATORS}
+           "coordinator": COORDINATORS, "case": CASES}
 """The options ``kvcoord bench engines`` takes, and their known values in default order."""
+
+
+def case_parts(case: str) -> dict[str, tuple[str, ...]]:
+    """A ``--case`` name as the choices it stands for (workload, rig, regime)."""
+    workload, rig, regime = case.split("/")
+    return {"workload": (workload,), "rig": (rig,), "regime": (regime,)}
+
+
+def case_file(case: str) -> str:
+    """Where a case's results go, under the results folder: ``engines/<workload>-<rig>-
+    <regime>`` (``.json`` added by the runner)."""
+    return "engines/" + case.replace("/", "-")
 
 
 class UnknownChoice(ValueError):
@@ -121,11 +143,14 @@ def parse_choice(option: str, value: str) -> tuple[str, ...]:
     for name in names:
         if name not in known:
             raise UnknownChoice(f"unknown {option} {name!r}; known: {', '.join(known)}")
-    if option == "rig" and NEEDS_CGROUP.intersection(names):
+    if option == "case" and len(names) > 1:
+        raise UnknownChoice(f"--case runs one case, got {len(names)}: {', '.join(names)}")
+    rigs = [case_parts(n)["rig"][0] for n in names] if option == "case" else names
+    if option in ("rig", "case") and NEEDS_CGROUP.intersection(rigs):
         from bench.engines_quota import quota_problem
 
         if (problem := quota_problem()) is not None:
-            raise UnknownChoice(f"rig {sorted(NEEDS_CGROUP.intersection(names))[0]!r} caps "
+            raise UnknownChoice(f"rig {sorted(NEEDS_CGROUP.intersection(rigs))[0]!r} caps "
                                 f"each engine with a cgroup CPU quota: {problem}")
     return tuple(dict.fromkeys(names))
 

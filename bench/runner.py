@@ -122,7 +122,9 @@ def run_suite(suite: str, *, quick: bool = False, out: Path = RESULTS,
         finally:
             took.append(f"{name} {time.perf_counter() - started:.0f}s")
         broken = suites[name].invariants(results)
-        _report(name, results, suites[name].targets(results), broken, quick, out, machine)
+        result_name = suites[name].result_name
+        _report(name, results, suites[name].targets(results), broken, quick, out, machine,
+                result_name(choices) if result_name is not None else name)
         failures.extend(f"{name}: invariant broken: {b}" for b in broken)
     print(f"kvcoord bench: {', '.join(took)}", file=sys.stderr)
     for failure in failures:
@@ -149,7 +151,8 @@ def _choices(suite: str, names: list[str], suites: Mapping[str, Suite],
 
 
 def _report(suite: str, results: dict[str, Any], targets: list[list[str]], broken: list[str],
-            quick: bool, out: Path, machine: machine_load.MachineLoad) -> None:
+            quick: bool, out: Path, machine: machine_load.MachineLoad,
+            file_name: str) -> None:
     for name, section in results.items():
         if section is None:
             print(f"\n{name}: not measured (optional peer package not installed)")
@@ -167,7 +170,7 @@ def _report(suite: str, results: dict[str, Any], targets: list[list[str]], broke
         **provenance(), "machine_at_start": machine.as_json(),
         "invariants_broken": broken, "results": results,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{suite}.json"
+    path = out / f"{file_name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     print(f"\nwrote {path}")

@@ -38,6 +38,9 @@ class Suite:
     parse: Callable[[str, str], tuple[str, ...]] | None = None
     """``parse(option, value)``: the names ``value`` gives, or ValueError naming the unknown
     one and the known ones (the runner exits 2 with that line)."""
+    result_name: Callable[[Choices], str] | None = None
+    """``result_name(choices)``: the JSON's path under the results folder, without ``.json``
+    (None: the suite's name)."""
 
 
 def coordinator_steps(quick: bool) -> list[Step]:
@@ -146,6 +149,12 @@ def engines_parse(option: str, value: str) -> tuple[str, ...]:
     return parse_choice(option, value)
 
 
+def engines_result_name(choices: Choices) -> str:
+    from bench.engines_cases import case_file
+
+    return case_file(choices["case"][0]) if "case" in choices else "engines"
+
+
 def engines_preflight(quick: bool) -> str | None:
     from bench.bench_engines import preflight
 
@@ -222,7 +231,7 @@ SUITES: dict[str, Suite] = {
     # runs its quick form; never part of `all`.
     "engines": Suite(engines_steps, engines_report.targets, engines_report.invariants,
                      in_all=False, preflight=engines_preflight, chosen=engines_steps,
-                     parse=engines_parse),
+                     parse=engines_parse, result_name=engines_result_name),
     # RL policy updates on two real vLLM engines (vLLM's environment): run by name, never in `all`.
     "rl": Suite(rl_steps, rl_report.targets, rl_report.invariants, in_all=False,
                 preflight=rl_preflight),

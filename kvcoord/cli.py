@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workload", metavar="NAMES", help="engines suite: trace (the Mooncake "
                        "synthetic trace), chat, agent (generated families); comma-separated "
                        "(default: trace)")
+    bench.add_argument("--case", metavar="NAME", help="engines suite: one case, "
+                       "WORKLOAD/RIG/REGIME (e.g. trace/quota/pressure: 4 engines; roomy: 2), "
+                       "its JSON in bench/results/engines/WORKLOAD-RIG-REGIME.json")
     bench.add_argument("--allow-busy", action="store_true",
                        help="measure even when other processes use more than half a core at "
                        "the start (by default the run refuses, exit 2, naming them)")

@@ -242,7 +242,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvcoord.bench_runner import run
 
-    options = {name: value for name in ("rig", "regime", "workload", "coordinator")
+    options = {name: value for name in ("rig", "regime", "workload", "coordinator", "case")
                if (value := getattr(args, name)) is not None}
     return run(args.suite, quick=args.quick, out=args.out, options=options,
                allow_busy=args.allow_busy)

@@ -4,7 +4,8 @@ A benchmark on a small machine measures whatever else runs beside it: on 2 cores
 engine skews every figure after it. So each benchmark, before it starts, samples the other
 processes' CPU over ``WINDOW_S`` (every process but itself and those above it, kernel threads
 included), records that and the load average in its JSON, and refuses to start when the others
-use more than ``BUSY_CORES`` unless told ``--allow-busy``.
+use more than ``BUSY_CORES`` unless told ``--allow-busy``; a result measured anyway says
+``"busy": true`` and counts as void (``bench.engines_matrix`` leaves it out).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class MachineLoad:
 
     def as_json(self) -> dict[str, Any]:
         return {
+            "busy": self.busy(),
             "load_average_1_5_15m": [round(x, 2) for x in self.load_average],
             "other_processes_cores": round(self.others_cores, 3),
             "busiest": [{"pid": p.pid, "command": p.command[:200], "cores": round(p.cores, 3)}

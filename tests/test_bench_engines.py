@@ -86,6 +86,46 @@ def test_an_unknown_rig_or_regime_exits_2_listing_the_known_ones(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_case_names_one_known_case_and_sets_its_workload_rig_regime_and_engines(
+    tmp_path: Path,
+) -> None:
+    from bench.bench_engines import full_config
+    from bench.engines_cases import CASES, REGIMES, case_file, parse_choice
+    from bench.suites import engines_result_name
+
+    env = {**os.environ, "KVCOORD_VLLM_PYTHON": str(executable(tmp_path / "python")),
+           "KVCOORD_SMG": str(executable(tmp_path / "smg"))}
+    for value, said in [
+        ("trace/gpu/roomy", f"unknown case 'trace/gpu/roomy'; known: {', '.join(CASES)}"),
+        ("chat/shared/roomy,agent/shared/roomy",
+         "--case runs one case, got 2: chat/shared/roomy, agent/shared/roomy")]:
+        done = child_process.run(
+            [sys.executable, "-m", "kvcoord.cli", "bench", "engines", "--case", value, "--out",
+             str(tmp_path / "out")], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=60)
+        assert (done.returncode, done.stderr) == (2, f"kvcoord bench engines: {said}\n")
+    assert len(CASES) == 18 and "agent/quota/pressure" in CASES
+    chosen = full_config().chosen({"case": parse_choice("case", "chat/shared/pressure")})
+    assert (chosen.workloads, chosen.rigs, chosen.regimes) == (
+        ("chat",), ("shared",), ("pressure",))
+    assert (REGIMES["pressure"].engines, REGIMES["roomy"].engines) == (4, 2)
+    assert case_file("chat/shared/pressure") == "engines/chat-shared-pressure"
+    assert engines_result_name({"case": ("chat/shared/pressure",)}) == (
+        "engines/chat-shared-pressure")
+    assert engines_result_name({"rig": ("shared",)}) == "engines"
+
+
+def test_a_suite_writes_its_json_where_its_result_name_says(tmp_path: Path) -> None:
+    suite = Suite(lambda quick: [("step", lambda: {"x": 1})], lambda r: [], lambda r: [],
+                  chosen=lambda quick, choices: [("step", lambda: {"x": 1})],
+                  parse=lambda option, value: (value,),
+                  result_name=lambda choices: f"nested/{choices['case'][0]}")
+    assert run_suite("s", out=tmp_path, suites={"s": suite}, options={"case": "one"},
+                     allow_busy=True) == 0
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.json")) == [
+        "nested/one.json"]
+
+
 def test_a_suite_without_rigs_refuses_the_option(tmp_path: Path) -> None:
     done = child_process.run(
         [sys.executable, "-m", "kvcoord.cli", "bench", "coordinator", "--rig", "shared",

@@ -1,0 +1,45 @@
+"""The engines matrix (bench/engines_matrix.py) reads every case's JSON in a folder: each
+router's row with its ranges, kv_aware's verdicts; a case started on a busy machine is void
+(listed, not tabled); one from a dirty tree is flagged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.engines_matrix import load_cases, main
+
+MEASURE = {"mean": 1000.0, "min": 900.0, "max": 1100.0}
+SHARE = {"mean": 0.45, "min": 0.4, "max": 0.5}
+
+
+def write_case(folder: Path, name: str, *, busy: bool, dirty: bool = False) -> None:
+    router = {"ttft_p50_ms": MEASURE, "ttft_p99_ms": MEASURE, "cached_share": SHARE}
+    case = {"engines": {"count": 4}, "verdicts": {"ttft_p50_ms": "overlap"},
+            "routers": {"kv_aware": router, "smg_cache_aware": router}}
+    report = {"commit": "abc", "dirty": dirty, "machine_at_start": {"busy": busy},
+              "results": {"engines": {"cases": {name: case}}}}
+    (folder / f"{name.replace('/', '-')}.json").write_text(json.dumps(report))
+
+
+def test_the_matrix_tables_every_case_and_leaves_void_ones_out(
+    tmp_path: Path, capsys: object,
+) -> None:
+    write_case(tmp_path, "trace/quota/pressure", busy=False)
+    write_case(tmp_path, "chat/quota/pressure", busy=True)
+    write_case(tmp_path, "agent/quota/roomy", busy=False, dirty=True)
+    cases, void = load_cases(tmp_path)
+    assert (sorted(cases), void) == (["agent/quota/roomy", "trace/quota/pressure"],
+                                     ["chat/quota/pressure"])
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out  # type: ignore[attr-defined]
+    lines = out.splitlines()
+    assert sum("trace/quota/pressure" in line for line in lines) == 2  # one row per router
+    assert "1,000 (900-1,100)" in out and "45.0% (40.0%-50.0%)" in out
+    assert "ttft_p50 overlap" in out
+    assert "void (the machine was busy at its start): chat/quota/pressure" in lines
+    assert "from a dirty tree (not quotable): agent/quota/roomy" in lines
+
+
+def test_an_empty_folder_says_how_to_fill_it(tmp_path: Path) -> None:
+    assert main([str(tmp_path)]) == 1
