@@ -54,12 +54,21 @@ def death_signal_prefix(sig: signal.Signals = signal.SIGTERM) -> list[str]:
     return [setpriv, "--pdeathsig", sig.name.removeprefix("SIG"), "--"] if setpriv else []
 
 
+def owner_marks(value: str | None) -> list[str]:
+    """The marks an ``OWNER_VAR`` value holds (``:``-separated, outermost first)."""
+    return [mark for mark in (value or "").split(":") if mark]
+
+
 def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this process's environment) with this process's owner mark added."""
+    """``env`` (default: this process's environment) carrying every owner mark this process
+    carries, after those ``env`` gives: a run inside a run (a test that runs a pytest of its
+    own under a mark of its own) is found by both marks."""
     out = dict(os.environ if env is None else env)
-    owner = os.environ.get(OWNER_VAR)
-    if owner:
-        out[OWNER_VAR] = owner
+    marks = owner_marks(os.environ.get(OWNER_VAR))
+    given = owner_marks(out.get(OWNER_VAR))
+    combined = [*marks, *(mark for mark in given if mark not in marks)]
+    if combined:
+        out[OWNER_VAR] = ":".join(combined)
     return out
 
 

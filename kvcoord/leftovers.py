@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 
 from kvcoord import proc_table
-from kvcoord.child_process import OWNER_VAR
+from kvcoord.child_process import OWNER_VAR, owner_marks
 
 POLL_S = 0.2
 
@@ -29,7 +29,7 @@ def marked(owner: str) -> list[proc_table.ProcInfo]:
     skip = proc_table.ancestors()
     found = []
     for pid in proc_table.pids():
-        if pid in skip or proc_table.environ_value(pid, OWNER_VAR) != owner:
+        if pid in skip or owner not in owner_marks(proc_table.environ_value(pid, OWNER_VAR)):
             continue
         info = proc_table.read(pid)
         if info is not None:
@@ -78,8 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grace-s", type=float, default=10.0,
                         help="how long processes may take to end (default 10)")
     args = parser.parse_args(argv)
-    if not args.owner:
-        parser.error("the owner mark must not be empty")
+    if not args.owner or ":" in args.owner:
+        parser.error("the owner mark must be one non-empty mark (no ':')")
     left = wait_gone(args.owner, args.grace_s)
     if not left:
         print(f"leftovers: none ({OWNER_VAR}={args.owner})")

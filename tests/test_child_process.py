@@ -44,6 +44,7 @@ def servers():
         [sys.executable, "-c", NESTED % ("None" if SIGNAL is None else "signal.SIGTERM")],
         death_signal=SIGNAL)
     yield coordinator, nested
+    child_process.stop_processes([coordinator, nested])  # reached only if not killed
 
 def test_waits_to_be_killed(servers):
     Path(os.environ["READY_FILE"]).write_text("ready")
@@ -87,7 +88,11 @@ def alive_after_kill(inner: subprocess.Popen[bytes], owner: str) -> list[str]:
 def test_a_pytest_killed_with_sigkill_takes_its_fixture_servers_along(tmp_path: Path) -> None:
     owner = f"test-kill-{secrets.token_hex(4)}"
     inner = run_inner_pytest(tmp_path, owner, plant=False)
-    assert alive_after_kill(inner, owner) == []
+    try:
+        assert alive_after_kill(inner, owner) == []
+    finally:
+        child_process.stop_processes([inner], grace=1.0)
+        leftovers.kill(leftovers.marked(owner))
 
 
 @pytest.mark.skipif(not child_process.death_signal_prefix(), reason="needs Linux's setpriv")
@@ -101,6 +106,7 @@ def test_without_the_death_signal_they_outlive_it(tmp_path: Path) -> None:
         assert any("kvcoord.cli coordinator" in command for command in alive), alive
         assert any(command == "sleep 300" for command in alive), alive
     finally:
+        child_process.stop_processes([inner], grace=1.0)
         leftovers.kill(leftovers.marked(owner))
 
 
@@ -157,11 +163,18 @@ def test_the_leftover_check_passes_a_run_that_cleaned_up(tmp_path: Path) -> None
 def test_a_child_carries_the_owner_mark_even_given_an_environment_of_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(child_process.OWNER_VAR, "marked")
-    done = child_process.run([sys.executable, "-c", "import os; print(os.environ.get("
-                              f"{child_process.OWNER_VAR!r}), os.environ.get('ONLY'))"],
-                             env={"ONLY": "this"}, capture_output=True, text=True, check=True)
-    assert done.stdout.split() == ["marked", "this"]
+    monkeypatch.setenv(child_process.OWNER_VAR, "outer")
+    show = ("import os; print(os.environ.get("
+            f"{child_process.OWNER_VAR!r}), os.environ.get('ONLY'))")
+    done = child_process.run([sys.executable, "-c", show], env={"ONLY": "this"},
+                             capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["outer", "this"]
+    # A run inside the run (a test's own pytest under its own mark) carries both marks, so
+    # both the test and the outer run's check find what it leaves.
+    done = child_process.run([sys.executable, "-c", show],
+                             env={"ONLY": "inner", child_process.OWNER_VAR: "test-1"},
+                             capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["outer:test-1", "inner"]
 
 
 def test_a_start_off_the_main_thread_is_refused() -> None:

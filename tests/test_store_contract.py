@@ -485,9 +485,13 @@ async def test_redis_state_survives_a_crash_restart_with_aof() -> None:
             await store.record_ack(2, "w1", "applied")
             ids = [await store.append("rollouts", {"n": str(i)}, maxlen=100) for i in range(3)]
 
-            # SIGKILL: only what reached the AOF survives. In a thread, so the event loop sees
-            # the old connection close, as it would in a running coordinator.
-            await asyncio.to_thread(server.restart, hard=True)
+            # SIGKILL: only what reached the AOF survives. The event loop runs between the crash
+            # and the restart, so it sees the old connection close, as it would in a running
+            # coordinator. (Started from this, the main, thread: a child's death signal follows
+            # the thread that started it; kvcoord.child_process.)
+            server.stop(hard=True)
+            await asyncio.sleep(0.2)
+            server.start()
 
             assert await store.get_policy() == dataclasses.replace(policy, epoch=1)
             assert await store.get_worker("w1") == worker
