@@ -48,8 +48,12 @@ def git(*args: str) -> str:
 
 
 def run_ci(clone: Path) -> tuple[int, list[str]]:
-    """``.ci/run`` in ``clone``: its output passed through, its stage lines collected."""
-    env = {**os.environ, "CI": "true"}
+    """``.ci/run`` in ``clone``: its output passed through, its stage lines collected. Its
+    temporary files (pytest's, the benchmarks' scratch folders) go under the clone's ``tmp/``
+    (ignored by git), so they go with it."""
+    scratch = clone / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "CI": "true", "TMPDIR": str(scratch)}
     process = child_process.start(["bash", ".ci/run"], cwd=clone, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stages = []

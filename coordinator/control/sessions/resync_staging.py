@@ -16,7 +16,7 @@ import structlog
 from coordinator.control.sessions.sync_messages import InventoryIn, Resync
 from coordinator.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from coordinator.core.fleet import RegisteredWorker
-from coordinator.core.fleet.fleet import PAGE_BOUND_FACTOR
+from coordinator.core.fleet.registered_worker import PAGE_BOUND_FACTOR
 from coordinator.wire import Reason
 
 log = structlog.get_logger(__name__)

@@ -39,7 +39,7 @@ from coordinator.core.errors import (
     ResourceExhausted,
 )
 from coordinator.core.fleet import BatchVerdict, Fleet, RegisteredWorker
-from coordinator.core.fleet.fleet import PAGE_BOUND_FACTOR
+from coordinator.core.fleet.registered_worker import PAGE_BOUND_FACTOR
 from coordinator.core.hashing import HashConfig
 from coordinator.core.index import PageEvent, PagesStored, PrefixIndex
 from coordinator.store.protocol import MetadataStore, StoreUnavailable

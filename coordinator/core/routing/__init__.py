@@ -16,6 +16,10 @@
   ends are remembered, so a route that arrives after its end is settled at once.
 - ``inflight_snapshot``: a worker's in-flight routes as one value (``InFlightRoutes``), for a
   replica that joins later.
+- ``router_books``: ``RouterBooks``, the in-flight books ``Router`` keeps, fed by other
+  replicas' decisions too.
+- ``decision_trace``: a decision taken apart, term by term, for the chosen worker and the
+  best holder (``DecisionTrace``), and the ``DecisionSink`` that hears them.
 
 Pure core: no I/O; randomness comes in as a ``random.Random``.
 """

@@ -9,11 +9,11 @@ considered, so a page computed under another version can never count as a hit.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from coordinator.core.errors import InvalidArgument, Unavailable
-from coordinator.core.fleet import Candidate, Fleet, RegisteredWorker
+from coordinator.core.fleet import Candidate, Fleet
 from coordinator.core.hashing import PageHasher
 from coordinator.core.index import PrefixIndex
 from coordinator.core.routing.awaited_routes import AwaitedRoutes, EndedRoutes
@@ -25,11 +25,6 @@ from coordinator.core.routing.choosers import (
     make_chooser,
 )
 from coordinator.core.routing.decision_trace import DecisionSink, trace_decision
-from coordinator.core.routing.inflight_snapshot import (
-    InFlightRoutes,
-    inflight_of,
-    restore_inflight,
-)
 from coordinator.core.routing.route_types import (
     BatchResult,
     LookupResult,
@@ -39,6 +34,7 @@ from coordinator.core.routing.route_types import (
     Scope,
 )
 from coordinator.core.routing.route_views import RouteViews
+from coordinator.core.routing.router_books import RouterBooks
 from coordinator.core.routing.routing_values import Decision, KvAwareWeights, RoutingRequest
 from coordinator.core.routing.shortlists import NoEligibleWorker, Shortlist, decide
 from coordinator.core.routing.version_view import VersionView
@@ -56,7 +52,7 @@ class RouterCounters:
     cached_tokens: int = 0
 
 
-class Router:
+class Router(RouterBooks):
     """Answers scheduling questions from the index and the fleet; mutates only pending entries,
     in-flight accounting and counters (a lookup mutates nothing but its counter)."""
 
@@ -84,17 +80,14 @@ class Router:
         made here (the replication outbox publishes them; unset: nobody else counts them).
         ``decision_sink`` hears each route's ``DecisionTrace`` and each awaited route's end
         (a debugging aid: it reads every idle candidate, O(fleet) a route)."""
-        self.max_inflight = max_inflight
-        self.awaited = (awaited if awaited is not None  # an empty one is falsy
-                        else AwaitedRoutes(ttl_s=600.0, capacity=max_inflight))
+        super().__init__(index=index, fleet=fleet, clock=clock, max_inflight=max_inflight,
+                         awaited=(awaited if awaited is not None  # an empty one is falsy
+                                  else AwaitedRoutes(ttl_s=600.0, capacity=max_inflight)))
         self.views = RouteViews(
             hasher=hasher, index=index, fleet=fleet, page_size=page_size,
             default_model=default_model, serving_version=serving_version,
             servable_versions=servable_versions)
-        self._index = index
-        self._fleet = fleet
         self._page_size = page_size
-        self._clock = clock
         self._rng = rng or random.Random()
         self._weights = weights or KvAwareWeights()
         self._on_routed = on_routed
@@ -371,48 +364,3 @@ class Router:
         if self._on_routes_ended is not None and route_ids:
             self._on_routes_ended(tuple(route_ids))
         return ended
-
-    def take_reservation(self, reservation: RouteReservation) -> bool:
-        """Count a decision another replica made, as if made here (pending entries, in-flight
-        load; not this replica's routing totals). False, changing nothing, when the worker is
-        not the incarnation it was routed to."""
-        session = self._fleet.get(reservation.worker_id)
-        if session is None or session.incarnation != reservation.incarnation:
-            return False
-        if reservation.pending_keys:
-            self._index.add_pending(session.worker_id, reservation.pending_keys)
-        now = self._clock()
-        if reservation.awaited:
-            self.awaited.hold(session, reservation.uncached_tokens, reservation.copies,
-                              now, route_id=reservation.route_id,
-                              context_tokens=reservation.context_tokens)
-        else:
-            session.hold_inflight(reservation.uncached_tokens, reservation.copies,
-                                  self.max_inflight, reservation.context_tokens)
-        work = reservation.prefill_tokens
-        if work is None:  # an older replica: the most it could have counted
-            work = reservation.uncached_tokens * reservation.copies
-        keys = reservation.pending_keys
-        session.queue_prefill(work, now, keys)
-        return True
-
-    def inflight(self, sessions: Iterable[RegisteredWorker]) -> list[InFlightRoutes]:
-        """The routes in flight to each of ``sessions`` here (for a replica that joins)."""
-        return inflight_of(sessions, self.awaited, self._clock())
-
-    def restore_inflight(self, routes: InFlightRoutes) -> bool:
-        """Take another replica's in-flight routes of a worker (``inflight_snapshot``); False,
-        changing nothing, when the worker is not that incarnation here."""
-        session = self._fleet.get(routes.worker_id)
-        if session is None or session.incarnation != routes.incarnation:
-            return False
-        restore_inflight(session, routes, self.awaited, self._clock(), self.max_inflight)
-        return True
-
-    def end_remote_routes(self, route_ids: Sequence[str]) -> EndedRoutes:
-        """End routes another replica was told to end (not passed on again)."""
-        return self.awaited.end(route_ids, self._clock())
-
-    def expire_awaited(self) -> None:
-        """Release awaited routes past their TTL (the reaper calls this)."""
-        self.awaited.expire(self._clock())
