@@ -42,8 +42,10 @@ def test_a_build_lands_complete_under_its_name_and_its_scripts_run_from_there(
     final = build(SMALL, cache=tmp_path)
     assert final == tmp_path / SMALL.name() and is_complete(final)
     assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
-    # The console script's shebang names the final folder, not the one it was built in.
-    assert (final / "bin" / "pip").read_text().splitlines()[0] == f"#!{final}/bin/python"
+    # The console script names the final folder's Python, not the one it was built in (in
+    # its shebang, or, past the kernel's 127 characters, in pip's /bin/sh trampoline).
+    script = (final / "bin" / "pip").read_text()
+    assert f"{final}/bin/python" in script and ".partial-" not in script
     done = child_process.run([final / "bin" / "pip", "--version"], capture_output=True,
                              text=True, check=True)
     assert str(final) in done.stdout
