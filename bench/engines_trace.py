@@ -12,7 +12,9 @@ tokens the engine then reported cached). Joined by route id, per turn:
   cost exceeded the chosen one's most: ``queued``, ``running``, ``memory``...);
 - **matched** tokens (the index, at routing) against **served** (the engine's usage): a route
   whose engine served fewer than the index matched lost holdings between the route and the
-  prefill (**shortfall**);
+  prefill (**shortfall**); one whose engine served more held pages the index did not know of
+  when it routed (**surplus**: events not yet in, or a pending entry expired before its prefill
+  ran);
 - **evicted**: pages the chosen engine reported removed between the decision and the route's
   end.
 """
@@ -24,6 +26,8 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from bench.engines_fleet import ENGINE_BLOCK
 
 TERMS = ("prefill", "lower_tier", "queued", "running", "memory", "overflow", "duplicate")
 DECISION_LOG_VAR = "KVCOORD_DECISION_LOG"
@@ -67,6 +71,7 @@ def read_trace(log_paths: Iterable[Path], page_size: int) -> dict[str, Any]:
             requests[route_id] = entry
     away: Counter[str] = Counter()
     matched = served = short_routes = short_tokens = evicted = evicting_routes = 0
+    surplus_routes = surplus_tokens = 0
     answered = 0
     for route_id, decision in decisions.items():
         if decision.get("left_holder"):
@@ -81,6 +86,11 @@ def read_trace(log_paths: Iterable[Path], page_size: int) -> dict[str, Any]:
             if cached < match:
                 short_routes += 1
                 short_tokens += match - cached
+            # vLLM reuses whole blocks and recomputes a prompt's last token: a surplus is a
+            # block or more beyond the pages matched.
+            elif cached >= match + ENGINE_BLOCK:
+                surplus_routes += 1
+                surplus_tokens += cached - match
         end = ends.get(route_id)
         if end is not None:
             removed = end["pages_removed"] - decision["chosen_pages_removed"]
@@ -92,6 +102,7 @@ def read_trace(log_paths: Iterable[Path], page_size: int) -> dict[str, Any]:
         "left_holder": sum(away.values()), "sent_away_by": dict(away.most_common()),
         "answered": answered, "matched_tokens": matched, "served_cached_tokens": served,
         "shortfall_routes": short_routes, "shortfall_tokens": short_tokens,
+        "surplus_routes": surplus_routes, "surplus_tokens": surplus_tokens,
         "ended": sum(1 for r in decisions if r in ends), "evicted_pages": evicted,
         "routes_with_evictions": evicting_routes,
     }
@@ -103,6 +114,7 @@ def trace_text(trace: dict[str, Any]) -> str:
     return (f"decision trace: {trace['routes']} routes, {trace['left_holder']} left their "
             f"holder (sent away by: {away}); the index matched {trace['matched_tokens']:,} "
             f"tokens, the engines served {trace['served_cached_tokens']:,} from cache "
-            f"({trace['shortfall_routes']} routes short by {trace['shortfall_tokens']:,}); "
+            f"({trace['shortfall_routes']} routes short by {trace['shortfall_tokens']:,}, "
+            f"{trace['surplus_routes']} over by {trace['surplus_tokens']:,}); "
             f"{trace['evicted_pages']:,} pages evicted on the chosen engine while "
             f"{trace['routes_with_evictions']} routes ran")

@@ -39,7 +39,8 @@ def test_the_trace_joins_decisions_ends_and_answers_by_route_id(tmp_path: Path) 
     assert (stays.worker_id, leaves.worker_id) == ("busy", "idle")
     gateway = [
         {"event": "gateway.request", "route_id": stays.route_id, "cached_tokens": 160},
-        {"event": "gateway.request", "route_id": leaves.route_id, "cached_tokens": 0},
+        # The idle engine served two blocks the index did not know of when it routed.
+        {"event": "gateway.request", "route_id": leaves.route_id, "cached_tokens": 64},
         {"event": "gateway.request", "status": 400, "outcome": "refused"},  # never routed
     ]
     log = tmp_path / "gateway.log"
@@ -48,8 +49,9 @@ def test_the_trace_joins_decisions_ends_and_answers_by_route_id(tmp_path: Path) 
     trace = read_trace([log, tmp_path / "absent.log"], PAGE)
     assert trace == {
         "routes": 2, "with_holder": 2, "left_holder": 1, "sent_away_by": {"queued": 1},
-        "answered": 2, "matched_tokens": 12 * PAGE, "served_cached_tokens": 160,
-        "shortfall_routes": 1, "shortfall_tokens": 12 * PAGE - 160, "ended": 2,
+        "answered": 2, "matched_tokens": 12 * PAGE, "served_cached_tokens": 160 + 64,
+        "shortfall_routes": 1, "shortfall_tokens": 12 * PAGE - 160,
+        "surplus_routes": 1, "surplus_tokens": 64, "ended": 2,
         "evicted_pages": 2, "routes_with_evictions": 1}
     decision = next(e for e in logs if e.get("route_id") == leaves.route_id)
     assert sent_away_by(decision) == "queued"
