@@ -124,10 +124,14 @@ class EnginesConfig:
 
 
 def full_config() -> EnginesConfig:
-    # Idle CPU is a rate: 20 s of it reads a timer's cost to within psutil's 10 ms tick (0.5
-    # ms/s), where a whole turn's length would add a quarter to every case's time.
+    # A case (12 turns: 4 routers x 3 repeats) must fit 15 minutes on 2 cores. A turn's
+    # length is the stream's paced duration, which is its distinct tokens over `load` of the
+    # engines' capacity: 32 tokens per trace block halves it against 64 and keeps prompts of
+    # 900 tokens on average, cold 8-20x slower than cached (what routing decides), while 160
+    # requests keep every family's repeats. Idle CPU is a rate: 10 s reads a timer's cost to
+    # within psutil's 10 ms tick (1 ms/s).
     return EnginesConfig(Path(os.environ.get(TRACE_VAR) or FULL_TRACE),
-                         StreamShape(requests=160), idle_s=20.0)
+                         StreamShape(requests=160, block_tokens=32), idle_s=10.0)
 
 
 def quick_config() -> EnginesConfig:
@@ -253,7 +257,8 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
         _log(f"prefill of {PREFILL_TOKENS} tokens: cold {prefill['cold_ms']:.0f} ms, "
              f"cached {prefill['cached_ms']:.1f} ms ({prefill['ratio']:.1f}x)")
         # Pace: the stream's distinct tokens cost `load` of the engines' cold prefill time.
-        capacity = rig.compute_cores(engines) * prefill["cold_tokens_per_s"]
+        # Each engine's speed was measured alone, under its rig's cap where it has one.
+        capacity = rig.parallel_engines(engines) * prefill["cold_tokens_per_s"]
         duration = stream.distinct_tokens / (config.load * capacity)
         scale = duration / stream.trace_span_s if stream.trace_span_s else 1.0
         paced = stream.scaled(scale)

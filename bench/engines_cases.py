@@ -55,11 +55,12 @@ class Rig:
     def engine_cores(self, engines: int) -> tuple[int, ...]:
         return tuple(self.spread[i % len(self.spread)] for i in range(engines))
 
-    def compute_cores(self, engines: int) -> float:
-        """The engines' prefill capacity in cores: each one's quota where capped, else the
-        distinct cores they compute on."""
+    def parallel_engines(self, engines: int) -> int:
+        """How many of ``engines`` prefill at once, each at the speed one engine measured
+        alone: all of them where capped (each was measured under its own cap), else one per
+        distinct core they compute on (engines sharing a core share its speed)."""
         if self.engine_quota is not None:
-            return engines * self.engine_quota
+            return engines
         return len(set(self.engine_cores(engines)))
 
     def independent(self, engines: int) -> bool:

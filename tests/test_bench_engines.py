@@ -147,13 +147,14 @@ def test_the_engines_config_takes_the_chosen_rigs_and_regimes() -> None:
     assert (full.workloads, chosen.workloads) == (("trace",), ("chat", "trace"))
     # production: every engine computes on core 0, the routers and client on core 1.
     assert RIGS["production"].engine_cores(4) == (0, 0, 0, 0)
-    assert RIGS["production"].compute_cores(4) == 1
+    assert RIGS["production"].parallel_engines(4) == 1
     assert (RIGS["production"].router_core, RIGS["production"].client_core) == (1, 1)
     assert RIGS["shared"].engine_cores(4) == (0, 1, 0, 1)
-    assert RIGS["shared"].compute_cores(2) == 2
-    # quota: capacity is each engine's cap, whatever the cores; engines are independent.
+    assert RIGS["shared"].parallel_engines(2) == 2 and RIGS["shared"].parallel_engines(4) == 2
+    # quota: each engine was measured under its cap, and all prefill at once whatever the
+    # cores (counting the cap again paced the stream at 0.45 of its load); independent.
     assert RIGS["quota"].engine_cores(4) == (0, 1, 0, 1)
-    assert RIGS["quota"].compute_cores(4) == 4 * RIGS["quota"].engine_quota == 1.8
+    assert RIGS["quota"].parallel_engines(4) == 4
     assert RIGS["quota"].independent(4) and not RIGS["production"].independent(2)
 
 
