@@ -14,7 +14,7 @@ One run (docs/ENGINES.md says more):
    - **turns** (``engines_turns``): for each repeat, each router in turn, fresh, the engines'
      prefix caches reset, the whole stream replayed (``engines_load``); the router's CPU per
      process, its idle CPU (first repeat), the engines' own TTFT, queue and prefill times and
-     the gateway's added latency (``engines_signals``). After each kvcoord ``kv_aware`` turn,
+     the gateway's added latency (``engines_signals``). After the first kvcoord ``kv_aware`` turn,
      ``engines_checks.check_index`` probes that the engines' cached tokens are the index's.
 3. **sglang_like vs smg** (first case): the stream's first requests, one at a time, through a
    fresh smg ``cache_aware``, compared with the simulator's ``SglangLikeRouter``.
@@ -124,14 +124,16 @@ class EnginesConfig:
 
 
 def full_config() -> EnginesConfig:
-    # A case (12 turns: 4 routers x 3 repeats) must fit 15 minutes on 2 cores. A turn's
-    # length is the stream's paced duration, which is its distinct tokens over `load` of the
-    # engines' capacity: 32 tokens per trace block halves it against 64 and keeps prompts of
-    # 900 tokens on average, cold 8-20x slower than cached (what routing decides), while 160
-    # requests keep every family's repeats. Idle CPU is a rate: 10 s reads a timer's cost to
-    # within psutil's 10 ms tick (1 ms/s).
+    # A case (12 turns: 4 routers x 3 repeats) must fit 15 minutes on 2 cores. A turn lasts
+    # the stream's paced duration: its distinct tokens over `load` of the engines' prefill
+    # capacity. 32 tokens per trace block (one engine block each) keeps 160 requests, every
+    # family's repeats, at prompts of about 1,000 tokens; 4 layers instead of 6 prefill them
+    # 1.5x faster (at 6, a case took 22 minutes), still far slower cold than cached (the bar
+    # below: 10x), which is what routing decides. Idle CPU is a rate: 10 s reads a timer's
+    # cost to within psutil's 10 ms tick (1 ms/s).
     return EnginesConfig(Path(os.environ.get(TRACE_VAR) or FULL_TRACE),
-                         StreamShape(requests=160, block_tokens=32), idle_s=10.0)
+                         StreamShape(requests=160, block_tokens=32),
+                         shape=ModelShape(layers=4), idle_s=10.0)
 
 
 def quick_config() -> EnginesConfig:
@@ -246,13 +248,14 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
     engine_config = EngineConfig(config.shape.max_positions, kv_tokens,
                                  config.shape.kv_bytes_per_token(dtype_bytes), dtype)
     cores = rig.engine_cores(engines)
-    capped = f", each capped at {rig.engine_quota} core" if rig.engine_quota else ""
+    quota = rig.engine_quota(engines)
+    capped = f", each capped at {quota:g} core" if quota else ""
     _log(f"{len(stream.requests)} requests, {stream.prompt_tokens:,} prompt tokens, "
          f"{stream.distinct_tokens:,} distinct; KV cache {kv_tokens:,} tokens per engine; "
          f"engines on cores {list(cores)}{capped}")
     log_dir.mkdir()
     with running_engines(python, work / "model", engine_config, log_dir, cores,
-                         quota=rig.engine_quota) as fleet:
+                         quota=quota) as fleet:
         prefill = measure_prefill(fleet, template_tokens(tokenizer))
         _log(f"prefill of {PREFILL_TOKENS} tokens: cold {prefill['cold_ms']:.0f} ms, "
              f"cached {prefill['cached_ms']:.1f} ms ({prefill['ratio']:.1f}x)")
@@ -292,7 +295,7 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
         print(prediction_text(prediction))
     return {"rig": rig.name, "regime": regime.name, "prefill": prefill,
             "engines": {"count": engines, "cores": list(cores),
-                        "quota_cores": rig.engine_quota,
+                        "quota_cores": quota,
                         "block_tokens": ENGINE_BLOCK, "kv_cache_tokens": kv_tokens,
                         "dtype": dtype,
                         "kv_share": regime.kv_share, "max_num_seqs": engine_config.max_num_seqs,

@@ -8,12 +8,13 @@ Rigs, on a machine's first two cores:
   latency and where requests queue.
 - ``shared``: one engine per core, round robin; the routers and the client float over both
   (the bench as it first ran). Router CPU competes with prefill here.
-- ``quota``: one engine per core, round robin, each capped at ``QUOTA_CORES`` of its core by a
-  cgroup CPU quota (``engines_quota``); the routers and the client float over what is left.
-  Engines are then independent servers of one speed whatever their number, as GPUs are: on a
-  shared core a queue-aware rule reads their common slowness as each one's backlog. Needs a
-  writable cgroup v1 ``cpu`` controller (root): asked for where there is none, the command
-  exits 2 saying so.
+- ``quota``: one engine per core, round robin, the engines sharing ``QUOTA_CORES`` cores
+  evenly, each capped at its share by a cgroup CPU quota (``engines_quota``: 0.45 core each
+  for 4 engines, 0.9 for 2); the routers and the client float over what is left. Engines are
+  then independent servers, as GPUs are: on a shared core a queue-aware rule reads their
+  common slowness as each one's backlog. Every regime gets the same compute, so a case's
+  stream takes as long whatever its engine count. Needs a writable cgroup v1 ``cpu``
+  controller (root): asked for where there is none, the command exits 2 saying so.
 
 Workloads (``WORKLOADS``): the synthetic trace, and the simulator's ``chat`` and ``agent``
 families.
@@ -35,22 +36,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-QUOTA_CORES = 0.45
-"""The quota rig's cap per engine: four engines take 1.8 of two cores, leaving the routers
-and the client 0.2 (two take 0.9, leaving 1.1)."""
+QUOTA_CORES = 1.8
+"""The quota rig's engines share 1.8 of the two cores evenly (0.45 each for four, 0.9 for
+two), leaving the routers and the client 0.2."""
 
 
 @dataclass(frozen=True, slots=True)
 class Rig:
     """Cores: ``engine_cores(n)`` for n engines; the routers' and the client's core (None:
-    unpinned); ``engine_quota``: each engine's cap in cores (None: none)."""
+    unpinned); ``engines_quota``: the cores the engines share evenly, each capped at its share
+    (None: uncapped)."""
 
     name: str
     spread: tuple[int, ...]
     router_core: int | None
     client_core: int | None
     about: str
-    engine_quota: float | None = None
+    engines_quota: float | None = None
+
+    def engine_quota(self, engines: int) -> float | None:
+        """Each of ``engines`` engines' cap in cores (None: uncapped)."""
+        return None if self.engines_quota is None else self.engines_quota / engines
 
     def engine_cores(self, engines: int) -> tuple[int, ...]:
         return tuple(self.spread[i % len(self.spread)] for i in range(engines))
@@ -59,13 +65,14 @@ class Rig:
         """How many of ``engines`` prefill at once, each at the speed one engine measured
         alone: all of them where capped (each was measured under its own cap), else one per
         distinct core they compute on (engines sharing a core share its speed)."""
-        if self.engine_quota is not None:
+        if self.engines_quota is not None:
             return engines
         return len(set(self.engine_cores(engines)))
 
     def independent(self, engines: int) -> bool:
         """Whether no engine's work slows another's (capped, or a core each)."""
-        return self.engine_quota is not None or len(set(self.engine_cores(engines))) == engines
+        return (self.engines_quota is not None
+                or len(set(self.engine_cores(engines))) == engines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +91,11 @@ RIGS = {r.name: r for r in (
         about="engines on core 0; routers and client on core 1"),
     Rig("shared", (0, 1), router_core=None, client_core=None,
         about="an engine per core; routers and client unpinned"),
-    Rig("quota", (0, 1), router_core=None, client_core=None, engine_quota=QUOTA_CORES,
-        about=f"an engine per core, each capped at {QUOTA_CORES} core by a cgroup; routers "
-              "and client on what is left"),
+    Rig("quota", (0, 1), router_core=None, client_core=None, engines_quota=QUOTA_CORES,
+        about=f"an engine per core, the engines sharing {QUOTA_CORES} cores evenly, each "
+              "capped at its share by a cgroup; routers and client on what is left"),
 )}
-NEEDS_CGROUP = frozenset(name for name, rig in RIGS.items() if rig.engine_quota is not None)
+NEEDS_CGROUP = frozenset(name for name, rig in RIGS.items() if rig.engines_quota is not None)
 REGIMES = {r.name: r for r in (
     Regime("roomy", 0.5, about="2 engines, each holding half the stream's distinct tokens",
            engines=2),

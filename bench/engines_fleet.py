@@ -123,8 +123,9 @@ def running_engines(python: Path, model_dir: Path, config: EngineConfig, log_dir
                     cores: Sequence[int] = (0, 1),
                     quota: float | None = None) -> Iterator[list[Engine]]:
     """An engine per entry of ``cores`` (pinned there), each capped at ``quota`` cores by a
-    cgroup of its own when given (``engines_quota``), started together; yields them healthy;
-    stops them all (and removes their groups)."""
+    cgroup of its own when given (``engines_quota``: uncapped while they start, capped once
+    all are healthy), started together; yields them healthy; stops them all (and removes
+    their groups)."""
     # Not under log_dir: a Unix socket's path is at most 107 bytes.
     scratch = Path(tempfile.mkdtemp(prefix="kvcoord-engines-"))
     engines: list[Engine] = []
@@ -134,7 +135,8 @@ def running_engines(python: Path, model_dir: Path, config: EngineConfig, log_dir
             for i, core in enumerate(cores):
                 port = free_port()
                 events, replay = f"ipc://{scratch}/events-{i}", f"ipc://{scratch}/replay-{i}"
-                inside = quotas.group(f"vllm-{i}", quota) if quotas and quota else []
+                inside = (quotas.group(f"vllm-{i}", quota, capped=False)
+                          if quotas and quota else [])
                 argv = _vllm_argv(python, model_dir, port, events, replay, config)
                 proc = start(f"vllm-{i}", [*inside, *argv], env=vllm_env(scratch, core),
                              log_dir=log_dir, core=core)
@@ -145,6 +147,8 @@ def running_engines(python: Path, model_dir: Path, config: EngineConfig, log_dir
                 wait_until(lambda e=engine: http_get(f"{e.url}/health") is not None,  # type: ignore[misc]
                            timeout_s=VLLM_START_S, what=f"{engine.worker_id}'s /health",
                            procs=procs)
+            if quotas is not None:
+                quotas.cap()
             yield engines
         finally:
             stop([e.proc for e in engines])  # before the groups are removed (ExitStack)

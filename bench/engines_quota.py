@@ -70,17 +70,27 @@ class CpuQuotas:
     def __init__(self, root: Path | None = None) -> None:
         self.root = root or cgroup_root()
         self.run = self.root / f"{PREFIX}{os.getpid()}"
+        self._caps: dict[Path, float] = {}
 
-    def group(self, name: str, cores: float) -> list[str]:
-        """A group capped at ``cores``; the argv prefix that starts a process inside it (a
-        shell that moves itself in, then execs the process: nothing it forks escapes)."""
+    def group(self, name: str, cores: float, *, capped: bool = True) -> list[str]:
+        """A group capped at ``cores`` (or, with ``capped`` False, uncapped until ``cap``:
+        a process's start-up, imports and compilation, is not what the cap models); the argv
+        prefix that starts a process inside it (a shell that moves itself in, then execs the
+        process: nothing it forks escapes)."""
         if not cores > 0:
             raise ValueError(f"a CPU quota must be > 0 cores, got {cores}")
         path = self.run / name
         path.mkdir(parents=True, exist_ok=True)
         (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (path / "cpu.cfs_quota_us").write_text(str(round(cores * PERIOD_US)))
+        self._caps[path] = cores
+        (path / "cpu.cfs_quota_us").write_text(
+            str(round(cores * PERIOD_US)) if capped else "-1")
         return ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(path)]
+
+    def cap(self) -> None:
+        """Apply every group's cap now (those made uncapped included)."""
+        for path, cores in self._caps.items():
+            (path / "cpu.cfs_quota_us").write_text(str(round(cores * PERIOD_US)))
 
     def close(self, wait_s: float = 10.0) -> None:
         """Remove every group once empty (a stopped process leaves its group within moments);

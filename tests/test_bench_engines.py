@@ -155,6 +155,9 @@ def test_the_engines_config_takes_the_chosen_rigs_and_regimes() -> None:
     # cores (counting the cap again paced the stream at 0.45 of its load); independent.
     assert RIGS["quota"].engine_cores(4) == (0, 1, 0, 1)
     assert RIGS["quota"].parallel_engines(4) == 4
+    # the engines share the same cores in every regime: each one's cap is its share
+    assert (RIGS["quota"].engine_quota(4), RIGS["quota"].engine_quota(2)) == (0.45, 0.9)
+    assert RIGS["shared"].engine_quota(2) is None
     assert RIGS["quota"].independent(4) and not RIGS["production"].independent(2)
 
 

@@ -53,6 +53,28 @@ def test_a_capped_process_and_what_it_forks_use_no_more_than_the_cap() -> None:
     assert not run.exists()  # removed with the run
 
 
+def test_a_group_started_uncapped_is_capped_by_cap() -> None:
+    # Engines start uncapped (their imports are not what the cap models) and are capped once
+    # up: before cap() the two loops take more than the cap, after it no more.
+    assert PROBLEM is None, PROBLEM
+    with cpu_quotas() as quotas:
+        inside = quotas.group("starter", 0.3, capped=False)
+        burner = child_process.start([*inside, sys.executable, "-c", BURN])
+        try:
+            deadline = time.monotonic() + 10
+            while len(children := [p for p in proc_table.snapshot().values()
+                                   if p.ppid == burner.pid]) < 1:
+                assert time.monotonic() < deadline, "the burner did not fork"
+                time.sleep(0.05)
+            pids = [burner.pid, children[0].pid]
+            assert cores_used(pids) > 0.6  # two loops on two cores, no cap yet
+            quotas.cap()
+            time.sleep(0.2)
+            assert cores_used(pids) < 0.36
+        finally:
+            child_process.stop_processes([burner], grace=1.0)
+
+
 def test_a_dead_runs_empty_groups_are_removed() -> None:
     stale = cgroup_root() / f"{PREFIX}999999999"  # no such process
     (stale / "vllm-0").mkdir(parents=True)
