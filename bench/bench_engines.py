@@ -7,8 +7,10 @@ One run (docs/ENGINES.md says more):
 1. Write the model (``engines_model``), build the stream from the trace (``engines_stream``).
 2. For each **case** (a rig and a regime, ``engines_cases``): start the engines on the rig's
    cores with the regime's KV cache (``engines_fleet``), then:
-   - **prefill sizing**: on each engine, a 2,048-token prompt cold, then again fully cached
-     (TTFT at the client, one request at a time); the cold time also sets the stream's pace:
+   - **prefill sizing**: on each engine, a 2,048-token prompt cold, then again fully cached,
+     and a 512-token prompt cold (TTFT at the client, one request at a time; the two cold
+     lengths tell the simulator how attention grows, ``engines_predict``); the long cold
+     time also sets the stream's pace:
      arrivals are scaled so that the stream's distinct tokens (the prefill a perfect shared
      cache would still do) cost ``load`` of the engines' cold prefill time;
    - **turns** (``engines_turns``): for each repeat, each router in turn, fresh, the engines'
@@ -84,6 +86,9 @@ QUICK_TRACE = CHECKOUT / "tests" / "data" / "mooncake_families_36.jsonl"
 TRACE_VAR = "KVCOORD_ENGINES_TRACE"
 INSTALL_HINT = "run `make engines-peers` (or set KVCOORD_VLLM_PYTHON and KVCOORD_SMG)"
 PREFILL_TOKENS = 2048
+SHORT_PREFILL_TOKENS = 512
+"""A second cold length: with the first it tells a prefill's per-token cost from its attention,
+which grows with the position (``engines_predict``)."""
 PREFILL_TRIALS = 3  # counted, after one that is not
 GENERATED_PER_REQUEST = 4
 
@@ -127,13 +132,14 @@ def full_config() -> EnginesConfig:
     # A case (12 turns: 4 routers x 3 repeats) must fit 15 minutes on 2 cores. A turn lasts
     # the stream's paced duration: its distinct tokens over `load` of the engines' prefill
     # capacity. 32 tokens per trace block (one engine block each) keeps 160 requests, every
-    # family's repeats, at prompts of about 1,000 tokens; 4 layers instead of 6 prefill them
-    # 1.5x faster (at 6, a case took 22 minutes), still far slower cold than cached (the bar
-    # below: 10x), which is what routing decides. Idle CPU is a rate: 10 s reads a timer's
-    # cost to within psutil's 10 ms tick (1 ms/s).
+    # family's repeats, at prompts of 750-1,000 tokens; 2 layers instead of 6 prefill them
+    # about 3x faster (at 6 layers a trace case took 22 minutes, at 4 a chat case 21: its
+    # stream has the most distinct tokens), still far slower cold than cached (the bar below:
+    # 10x), which is what routing decides. Idle CPU is a rate: 10 s reads a timer's cost to
+    # within psutil's 10 ms tick (1 ms/s).
     return EnginesConfig(Path(os.environ.get(TRACE_VAR) or FULL_TRACE),
                          StreamShape(requests=160, block_tokens=32),
-                         shape=ModelShape(layers=4), idle_s=10.0)
+                         shape=ModelShape(layers=2), idle_s=10.0)
 
 
 def quick_config() -> EnginesConfig:
@@ -168,28 +174,39 @@ def _log(message: str) -> None:
 
 def measure_prefill(engines: list[Engine], tokenizer_overhead: int) -> dict[str, Any]:
     """On each engine, a fresh 2,048-token prompt cold then fully cached (vLLM recomputes its
-    last block), one request at a time: TTFT in ms, medians over the trials. The first pair on
-    each engine is not counted: a fresh engine's first pass at a shape pays one-time costs
-    (912 against 728 ms cold in one run)."""
+    last block), and a fresh 512-token prompt cold, one request at a time: TTFT in ms, medians
+    over the trials. The first trial on each engine is not counted: a fresh engine's first
+    pass at a shape pays one-time costs (912 against 728 ms cold in one run)."""
     per_engine: dict[str, dict[str, list[float]]] = {}
     rng = random.Random(2048)
+
+    def prompt(tokens: int) -> StreamRequest:
+        text = "".join(" " + rng.choice(WORDS) for _ in range(tokens - tokenizer_overhead))
+        return StreamRequest(0, 0, 0.0, (), text, tokens, 1)
+
     for engine in engines:
-        cold, cached = [], []
+        cold: list[float] = []
+        cached: list[float] = []
+        short: list[float] = []
         for trial in range(1 + PREFILL_TRIALS):
-            text = "".join(" " + rng.choice(WORDS) for _ in range(PREFILL_TOKENS
-                                                                   - tokenizer_overhead))
-            request = StreamRequest(0, 0, 0.0, (), text, PREFILL_TOKENS, 1)
-            for into in (cold, cached):
+            long_prompt = prompt(PREFILL_TOKENS)
+            for request, into in ((long_prompt, cold), (long_prompt, cached),
+                                  (prompt(SHORT_PREFILL_TOKENS), short)):
                 outcome = send_one(f"{engine.url}/v1", MODEL, request)
-                if outcome.ttft_s is None or outcome.prompt_tokens != PREFILL_TOKENS:
+                if outcome.ttft_s is None or outcome.prompt_tokens != request.prompt_tokens:
                     raise RuntimeError(f"prefill probe on {engine.worker_id}: {outcome}")
                 if trial > 0:
                     into.append(outcome.ttft_s * 1000)
         per_engine[engine.worker_id] = {"cold_ms": [round(x, 1) for x in cold],
-                                        "cached_ms": [round(x, 1) for x in cached]}
-    cold_ms = statistics.median(x for e in per_engine.values() for x in e["cold_ms"])
-    cached_ms = statistics.median(x for e in per_engine.values() for x in e["cached_ms"])
+                                        "cached_ms": [round(x, 1) for x in cached],
+                                        "short_cold_ms": [round(x, 1) for x in short]}
+
+    def median(key: str) -> float:
+        return statistics.median(x for e in per_engine.values() for x in e[key])
+
+    cold_ms, cached_ms = median("cold_ms"), median("cached_ms")
     return {"prompt_tokens": PREFILL_TOKENS, "cold_ms": cold_ms, "cached_ms": cached_ms,
+            "short_prompt_tokens": SHORT_PREFILL_TOKENS, "short_cold_ms": median("short_cold_ms"),
             "ratio": cold_ms / cached_ms, "cold_tokens_per_s": PREFILL_TOKENS / cold_ms * 1000,
             "engines": per_engine}
 

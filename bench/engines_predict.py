@@ -9,9 +9,12 @@ Calibration: every constant comes from the run being predicted, none is fitted t
   therefore ``SCALE`` = 512 / 64 simulated tokens, and every length, rate and capacity below is
   scaled by it, so the simulated pages share exactly what the engine's blocks share.
 - **Page:** the engine's block (32 tokens).
-- **Prefill rate:** ``(2048 - 32) / (cold - cached)`` engine tokens per second, from the run's
-  prefill sizing (one 2,048-token prompt cold, then with all but its last block cached).
-- **Fixed cost per request:** the cached measure: what a prompt costs with nothing to compute.
+- **Prefill rate, attention and fixed cost** (``prefill_costs``): from the run's prefill
+  sizing, a 2,048-token prompt cold, then with all but its last block cached, and a 512-token
+  prompt cold. A token's attention grows with its position (``CostModel.prefill_work``), so a
+  2,048-token prompt costs more per token than the stream's shorter ones: the two cold
+  lengths measure how much. Where a run lacks the short measure (results from before it), the
+  rate is ``(2048 - 32) / (cold - cached)`` and the fixed cost the cached measure.
 - **Step budget:** the engines' ``--max-num-batched-tokens``.
 - **Decode:** per output token, the median over the routers' turns of (latency p50 - TTFT p50)
   / (answer tokens - 1).
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -56,17 +60,45 @@ NO_KV_READS = 10**12
 _HASH_KEY = b"kvcoord.bench.engines-predict.v1"
 
 
+def prefill_costs(prefill: Mapping[str, Any], engine_block: int) -> tuple[float, float, float]:
+    """(rate at position 0 in tokens/s, the attention position ``CostModel.attention_tokens``,
+    the fixed cost per request in s) from a case's prefill sizing: an ``L``-token prompt cold
+    and cached (its last block of ``B`` tokens recomputed), and, where measured, an
+    ``S``-token prompt cold. With ``W(c, n) = (n - c) + (n^2 - c^2) x`` the work of positions
+    ``c..n`` (``x = 1 / (2 attention_tokens)``):
+    ``cold(L) - cached(L) = W(0, L - B) / rate`` and ``cold(L) - cold(S) = W(S, L) / rate``;
+    their ratio gives ``x``, then the rate, then the fixed cost ``cached(L) - W(L - B, L) /
+    rate``. Without the short measure, or where noise makes ``x`` negative, attention is left
+    out (``x = 0``) and the fixed cost is the cached time (the measure as first made)."""
+    long, block = prefill["prompt_tokens"], engine_block
+    cold_s, cached_s = prefill["cold_ms"] / 1000, prefill["cached_ms"] / 1000
+    d1 = max(1e-6, cold_s - cached_s)
+    x = 0.0
+    if "short_cold_ms" in prefill:
+        short = prefill["short_prompt_tokens"]
+        d2 = cold_s - prefill["short_cold_ms"] / 1000
+        if d2 > 0:
+            ratio = d1 / d2
+            denominator = (long - block) ** 2 - ratio * (long * long - short * short)
+            if denominator != 0:  # the ratio falls from (L-B)/(L-S) as x grows from 0
+                x = max(0.0, (ratio * (long - short) - (long - block)) / denominator)
+    rate = ((long - block) + (long - block) ** 2 * x) / d1
+    if x == 0.0:
+        return rate, math.inf, cached_s
+    last_block = block + (long * long - (long - block) ** 2) * x
+    return rate, 1 / (2 * x), max(0.0, cached_s - last_block / rate)
+
+
 def calibrated_cost(prefill: Mapping[str, Any], routers: Mapping[str, Any], *, scale: int,
                     engine_block: int, step_tokens: int, answer_tokens: int) -> CostModel:
     """The simulator's cost model from a case's own measures (the module docstring's rules)."""
-    cold_s, cached_s = prefill["cold_ms"] / 1000, prefill["cached_ms"] / 1000
-    rate = (prefill["prompt_tokens"] - engine_block) / max(1e-6, cold_s - cached_s)
+    rate, attention_tokens, fixed_s = prefill_costs(prefill, engine_block)
     gaps = [(r["latency_p50_ms"]["mean"] - r["ttft_p50_ms"]["mean"]) / 1000
             for r in routers.values()]
     per_token = max(1e-4, statistics.median(gaps) / max(1, answer_tokens - 1))
     return CostModel(prefill_tokens_per_s=rate * scale, decode_s_per_token=per_token,
                      step_prefill_tokens=step_tokens * scale, kv_read_tokens=NO_KV_READS,
-                     request_overhead_s=cached_s)
+                     request_overhead_s=fixed_s, attention_tokens=attention_tokens * scale)
 
 
 def sim_requests(stream: Stream, block_tokens: int) -> tuple[list[TraceRequest], int]:
@@ -98,6 +130,8 @@ def predict(stream: Stream, *, engines: int, kv_tokens: int, engine_block: int,
     keys = trace_page_keys(requests, hasher, namespace)
     out: dict[str, Any] = {"cost_model": {
         "prefill_tokens_per_s": cost.prefill_tokens_per_s / scale,
+        "attention_tokens": (None if math.isinf(cost.attention_tokens)
+                             else cost.attention_tokens / scale),
         "request_overhead_ms": cost.request_overhead_s * 1000,
         "decode_ms_per_token": cost.decode_s_per_token * 1000,
         "step_prefill_tokens": step_tokens, "page_tokens": engine_block}, "routers": {}}

@@ -4,13 +4,20 @@ real stream that says, per router, what it predicted beside what was measured.""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
 from bench.bench_engines import QUICK_TRACE
 from bench.engines_model import ModelShape, write_model
-from bench.engines_predict import calibrated_cost, predict, prediction_table, sim_requests
+from bench.engines_predict import (
+    calibrated_cost,
+    predict,
+    prediction_table,
+    prefill_costs,
+    sim_requests,
+)
 from bench.engines_stream import StreamShape, build_stream
 from coordinator.core.hashing import HashConfig, Namespace, PageHasher
 from kvcoord.simulate.cost_model import CostModel
@@ -52,6 +59,46 @@ def test_the_calibration_takes_each_constant_from_the_run() -> None:
     # The median of (latency - TTFT) at p50 over the routers (77, 83, 89 ms), over 7 tokens.
     assert cost.decode_s_per_token == pytest.approx(0.083 / 7)
     assert cost.step_prefill_tokens == 8 * 2048
+
+
+def test_attention_makes_a_later_position_cost_more() -> None:
+    flat = CostModel(prefill_tokens_per_s=1000)
+    assert flat.prefill_work(0, 2048) == 2048 and flat.prefill_work(2016, 2048) == 32
+    cost = CostModel(prefill_tokens_per_s=1000, attention_tokens=1024)
+    # positions 0..2048: 2,048 tokens plus 2,048^2 / 2,048 = 2,048 of attention
+    assert cost.prefill_work(0, 2048) == pytest.approx(4096)
+    # the last block reads the whole prompt: 32 x (1 + ~2,032 / 1,024)
+    assert cost.prefill_work(2016, 2048) == pytest.approx(32 + (2048**2 - 2016**2) / 2048)
+    worker = SimWorker("w0", 256, hasher=PageHasher(HashConfig(b"k" * 32, page_size=16)),
+                       namespace=Namespace(model="t", page_size=16), cost=cost,
+                       publish=lambda w, e: None)
+    job = Job(TraceRequest(0, 0.0, 2048, 1, ()), [b"%015d" % i for i in range(128)], 0.0)
+    worker.enqueue(job)
+    assert worker.start_next(0.0) is job
+    assert job.prefill_end_s == pytest.approx(4096 / 1000)
+    with pytest.raises(ValueError, match="must be > 0"):
+        CostModel(attention_tokens=0)
+
+
+def test_two_cold_lengths_give_the_rate_the_attention_and_the_fixed_cost() -> None:
+    # Engines made by the rule itself: rate 2,000 tokens/s, attention at 1,500, 30 ms fixed.
+    truth = CostModel(prefill_tokens_per_s=2000, attention_tokens=1500)
+
+    def ms(cached: int, prompt: int) -> float:
+        return 1000 * (0.030 + truth.prefill_work(cached, prompt) / 2000)
+
+    measured = {"prompt_tokens": 2048, "cold_ms": ms(0, 2048), "cached_ms": ms(2016, 2048),
+                "short_prompt_tokens": 512, "short_cold_ms": ms(0, 512)}
+    rate, attention, fixed = prefill_costs(measured, 32)
+    assert (rate, attention, fixed) == pytest.approx((2000, 1500, 0.030))
+    # Without the short measure (older results), or where it says attention is free or
+    # negative (noise), the rule is as first made: linear, the cached time as the fixed cost.
+    assert prefill_costs(PREFILL, 32) == pytest.approx((2016 / 0.609, math.inf, 0.043))
+    linear = {**PREFILL, "short_prompt_tokens": 512, "short_cold_ms": 43 + 480 / 2016 * 609}
+    assert prefill_costs(linear, 32)[1] == math.inf
+    cost = calibrated_cost(measured, ROUTERS, scale=8, engine_block=32, step_tokens=2048,
+                           answer_tokens=8)
+    assert (cost.prefill_tokens_per_s, cost.attention_tokens) == pytest.approx((16000, 12000))
 
 
 def test_a_prediction_over_a_real_stream_sets_each_router_beside_its_measure(

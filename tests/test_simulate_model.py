@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -203,7 +204,7 @@ def test_the_cli_defaults_are_the_documented_ones() -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(CostModel) if f.name != "tiers"}
     assert defaults == {"prefill_tokens_per_s": 15_000.0, "decode_s_per_token": 0.02,
                         "step_prefill_tokens": 8192, "kv_read_tokens": 1700,
-                        "request_overhead_s": 0.0}
+                        "request_overhead_s": 0.0, "attention_tokens": math.inf}
     # The copy back costs what the router's constants say, and its prefill rate is ours.
     assert CostModel().tiers == TierCosts()
     assert TierCosts().prefill_tokens_per_s == CostModel().prefill_tokens_per_s

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from bench.engines_fleet import SMG_VAR, smg_command, vllm_python
+from bench.engines_predict import prefill_costs
 from kvcoord import child_process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +71,10 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
     # The simulator, calibrated on these engines, predicted each router it stands for.
     prediction = case["prediction"]
     assert sorted(prediction["routers"]) == ["kv_aware", "smg_cache_aware", "smg_round_robin"]
-    assert prediction["cost_model"]["request_overhead_ms"] == case["prefill"]["cached_ms"]
+    # its costs from the case's own prefill sizing (two cold lengths and one cached)
+    rate, _, fixed_s = prefill_costs(case["prefill"], case["engines"]["block_tokens"])
+    assert prediction["cost_model"]["request_overhead_ms"] == pytest.approx(fixed_s * 1000)
+    assert prediction["cost_model"]["prefill_tokens_per_s"] == pytest.approx(rate)
     for predicted in prediction["routers"].values():
         assert predicted["predicted"]["ttft_p50_ms"] > 0 and predicted["error"]["ttft_p50_ms"]
     assert sorted(case["routers"]["smg_cache_aware"]["runs"]["run0"][

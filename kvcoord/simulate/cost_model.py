@@ -6,7 +6,12 @@ A worker is modelled as one prefill server with a FIFO queue, plus decoding batc
   its pages fit, see ``simworker``); it computes only its *uncached* prompt tokens, plus a
   fixed cost per request (``request_overhead_s``, 0 by default) counted as the prefill tokens
   it takes at the full rate. Its first token comes out when the prefill ends:
-  ``TTFT = prefill end - arrival`` (queueing included).
+  ``TTFT = prefill end - arrival`` (queueing included). A token's attention reads every
+  position before it, so a token at position ``p`` costs ``1 + p / attention_tokens`` prefill
+  tokens (``prefill_work``): computing positions ``c..n`` costs
+  ``(n - c) + (n^2 - c^2) / (2 x attention_tokens)``. The default leaves attention out
+  (``attention_tokens`` infinite: every token costs one); ``bench engines`` measures it on its
+  own engines (two cold prompt lengths).
 - **Decode interferes with prefill** (chunked prefill, as vLLM and SGLang run it): every engine
   step carries :attr:`CostModel.step_prefill_tokens` prefill tokens plus one token for each
   sequence decoding on that worker, and a step takes as long as its tokens' compute. A decode
@@ -52,6 +57,7 @@ Constants (documented, never tuned per policy; change them for another model or 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from coordinator.core.tier_costs import TierCosts
@@ -70,13 +76,24 @@ class CostModel:
     """A fixed cost per prefill, paid even by a prompt with nothing to compute (the engine's
     per-request work). 0 by default: not measured for the GPU figures above; ``bench engines``
     measures it for its own engines (the cached prefill)."""
+    attention_tokens: float = math.inf
+    """The position at which a token's attention costs as much as the rest of its compute
+    (``prefill_work``); infinite by default: not measured for the GPU figures above."""
 
     def __post_init__(self) -> None:
         if not (self.prefill_tokens_per_s > 0 and self.decode_s_per_token > 0
-                and self.step_prefill_tokens > 0 and self.kv_read_tokens > 0):
+                and self.step_prefill_tokens > 0 and self.kv_read_tokens > 0
+                and self.attention_tokens > 0):
             raise ValueError(f"cost model constants must be > 0, got {self!r}")
         if not self.request_overhead_s >= 0:
             raise ValueError(f"request_overhead_s must be >= 0, got {self.request_overhead_s}")
+
+    def prefill_work(self, cached_tokens: int, prompt_tokens: int) -> float:
+        """The prefill tokens (at position 0's cost) it takes to compute positions
+        ``cached_tokens..prompt_tokens`` of a prompt (the module docstring's rule)."""
+        computed = prompt_tokens - cached_tokens
+        return computed + (prompt_tokens * prompt_tokens - cached_tokens * cached_tokens) / (
+            2 * self.attention_tokens)
 
     def overhead_tokens(self) -> float:
         """The fixed cost per prefill in prefill tokens (at the rate with nothing decoding)."""

@@ -146,7 +146,8 @@ class SimWorker:
         job.uncached_tokens = request.input_length - job.cached_tokens
         job.prefill_start_s = now
         job.copy_end_s = now + self.cost.copy_back_s(job.host_tokens)
-        job.remaining_tokens = job.uncached_tokens + self.cost.overhead_tokens()
+        job.remaining_tokens = (self.cost.prefill_work(job.cached_tokens, request.input_length)
+                                + self.cost.overhead_tokens())
         self._time_prefill(job, now)
         self.computed_tokens += job.uncached_tokens
         self.prefilling = job
