@@ -227,6 +227,7 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
     streams = {name: build_stream(_trace_of(config, name, work), config.stream, tokenizer,
                                   config.shape.max_positions) for name in config.workloads}
     load_before = os.getloadavg()[0]
+    began = time.monotonic()
     # The runner stamps the commit when it writes the JSON; others may commit meanwhile.
     started_at, dirty_at_start = git_state()
     cases: dict[str, Any] = {}
@@ -249,6 +250,7 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
     # Other work on the machine slows the engines: say how busy it was around the run.
     setup["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     setup["started_at"] = {"commit": started_at, "dirty": dirty_at_start}
+    setup["wall_s"] = time.monotonic() - began  # a case must fit 15 minutes (full_config)
     return {"setup": setup, "cases": cases, "sglang_like_vs_smg": comparison}
 
 

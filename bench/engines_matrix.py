@@ -1,7 +1,10 @@
 """The engines bench's matrix: one row per router of every committed case
 (``bench/results/engines/*.json``, each written by ``kvcoord bench engines --case NAME``), so
-the matrix fills over several runs. A case measured on a busy machine (``machine_at_start``
-says so) is void: listed, never tabled. Run: ``python -m bench.engines_matrix [DIR]``.
+the matrix fills over several runs, then the simulator's prediction error for each router of
+every case it predicts (engines of their own: the quota rig). A case measured on a busy machine
+(``machine_at_start`` says so) is void: listed, never tabled; one begun or ended on a dirty
+tree is flagged. A case's commit is the one its run began on (the runner stamps the JSON when
+it ends). Run: ``python -m bench.engines_matrix [DIR]``.
 """
 
 from __future__ import annotations
@@ -33,8 +36,12 @@ def load_cases(folder: Path = RESULTS) -> tuple[dict[str, dict[str, Any]], list[
             if report.get("machine_at_start", {}).get("busy"):
                 void.append(name)
             else:
-                cases[name] = {**case, "commit": report.get("commit"),
-                               "dirty": report.get("dirty")}
+                setup = report["results"]["engines"].get("setup", {})
+                began = setup.get("started_at", {})
+                cases[name] = {
+                    **case, "commit": began.get("commit", report.get("commit")),
+                    "dirty": bool(report.get("dirty") or began.get("dirty")),
+                    "wall_s": setup.get("wall_s")}
     return cases, void
 
 
@@ -50,6 +57,22 @@ def matrix(cases: dict[str, dict[str, Any]]) -> str:
     return render_table(headers, rows)
 
 
+def errors(cases: dict[str, dict[str, Any]]) -> str:
+    """The simulator's relative error (predicted / measured - 1) per router of every predicted
+    case, and each case's commit and minutes."""
+    headers = ["case", "router", "simulated as", "p50 error", "p99 error", "cached error",
+               "commit", "minutes"]
+    rows = []
+    for name, case in cases.items():
+        for router, predicted in ((case.get("prediction") or {}).get("routers") or {}).items():
+            wall = case.get("wall_s")
+            rows.append([name, router, predicted["policy"],
+                         *(f"{predicted['error'][k]:+.0%}" if predicted["error"][k] is not None
+                           else "-" for k in ("ttft_p50_ms", "ttft_p99_ms", "cached_share")),
+                         (case["commit"] or "?")[:8], "-" if wall is None else f"{wall / 60:.1f}"])
+    return render_table(headers, rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     folder = Path(args[0]) if args else RESULTS
@@ -58,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no cases in {folder}: run `kvcoord bench engines --case NAME`", file=sys.stderr)
         return 1
     print(matrix(cases))
+    print("\nthe simulator's error, calibrated on each case's engines")
+    print(errors(cases))
     for name in void:
         print(f"void (the machine was busy at its start): {name}")
     dirty = [name for name, case in cases.items() if case["dirty"]]
