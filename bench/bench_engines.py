@@ -260,7 +260,10 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
     """One rig and regime: engines started for it, their prefill sized, every router's turns
     (and, when ``compare``, the sglang_like comparison, which needs engines up)."""
     engines = config.engines or regime.engines
-    kv_tokens = max(2 * config.shape.max_positions,
+    # At least one request of the model's whole context, beside the block vLLM holds back
+    # (it refuses to start with less). Twice the context was the floor before, and it put a
+    # stream with few distinct tokens (agent's) out of pressure: 4 x 8,192 tokens for 17,421.
+    kv_tokens = max(config.shape.max_positions + ENGINE_BLOCK,
                     int(stream.distinct_tokens * regime.kv_share) // ENGINE_BLOCK
                     * ENGINE_BLOCK)
     dtype, dtype_bytes = engine_dtype()
