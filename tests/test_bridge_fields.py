@@ -224,6 +224,21 @@ def test_a_remote_copy_is_not_credited_as_this_engines() -> None:
     assert blocks.inventory() == {Tier.DISK: plain_keys(TOKENS[:4])}
 
 
+def test_a_block_cached_twice_is_held_until_its_last_copy_is_evicted() -> None:
+    # Two requests computed the same prefix at once: vLLM caches both blocks under one hash,
+    # publishing a BlockStored for each, then a BlockRemoved as each copy is evicted.
+    blocks = fresh_map()
+    keys = keys_of(blocks, stored([1, 2], TOKENS[:8]))
+    assert keys_of(blocks, stored([1, 2], TOKENS[:8])) == keys  # the second copy
+    events, unknown = blocks.removed(decoded(removed([2])))
+    assert (events, unknown, len(blocks)) == ([], 0, 2)  # block 2's other copy still serves
+    events, unknown = blocks.removed(decoded(removed([2])))
+    assert (events, unknown) == ([PagesRemoved(tuple(keys[1:]))], 0)
+    events, unknown = blocks.removed(decoded(removed([2])))  # no copy left
+    assert (events, unknown) == ([], 1)
+    assert blocks.inventory() == {Tier.GPU: keys[:1]}
+
+
 def test_copies_in_two_secondary_tiers_are_held_apart_by_ownership() -> None:
     blocks = fresh_map()
     keys = keys_of(blocks, stored([1], TOKENS[:4], medium="STORAGE", ownership="fs"),

@@ -19,6 +19,12 @@ group's kind is learned from its stored events, so a removal in a sliding-window
 carries only its group index) never drops what full attention still holds. The coordinator is
 told the fastest tier a block is still in.
 
+A residency counts its copies. Two requests that compute the same uncached prefix at once
+each fill a block of it, and vLLM caches both under one hash (its hash-to-block map holds
+several blocks per hash), publishing a BlockStored for each and, as each is evicted, a
+BlockRemoved for each. The block is gone only when its last copy is: dropping it at the first
+removal made the index forget blocks the engine still serves.
+
 Pure: no zmq, no grpc.
 """
 
@@ -67,7 +73,8 @@ Residency = tuple[int | None, Tier, str | None]
 @dataclass(slots=True)
 class _Block:
     keys: tuple[bytes, ...]
-    held: set[Residency] = field(default_factory=set)
+    held: dict[Residency, int] = field(default_factory=dict)
+    """Copies held in each residency (the module docstring: an engine may hold several)."""
 
     def tier(self) -> Tier:
         tiers = {tier for _, tier, _ in self.held}
@@ -136,7 +143,7 @@ class BlockMap:
                     "hash_collision", f"engine block {block_hash!r:.40} stored again with other "
                                       "tokens: the first is kept"))
                 continue
-            block.held.add(residency)
+            block.held[residency] = block.held.get(residency, 0) + 1
             out.setdefault(block.tier(), []).extend(keys)
         return [PagesStored(tuple(keys), t) for t, keys in out.items()], skipped
 
@@ -156,7 +163,10 @@ class BlockMap:
             if block is None or residency not in block.held:
                 unknown += 1
                 continue
-            block.held.discard(residency)
+            block.held[residency] -= 1
+            if block.held[residency] > 0:
+                continue  # another copy in the same residency: nothing changed
+            del block.held[residency]
             if block.held:  # still in another group, medium or tier: held there
                 moved.setdefault(block.tier(), []).extend(block.keys)
             else:
