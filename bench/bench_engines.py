@@ -67,6 +67,7 @@ from bench.engines_report import (
     cpu_table,
     decomposition_table,
     decompositions,
+    invariants,
     ranges,
     table,
     verdicts,
@@ -213,7 +214,9 @@ def measure_prefill(engines: list[Engine], tokenizer_overhead: int) -> dict[str,
 
 def run_engines(config: EnginesConfig) -> dict[str, Any]:
     """The whole run (module docstring): the results ``engines.json`` holds."""
-    return run_in_scratch("engines", lambda work: _run(config, work))
+    # A broken invariant (an index check that disagreed) keeps the logs that explain it.
+    return run_in_scratch("engines", lambda work: _run(config, work),
+                          keep=lambda result: bool(invariants({"engines": result})))
 
 
 def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:

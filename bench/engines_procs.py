@@ -170,10 +170,12 @@ def kvcoord_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvcoord.cli", *args]
 
 
-def run_in_scratch(prefix: str, run: Callable[[Path], Result]) -> Result:
+def run_in_scratch(prefix: str, run: Callable[[Path], Result],
+                   keep: Callable[[Result], bool] | None = None) -> Result:
     """``run(work)`` in a new temporary directory, removed when it returns. When it raises,
-    the directory is kept and its logs' path printed. Meanwhile SIGTERM (a CI timeout, `kill`)
-    unwinds like Ctrl-C, so the engines ``run`` started stop in order."""
+    or ``keep(result)`` says so (a broken invariant, whose logs say why), the directory is
+    kept and its logs' path printed. Meanwhile SIGTERM (a CI timeout, `kill`) unwinds like
+    Ctrl-C, so the engines ``run`` started stop in order."""
     work = Path(tempfile.mkdtemp(prefix=f"kvcoord-bench-{prefix}-"))
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
@@ -183,6 +185,9 @@ def run_in_scratch(prefix: str, run: Callable[[Path], Result]) -> Result:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if keep is not None and keep(result):
+        print(f"{prefix}: the processes' logs are kept in {work / 'logs'}", file=sys.stderr)
+        return result
     shutil.rmtree(work, ignore_errors=True)
     return result
 
