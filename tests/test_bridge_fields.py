@@ -239,6 +239,22 @@ def test_a_block_cached_twice_is_held_until_its_last_copy_is_evicted() -> None:
     assert blocks.inventory() == {Tier.GPU: keys[:1]}
 
 
+def test_a_partial_entry_leaves_the_pages_the_full_block_still_covers() -> None:
+    # vLLM 0.32 caches a prompt tail ending inside a block as a partial entry of its own hash
+    # (a BlockStored of fewer tokens than a block); another request then computes the full
+    # block under the full hash. The partial entry's removal must not drop the page the full
+    # block still covers (the index stopped one block short of what the engine served).
+    blocks = fresh_map()
+    keys_of(blocks, stored([1], TOKENS[:8], block_size=8))
+    partial = keys_of(blocks, stored([20], TOKENS[8:12], parent=1, block_size=4))
+    full = keys_of(blocks, stored([2], TOKENS[8:16], parent=1, block_size=8))
+    assert partial == full[:1] == plain_keys(TOKENS[:12])[2:]
+    events, unknown = blocks.removed(decoded(removed([20])))
+    assert (events, unknown) == ([], 0)  # the full block still covers that page
+    events, unknown = blocks.removed(decoded(removed([2])))
+    assert (events, unknown) == ([PagesRemoved(tuple(full))], 0)
+
+
 def test_copies_in_two_secondary_tiers_are_held_apart_by_ownership() -> None:
     blocks = fresh_map()
     keys = keys_of(blocks, stored([1], TOKENS[:4], medium="STORAGE", ownership="fs"),

@@ -25,6 +25,14 @@ several blocks per hash), publishing a BlockStored for each and, as each is evic
 BlockRemoved for each. The block is gone only when its last copy is: dropping it at the first
 removal made the index forget blocks the engine still serves.
 
+A page key counts the blocks that cover it. vLLM 0.32 also caches a prompt's tail that ends
+inside a block as a *partial* entry (its own hash, a BlockStored of fewer tokens than a block),
+so one engine can hold a page under two hashes: a partial entry and the full block another
+request computed. A key is removed only when no block covers it any more: removing the partial
+entry's page while the full block still held it made the index stop one block short of what
+the engine serves. (A key another block still covers keeps the tier it is indexed in; the two
+are one engine's GPU blocks in every case vLLM publishes.)
+
 Pure: no zmq, no grpc.
 """
 
@@ -91,6 +99,7 @@ class BlockMap:
         self._version = policy_version
         self._page_size = page_size
         self._blocks: dict[EngineHash, _Block] = {}
+        self._covers: dict[bytes, int] = {}  # page key -> blocks covering it (module doc)
         self.group_kinds: dict[int | None, str] = {}
         """Each KV-cache group's kind, as the engine's stored events state it."""
 
@@ -138,6 +147,8 @@ class BlockMap:
             block = self._blocks.get(block_hash)
             if block is None:
                 block = self._blocks[block_hash] = _Block(keys)
+                for key in keys:
+                    self._covers[key] = self._covers.get(key, 0) + 1
             elif block.keys != keys:
                 skipped.append(MalformedInput(
                     "hash_collision", f"engine block {block_hash!r:.40} stored again with other "
@@ -168,17 +179,32 @@ class BlockMap:
                 continue  # another copy in the same residency: nothing changed
             del block.held[residency]
             if block.held:  # still in another group, medium or tier: held there
-                moved.setdefault(block.tier(), []).extend(block.keys)
+                moved.setdefault(block.tier(), []).extend(
+                    k for k in block.keys if self._covers[k] == 1)
             else:
                 del self._blocks[block_hash]
-                gone.extend(block.keys)
-        events: list[PageEvent] = [PagesStored(tuple(keys), t) for t, keys in moved.items()]
+                gone.extend(self._uncover(block.keys))
+        events: list[PageEvent] = [PagesStored(tuple(keys), t) for t, keys in moved.items()
+                                   if keys]
         if gone:
             events.append(PagesRemoved(tuple(gone)))
         return events, unknown
 
+    def _uncover(self, keys: tuple[bytes, ...]) -> list[bytes]:
+        """A block covering ``keys`` is gone: the keys no block covers any more."""
+        gone = []
+        for key in keys:
+            left = self._covers[key] - 1
+            if left:
+                self._covers[key] = left
+            else:
+                del self._covers[key]
+                gone.append(key)
+        return gone
+
     def clear(self) -> None:
         self._blocks.clear()
+        self._covers.clear()
 
     def inventory(self) -> dict[Tier, list[bytes]]:
         """Every key held, by the fastest tier it is in (for a resync or a re-registration)."""
