@@ -36,15 +36,24 @@ ROUTERS = {"kv_aware": _router(76, 2854, 159), "smg_cache_aware": _router(63, 25
            "smg_round_robin": _router(471, 3568, 560)}
 
 
+def started_alone(cost: CostModel, prompt_tokens: int) -> Job:
+    """A prompt of ``prompt_tokens`` uncached tokens started at 0 on an idle simulated worker
+    with room for it (16-token pages)."""
+    pages = -(-prompt_tokens // 16)
+    worker = SimWorker("w0", pages + 8, hasher=PageHasher(HashConfig(b"k" * 32, page_size=16)),
+                       namespace=Namespace(model="t", page_size=16), cost=cost,
+                       publish=lambda w, e: None)
+    job = Job(TraceRequest(0, 0.0, prompt_tokens, 1, ()),
+              [b"%015d" % i for i in range(pages)], 0.0)
+    worker.enqueue(job)
+    assert worker.start_next(0.0) is job
+    return job
+
+
 def test_a_fixed_cost_per_request_is_paid_even_with_nothing_to_compute() -> None:
     cost = CostModel(prefill_tokens_per_s=1000, request_overhead_s=0.04)
     assert cost.overhead_tokens() == pytest.approx(40)
-    worker = SimWorker("w0", 64, hasher=PageHasher(HashConfig(b"k" * 32, page_size=16)),
-                       namespace=Namespace(model="t", page_size=16), cost=cost,
-                       publish=lambda w, e: None)
-    job = Job(TraceRequest(0, 0.0, 100, 1, ()), [b"%015d" % i for i in range(6)], 0.0)
-    worker.enqueue(job)
-    assert worker.start_next(0.0) is job
+    job = started_alone(cost, 100)
     assert job.prefill_end_s == pytest.approx(0.04 + 100 / 1000)
     with pytest.raises(ValueError, match="request_overhead_s"):
         CostModel(request_overhead_s=-1)
@@ -69,12 +78,7 @@ def test_attention_makes_a_later_position_cost_more() -> None:
     assert cost.prefill_work(0, 2048) == pytest.approx(4096)
     # the last block reads the whole prompt: 32 x (1 + ~2,032 / 1,024)
     assert cost.prefill_work(2016, 2048) == pytest.approx(32 + (2048**2 - 2016**2) / 2048)
-    worker = SimWorker("w0", 256, hasher=PageHasher(HashConfig(b"k" * 32, page_size=16)),
-                       namespace=Namespace(model="t", page_size=16), cost=cost,
-                       publish=lambda w, e: None)
-    job = Job(TraceRequest(0, 0.0, 2048, 1, ()), [b"%015d" % i for i in range(128)], 0.0)
-    worker.enqueue(job)
-    assert worker.start_next(0.0) is job
+    job = started_alone(cost, 2048)
     assert job.prefill_end_s == pytest.approx(4096 / 1000)
     with pytest.raises(ValueError, match="must be > 0"):
         CostModel(attention_tokens=0)

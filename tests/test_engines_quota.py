@@ -31,18 +31,22 @@ def cores_used(pids: list[int], window_s: float = 1.5) -> float:
     return used / proc_table.CLOCK_TICKS / window_s
 
 
+def burner_and_fork(pid: int) -> list[int]:
+    """The burner's pid and its fork's, once it has forked (within 10 s)."""
+    deadline = time.monotonic() + 10
+    while not (children := [p for p in proc_table.snapshot().values() if p.ppid == pid]):
+        assert time.monotonic() < deadline, "the burner did not fork"
+        time.sleep(0.05)
+    return [pid, children[0].pid]
+
+
 def test_a_capped_process_and_what_it_forks_use_no_more_than_the_cap() -> None:
     assert PROBLEM is None, PROBLEM
     with cpu_quotas() as quotas:
         inside = quotas.group("burner", 0.3)
         burner = child_process.start([*inside, sys.executable, "-c", BURN])
         try:
-            deadline = time.monotonic() + 10
-            while len(children := [p for p in proc_table.snapshot().values()
-                                   if p.ppid == burner.pid]) < 1:
-                assert time.monotonic() < deadline, "the burner did not fork"
-                time.sleep(0.05)
-            pids = [burner.pid, children[0].pid]
+            pids = burner_and_fork(burner.pid)
             procs = (quotas.run / "burner" / "cgroup.procs").read_text().split()
             assert sorted(map(int, procs)) == sorted(pids)  # the fork stayed inside
             assert cores_used(pids) < 0.36  # two busy loops, one cap of 0.3 core
@@ -61,12 +65,7 @@ def test_a_group_started_uncapped_is_capped_by_cap() -> None:
         inside = quotas.group("starter", 0.3, capped=False)
         burner = child_process.start([*inside, sys.executable, "-c", BURN])
         try:
-            deadline = time.monotonic() + 10
-            while len(children := [p for p in proc_table.snapshot().values()
-                                   if p.ppid == burner.pid]) < 1:
-                assert time.monotonic() < deadline, "the burner did not fork"
-                time.sleep(0.05)
-            pids = [burner.pid, children[0].pid]
+            pids = burner_and_fork(burner.pid)
             assert cores_used(pids) > 0.6  # two loops on two cores, no cap yet
             quotas.cap()
             time.sleep(0.2)
