@@ -179,13 +179,15 @@ def cmd_status(args: argparse.Namespace) -> int:
          str(w.cached_disk_pages), str(w.free_pages), str(w.running_requests),
          str(w.queued_tokens), str(w.inflight_routes), f"{w.prefill_backlog_tokens:.0f}",
          f"{w.prefill_tokens_per_s:.0f}", f"{w.prefill_route_seconds * 1000:.0f}",
+         f"{w.prefill_attention_tokens:.0f}" if w.prefill_attention_tokens else "-",
          str(w.routed_requests),
          f"{w.hit_ratio:.1%}", w.owner_replica or "-"]
         for w in workers
     ]
     print(render_table(
         ["worker", "address", "state", "policy", "inc", "gpu pages", "host pages", "disk",
-         "free", "running", "queued", "inflight", "backlog", "prefill/s", "ms/route", "routed",
+         "free", "running", "queued", "inflight", "backlog", "prefill/s", "ms/route",
+         "attention", "routed",
          "hit",
          "replica"], rows,
     ))

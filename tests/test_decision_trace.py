@@ -31,7 +31,8 @@ loads = st.builds(
     WorkerLoad, running_requests=st.integers(0, 50), queued_tokens=st.integers(0, 10_000),
     free_pages=st.integers(0, 500), total_pages=st.sampled_from([0, 100, 500]),
     inflight_routes=st.integers(0, 20), inflight_tokens=st.integers(0, 10_000),
-    prefill_backlog_tokens=st.floats(0, 50_000), active_tokens=st.integers(0, 20_000))
+    prefill_backlog_tokens=st.floats(0, 50_000), active_tokens=st.integers(0, 20_000),
+    attention_tokens=st.sampled_from([math.inf, 64.0, 500.0]))
 weights = st.builds(KvAwareWeights, **{name: st.floats(0, 4) for name in (
     "prefill_token", "lower_tier_token", "queued_token", "running_request", "memory_pressure",
     "duplicate_token")})

@@ -9,7 +9,13 @@ import math
 import pytest
 
 from coordinator.core.fleet import Fleet, PrefillBacklog, RegisteredWorker, WorkerLoad
-from coordinator.core.fleet.prefill_backlog import END_KEYS, MIN_FIT, RATE_WINDOW
+from coordinator.core.fleet.prefill_backlog import (
+    END_KEYS,
+    MIN_FIT,
+    RATE_WINDOW,
+    attention_positions,
+    least_squares,
+)
 from coordinator.core.routing import KvAwareWeights, load_floor
 
 
@@ -227,3 +233,79 @@ def test_a_new_worker_beside_a_measured_one_shares_fresh_prompts_with_it() -> No
         chosen.queue_prefill(100, now)
         landed.append(chosen.worker_id)
     assert landed.count("a") == landed.count("b") == 3, landed
+
+
+def _engine_s(work: int, context: int) -> float:
+    """A CPU engine's prefill of the last ``work`` tokens of a ``context``-token prompt: 33 ms a
+    request, 2,800 tokens/s at position 0, a token at position 550 costing two."""
+    return 0.033 + (work + attention_positions(work, context) / 550) / 2_800
+
+
+def _learned(backlog: PrefillBacklog, prompts: list[tuple[int, int]]) -> float:
+    """Each (work, context) routed to the idle worker and its end seen exactly; the time after."""
+    now = 0.0
+    for i, (work, context) in enumerate(prompts):
+        backlog.book(work, now, end_keys=[f"k{i}".encode()], context_tokens=context)
+        now += _engine_s(work, context)
+        backlog.observe_stored([f"k{i}".encode()], now)
+        now += 1.0
+    return now
+
+
+PROMPTS = [(64 + 200 * (i % 5), 64 + 200 * (i % 5) + 700 * (i % 3)) for i in range(2 * MIN_FIT)]
+
+
+def test_attention_is_learned_beside_the_fixed_cost_and_the_rate() -> None:
+    backlog = PrefillBacklog(15_000.0)
+    now = _learned(backlog, PROMPTS)
+    assert backlog.per_route_s == pytest.approx(0.033)
+    assert backlog.tokens_per_s == pytest.approx(2_800.0)
+    assert backlog.attention_tokens == pytest.approx(550.0)
+    # The tail of a long prompt is booked at what it costs, not at its token count: 961
+    # tokens after 2,162 cached take 2.0 s here, not the 0.38 s a flat rate says.
+    backlog.book(961, now, context_tokens=3_123)
+    assert backlog.seconds(now) == pytest.approx(_engine_s(961, 3_123))
+    assert backlog.seconds(now) > 5 * (0.033 + 961 / 2_800)
+
+
+def test_routes_of_one_length_from_the_start_leave_attention_out() -> None:
+    # Every prompt computed from position 0 with the same work: attention is a fixed share of
+    # each, so it cannot be told from the rate; the flat rate absorbs it.
+    backlog = PrefillBacklog(1_000.0)
+    _learned(backlog, [(500, 500)] * (2 * MIN_FIT))
+    assert backlog.attention_tokens == math.inf and backlog.per_route_s == 0.0
+    assert backlog.tokens_per_s == pytest.approx(500 / _engine_s(500, 500))
+
+
+def test_a_worker_that_measured_nothing_takes_its_peers_attention() -> None:
+    fleet = fleet_of("a", "b", rate=15_000.0)
+    a, b = fleet.get("a"), fleet.get("b")
+    assert a is not None and b is not None
+    assert b.backlog.attention_tokens == math.inf
+    _learned(a.backlog, PROMPTS)
+    assert b.backlog.attention_tokens == pytest.approx(550.0)
+    assert b.current_load(0.0).attention_tokens == pytest.approx(550.0)
+
+
+def test_a_short_prompt_is_not_queued_behind_a_long_prompts_tail() -> None:
+    # Both workers learned the engine. "a" was given the 961-token tail of a 3,123-token prompt;
+    # half a second later a short prompt comes. Booked flat, a's tail looks done by then
+    # (0.38 s) and the prompt would queue behind 1.5 s of real work; booked with attention it
+    # goes to the idle "b".
+    fleet = fleet_of("a", "b", rate=15_000.0)
+    a, b = fleet.get("a"), fleet.get("b")
+    assert a is not None and b is not None
+    for worker in (a, b):
+        _learned(worker.backlog, PROMPTS)
+    a.queue_prefill(961, 100.0, context_tokens=3_123)
+    now = 100.5
+    assert a.prefill_backlog(now) > 3_000 and b.prefill_backlog(now) == 0.0
+    chosen = min((a, b), key=lambda s: (s.floor_at(now), s.worker_id))
+    assert chosen.worker_id == "b"
+
+
+def test_least_squares_refuses_columns_it_cannot_tell_apart() -> None:
+    assert least_squares([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]], [1.0, 2.0, 3.0]) is None
+    assert least_squares([[0.0, 0.0], [1.0, 2.0]], [1.0, 2.0]) is None
+    fitted = least_squares([[1.0, 1.0, 1.0], [1.0, 2.0, 4.0]], [3.0, 5.0, 9.0])
+    assert fitted == pytest.approx([1.0, 2.0])

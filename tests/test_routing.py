@@ -53,6 +53,23 @@ def test_kv_aware_prefers_the_longest_cached_prefix_when_loads_are_equal() -> No
     assert choose("kv_aware", candidates) == Decision("a", 6.0, 4)
 
 
+def test_kv_aware_prices_what_the_computed_tokens_attend_over() -> None:
+    # Engines whose token at position 70 costs two at position 0. a holds 4 pages: it computes
+    # tokens 64-69, 6 + (70^2 - 64^2) / 2 / 70 = 11.74; b holds 2: tokens 32-69 attend over
+    # more, 38 + (70^2 - 32^2) / 2 / 70 = 65.69, and it copies a's 2 other pages (32).
+    # With 75 tokens of backlog on a, the flat count sends the prompt to b (81 > 70); priced
+    # with attention it stays on a (86.74 < 97.69).
+    busy, other = cand("a", cached=4, prefill_backlog_tokens=75), cand("b", cached=2)
+    assert choose("kv_aware", [busy, other]) == Decision("b", 70.0, 2)
+    busy, other = (cand("a", cached=4, prefill_backlog_tokens=75, attention_tokens=70),
+                   cand("b", cached=2, attention_tokens=70))
+    assert kv_aware_cost(REQUEST, busy, KvAwareWeights()) == pytest.approx(6 + 402 / 70 + 75)
+    assert kv_aware_cost(REQUEST, other, KvAwareWeights(), 4) == pytest.approx(
+        38 + 1_938 / 70 + 32)
+    decision = choose("kv_aware", [busy, other])
+    assert (decision.worker_id, decision.cached_pages) == ("a", 4)
+
+
 def test_kv_aware_prefers_a_less_loaded_worker_when_its_backlog_outweighs_the_cache() -> None:
     # b computes 38 and copies the 2 pages only a holds (32): 70. a has 100 tokens of prefill
     # backlog: 6 + 100 = 106 > 70.

@@ -453,4 +453,5 @@ async def test_a_prefill_end_in_a_stored_event_empties_the_backlog_and_teaches_t
             (info,) = await client.workers()
             assert info.prefill_backlog_tokens == 0.0
             assert info.prefill_tokens_per_s > 1600  # 1,600 tokens in well under a second
+            assert info.prefill_attention_tokens == 0.0  # one prefill shows no attention
         await a.close()

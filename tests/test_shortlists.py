@@ -3,6 +3,7 @@ over all their candidates, for every routing rule: same worker, same cost, same 
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -38,6 +39,7 @@ def fleets(draw: st.DrawFn) -> tuple[list[Candidate], list[Candidate], list[int]
             free_pages=draw(st.sampled_from([0, 4, 64])),
             total_pages=draw(st.sampled_from([0, 64])),
             inflight_routes=draw(st.integers(0, 1)),
+            attention_tokens=draw(st.sampled_from([math.inf, 64.0, 500.0])),
         )
         cached = draw(st.integers(0, REQUEST.prompt_pages))
         if cached:

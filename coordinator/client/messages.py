@@ -158,6 +158,7 @@ def worker_from(info: pb.WorkerInfo) -> WorkerInfo:
         prefill_backlog_tokens=info.prefill_backlog_tokens,
         prefill_tokens_per_s=info.prefill_tokens_per_s,
         prefill_route_seconds=info.prefill_route_seconds,
+        prefill_attention_tokens=info.prefill_attention_tokens,
     )
 
 

@@ -140,6 +140,9 @@ class WorkerInfo:
     prefill_tokens_per_s: float = 0.0
     prefill_route_seconds: float = 0.0
     """The fixed cost of a request there beside the rate, learned (0 until it can be told)."""
+    prefill_attention_tokens: float = 0.0
+    """The position at which a prompt token costs two at position 0 there, learned (0 until
+    the measures show attention)."""
 
     @property
     def hit_ratio(self) -> float:

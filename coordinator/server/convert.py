@@ -7,6 +7,7 @@ names the field and the limit.
 
 from __future__ import annotations
 
+import math
 import urllib.parse
 from collections.abc import Mapping, Sequence
 
@@ -279,6 +280,8 @@ def worker_to_pb(view: WorkerView) -> pb.WorkerInfo:
         prefill_backlog_tokens=view.prefill_backlog_tokens,
         prefill_tokens_per_s=s.backlog.tokens_per_s,
         prefill_route_seconds=s.backlog.per_route_s,
+        prefill_attention_tokens=(0.0 if math.isinf(s.backlog.attention_tokens)
+                                  else s.backlog.attention_tokens),
     )
 
 

@@ -610,7 +610,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "incarnation", "policy_version", "state", "external", "cached_pages", "total_pages", "free_pages", "running_requests", "queued_tokens", "inflight_routes", "routed_requests", "routed_tokens", "routed_cached_tokens", "owner_replica", "http_url", "host_pages", "cached_gpu_pages", "cached_cpu_pages", "cached_disk_pages", "prefill_backlog_tokens", "prefill_tokens_per_s", "prefill_route_seconds")
+    __slots__ = ("worker_id", "address", "incarnation", "policy_version", "state", "external", "cached_pages", "total_pages", "free_pages", "running_requests", "queued_tokens", "inflight_routes", "routed_requests", "routed_tokens", "routed_cached_tokens", "owner_replica", "http_url", "host_pages", "cached_gpu_pages", "cached_cpu_pages", "cached_disk_pages", "prefill_backlog_tokens", "prefill_tokens_per_s", "prefill_route_seconds", "prefill_attention_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -635,6 +635,7 @@ class WorkerInfo(_message.Message):
     PREFILL_BACKLOG_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ROUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ATTENTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     incarnation: int
@@ -659,7 +660,8 @@ class WorkerInfo(_message.Message):
     prefill_backlog_tokens: float
     prefill_tokens_per_s: float
     prefill_route_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., external: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., inflight_routes: _Optional[int] = ..., routed_requests: _Optional[int] = ..., routed_tokens: _Optional[int] = ..., routed_cached_tokens: _Optional[int] = ..., owner_replica: _Optional[str] = ..., http_url: _Optional[str] = ..., host_pages: _Optional[int] = ..., cached_gpu_pages: _Optional[int] = ..., cached_cpu_pages: _Optional[int] = ..., cached_disk_pages: _Optional[int] = ..., prefill_backlog_tokens: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_route_seconds: _Optional[float] = ...) -> None: ...
+    prefill_attention_tokens: float
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., external: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., inflight_routes: _Optional[int] = ..., routed_requests: _Optional[int] = ..., routed_tokens: _Optional[int] = ..., routed_cached_tokens: _Optional[int] = ..., owner_replica: _Optional[str] = ..., http_url: _Optional[str] = ..., host_pages: _Optional[int] = ..., cached_gpu_pages: _Optional[int] = ..., cached_cpu_pages: _Optional[int] = ..., cached_disk_pages: _Optional[int] = ..., prefill_backlog_tokens: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_route_seconds: _Optional[float] = ..., prefill_attention_tokens: _Optional[float] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("protocol_version", "workers")

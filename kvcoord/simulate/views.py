@@ -73,7 +73,7 @@ class CoordinatorLoads:
         ``Router`` books it."""
         session = self._sessions[worker]
         session.hold_inflight(prompt_tokens - cached_tokens, 1, MAX_INFLIGHT, prompt_tokens)
-        session.queue_prefill(prefill_work, now, pending_keys)
+        session.queue_prefill(prefill_work, now, pending_keys, prompt_tokens)
         session.count_routed(prompt_tokens, cached_tokens)
 
     def stored(self, worker: int, keys: Sequence[bytes], now: float) -> None:

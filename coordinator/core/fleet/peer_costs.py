@@ -2,7 +2,7 @@
 that have not measured a prefill yet.
 
 A worker's prefill backlog starts at a configured rate (15,000 tokens/s, a GPU's), and learns
-its engine's own rate and fixed cost per request from the prefills it sees end
+its engine's own rate, fixed cost per request and attention from the prefills it sees end
 (``prefill_backlog``). Until it has, the configured guess can be far off (a vLLM CPU engine
 does about 300 to 3,000 tokens/s), and a worker judged by a guess five times too fast drains its
 booked work five times too soon, so it takes nearly every new prompt while a measured peer
@@ -13,18 +13,22 @@ at the configured rate. Medians, not means: one odd engine moves them least. Pur
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Protocol
 
 
 class LearnedCosts(Protocol):
-    """What a backlog has learned: its rate and fixed cost per route."""
+    """What a backlog has learned: its rate, fixed cost per route and attention position."""
 
     @property
     def own_tokens_per_s(self) -> float: ...
 
     @property
     def own_per_route_s(self) -> float: ...
+
+    @property
+    def own_attention_tokens(self) -> float: ...
 
 
 class PeerCosts:
@@ -34,12 +38,13 @@ class PeerCosts:
 
     def __init__(self, configured_tokens_per_s: float) -> None:
         self.configured_tokens_per_s = configured_tokens_per_s
-        self._learned: dict[LearnedCosts, tuple[float, float]] = {}
-        self._medians: tuple[float, float] | None = None  # None: to be computed on read
+        self._learned: dict[LearnedCosts, tuple[float, float, float]] = {}
+        self._medians: tuple[float, float, float] | None = None  # None: computed on read
 
     def learned(self, backlog: LearnedCosts) -> None:
         """``backlog`` measured its engine (again): its costs count from now on."""
-        self._learned[backlog] = (backlog.own_tokens_per_s, backlog.own_per_route_s)
+        self._learned[backlog] = (backlog.own_tokens_per_s, backlog.own_per_route_s,
+                                  backlog.own_attention_tokens)
         self._medians = None
 
     def forget(self, backlog: LearnedCosts) -> None:
@@ -47,13 +52,16 @@ class PeerCosts:
         if self._learned.pop(backlog, None) is not None:
             self._medians = None
 
-    def costs(self) -> tuple[float, float]:
-        """(tokens per second, seconds per route) for a worker that has measured nothing."""
+    def costs(self) -> tuple[float, float, float]:
+        """(tokens per second, seconds per route, attention tokens) for a worker that has
+        measured nothing (``prefill_backlog``; attention infinite for a peer that has not
+        shown any)."""
         if self._medians is None:
             if self._learned:
                 values = self._learned.values()
-                self._medians = (statistics.median(rate for rate, _ in values),
-                                 statistics.median(fixed for _, fixed in values))
+                self._medians = (statistics.median(rate for rate, _, _ in values),
+                                 statistics.median(fixed for _, fixed, _ in values),
+                                 statistics.median(at for _, _, at in values))
             else:
-                self._medians = (self.configured_tokens_per_s, 0.0)
+                self._medians = (self.configured_tokens_per_s, 0.0, math.inf)
         return self._medians

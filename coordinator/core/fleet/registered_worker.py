@@ -136,11 +136,12 @@ class RegisteredWorker:
         return self.backlog.tokens(now)
 
     def queue_prefill(self, tokens: float, now: float,
-                      pending_keys: Sequence[bytes] = ()) -> None:
+                      pending_keys: Sequence[bytes] = (), context_tokens: int = 0) -> None:
         """Count ``tokens`` of prefill routed here at ``now`` (this replica's route or one
-        another replica shared); ``pending_keys``: the keys the route left pending, in prompt
-        order (its last ones mark its prefill's end)."""
-        self.backlog.book(tokens, now, pending_keys)
+        another replica shared), the last of a ``context_tokens``-token prompt (0: unknown);
+        ``pending_keys``: the keys the route left pending, in prompt order (its last ones mark
+        its prefill's end)."""
+        self.backlog.book(tokens, now, pending_keys, context_tokens)
         self._load_changed()
 
     def observe_page_events(self, events: Iterable[PageEvent], now: float) -> None:
@@ -166,7 +167,7 @@ class RegisteredWorker:
         """Heartbeat load plus the coordinator's own in-flight accounting and, given ``now``,
         the prefill backlog then (0 without ``now``)."""
         view = self._load_view
-        if view is None:
+        if view is None or view.attention_tokens != self.backlog.attention_tokens:
             base = self.load
             view = self._load_view = WorkerLoad(
                 running_requests=base.running_requests,
@@ -176,12 +177,13 @@ class RegisteredWorker:
                 inflight_routes=len(self.inflight) + self.awaited_routes,
                 inflight_tokens=self.inflight_tokens + self.awaited_tokens,
                 active_tokens=self.inflight_context_tokens + self.awaited_context_tokens,
+                attention_tokens=self.backlog.attention_tokens,
             )
         backlog = self.prefill_backlog(now) if now is not None else 0.0
         if backlog:
             return WorkerLoad(view.running_requests, view.queued_tokens, view.free_pages,
                               view.total_pages, view.inflight_routes, view.inflight_tokens,
-                              backlog, view.active_tokens)
+                              backlog, view.active_tokens, view.attention_tokens)
         return view
 
     def idle_candidate(self, now: float) -> Candidate:

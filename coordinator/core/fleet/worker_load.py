@@ -7,6 +7,7 @@ fleet and never the other way round.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -22,8 +23,10 @@ class WorkerLoad:
     worker when the route is chosen: the routes it issued there, drained at the worker's
     prefill rate (``RegisteredWorker.prefill_backlog``). ``active_tokens`` are the prompt
     tokens of the routes in flight there: KV they pin until they finish. All >= 0.
-    ``total_pages == 0`` means the capacity is unknown (no heartbeat yet): no memory pressure
-    is charged then, rather than treating the worker as full.
+    ``attention_tokens`` (> 0) is the position at which a prompt token costs the worker two at
+    position 0, as its backlog learned it (``prefill_backlog``; infinite: attention not
+    counted). ``total_pages == 0`` means the capacity is unknown (no heartbeat yet): no memory
+    pressure is charged then, rather than treating the worker as full.
     """
 
     running_requests: int = 0
@@ -34,14 +37,16 @@ class WorkerLoad:
     inflight_tokens: int = 0
     prefill_backlog_tokens: float = 0.0
     active_tokens: int = 0
+    attention_tokens: float = math.inf
 
     def __post_init__(self) -> None:
         # Built for every eligible worker on every route: explicit comparisons, not the
         # generic field walk (which cost more than the routing decision itself).
         if min(self.running_requests, self.queued_tokens, self.free_pages, self.total_pages,
                self.inflight_routes, self.inflight_tokens, self.prefill_backlog_tokens,
-               self.active_tokens) < 0:
-            raise ValueError(f"WorkerLoad fields must be >= 0, got {self!r}")
+               self.active_tokens) < 0 or not self.attention_tokens > 0:
+            raise ValueError(f"WorkerLoad fields must be >= 0 (attention_tokens > 0), got "
+                             f"{self!r}")
 
 
 @dataclass(frozen=True, slots=True)

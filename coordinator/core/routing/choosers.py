@@ -15,7 +15,7 @@ from itertools import chain
 from types import MappingProxyType
 from typing import Protocol
 
-from coordinator.core.fleet import Candidate, WorkerLoad
+from coordinator.core.fleet import Candidate, WorkerLoad, attention_positions
 from coordinator.core.routing.routing_values import Decision, KvAwareWeights, RoutingRequest
 from coordinator.core.routing.shortlists import (
     Shortlist,
@@ -114,6 +114,17 @@ def prefill_work(request: RoutingRequest, cached_pages: int) -> int:
     return (request.prompt_pages - cached_pages) * request.page_size + request.copies * tail_tokens
 
 
+def prefill_cost(request: RoutingRequest, cached_pages: int, load: WorkerLoad) -> float:
+    """The prompt's own prefill on a worker caching ``cached_pages`` leading pages, in
+    tokens at position 0: ``prefill_work`` plus what its tokens attend over, at the worker's
+    learned ``attention_tokens`` (``prefill_backlog``: a hit saves a prompt's start, the
+    cheaper part, and leaves its tail to compute)."""
+    work = prefill_work(request, cached_pages)
+    if load.attention_tokens == math.inf:
+        return float(work)
+    return work + attention_positions(work, request.prompt_tokens) / load.attention_tokens
+
+
 def booked_work(request: RoutingRequest, cached_pages: int, lower_tier_pages: int,
                 weights: KvAwareWeights) -> int:
     """The work, in whole prefill tokens, a route adds to the backlog of a worker caching
@@ -144,7 +155,7 @@ def own_cost(request: RoutingRequest, candidate: Candidate, weights: KvAwareWeig
     tail_tokens = request.prompt_tokens - request.prompt_pages * page
     missing_pages = request.prompt_pages - candidate.cached_pages
     cost = (
-        weights.prefill_token * prefill_work(request, candidate.cached_pages)
+        weights.prefill_token * prefill_cost(request, candidate.cached_pages, load)
         + weights.lower_tier_token * candidate.lower_tier_pages * page
         + load_floor(load, weights)
     )
@@ -207,6 +218,7 @@ class KvAwareChooser(_ShortlistChooser):
         tail = request.prompt_tokens - pages * page
         tail_pages = request.copies * math.ceil(tail / page)
         tail_cost = request.copies * tail
+        prompt_tokens = request.prompt_tokens
         footprint = request.copies * request.prompt_tokens
         dup_per_page = w.duplicate_token * page
         # Any worker caching nothing ranks at least at the whole prefill plus its load floor.
@@ -221,8 +233,14 @@ class KvAwareChooser(_ShortlistChooser):
             if cached > pages:
                 raise ValueError(f"worker {c.worker_id!r} caches more pages than the prompt has")
             missing = pages - cached
+            computed: float = missing * page + tail_cost
+            if load.attention_tokens != math.inf and computed > 0:
+                # prefill_cost: the positions the computed tokens attend over.
+                start = max(0, prompt_tokens - computed)
+                computed += ((prompt_tokens * prompt_tokens - start * start) / 2
+                             / load.attention_tokens)
             cost = (
-                w.prefill_token * (missing * page + tail_cost)
+                w.prefill_token * computed
                 + w.lower_tier_token * lower * page
                 + (w.queued_token * load.prefill_backlog_tokens
                    + w.running_request * (load.running_requests + load.inflight_routes))

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from coordinator.core.fleet import Candidate
-from coordinator.core.routing.choosers import overflow_tokens, prefill_work
+from coordinator.core.routing.choosers import overflow_tokens, prefill_cost
 from coordinator.core.routing.route_types import RouteResult
 from coordinator.core.routing.routing_values import KvAwareWeights, RoutingRequest
 from coordinator.core.routing.shortlists import duplicate_cost
@@ -45,6 +45,7 @@ class CostTerms:
     inflight_routes: int
     free_pages: int
     total_pages: int
+    attention_tokens: float
 
     @property
     def total(self) -> float:
@@ -52,7 +53,10 @@ class CostTerms:
                 + self.overflow + self.duplicate)
 
     def as_json(self) -> dict[str, Any]:
-        return {**asdict(self), "total": self.total}
+        fields = asdict(self)
+        if math.isinf(self.attention_tokens):
+            fields["attention_tokens"] = None  # none learned (JSON has no infinity)
+        return {**fields, "total": self.total}
 
 
 def cost_terms(request: RoutingRequest, candidate: Candidate, weights: KvAwareWeights,
@@ -69,7 +73,7 @@ def cost_terms(request: RoutingRequest, candidate: Candidate, weights: KvAwareWe
     return CostTerms(
         worker_id=candidate.worker_id, cached_pages=candidate.cached_pages,
         lower_tier_pages=candidate.lower_tier_pages,
-        prefill=weights.prefill_token * prefill_work(request, candidate.cached_pages),
+        prefill=weights.prefill_token * prefill_cost(request, candidate.cached_pages, load),
         lower_tier=weights.lower_tier_token * candidate.lower_tier_pages * page,
         queued=weights.queued_token * load.prefill_backlog_tokens,
         running=weights.running_request * (load.running_requests + load.inflight_routes),
@@ -77,7 +81,7 @@ def cost_terms(request: RoutingRequest, candidate: Candidate, weights: KvAwareWe
         duplicate=duplicate_cost(weights, page, best_cached_pages, candidate.cached_pages),
         backlog_tokens=load.prefill_backlog_tokens, running_requests=load.running_requests,
         inflight_routes=load.inflight_routes, free_pages=load.free_pages,
-        total_pages=load.total_pages)
+        total_pages=load.total_pages, attention_tokens=load.attention_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -333,7 +333,7 @@ class Router(RouterBooks):
         # before) are computed once, by whichever route reaches the worker first.
         lower = chosen_detail.lower_tier_pages if chosen_detail is not None else 0
         work = booked_work(request, decision.cached_pages, lower, self._weights)
-        session.queue_prefill(work, now, pending)
+        session.queue_prefill(work, now, pending, token_count)
         for _ in range(copies):
             session.count_routed(token_count, cached_tokens)
         if self._on_routed is not None:

@@ -54,7 +54,7 @@ class RouterBooks:
         if work is None:  # an older replica: the most it could have counted
             work = reservation.uncached_tokens * reservation.copies
         keys = reservation.pending_keys
-        session.queue_prefill(work, now, keys)
+        session.queue_prefill(work, now, keys, reservation.context_tokens)
         return True
 
     def inflight(self, sessions: Iterable[RegisteredWorker]) -> list[InFlightRoutes]:
