@@ -309,3 +309,23 @@ def test_least_squares_refuses_columns_it_cannot_tell_apart() -> None:
     assert least_squares([[0.0, 0.0], [1.0, 2.0]], [1.0, 2.0]) is None
     fitted = least_squares([[1.0, 1.0, 1.0], [1.0, 2.0, 4.0]], [3.0, 5.0, 9.0])
     assert fitted == pytest.approx([1.0, 2.0])
+
+
+def test_workers_of_one_model_price_a_prompt_at_their_median_attention() -> None:
+    # Two engines of one model whose measures put attention at 450 and 650 tokens: each books
+    # its own backlog at its own estimate, but a fresh prompt costs the same on both (the
+    # median, 550), so neither estimate makes its worker take every fresh prompt.
+    fleet = fleet_of("a", "b", rate=15_000.0)
+    a, b = fleet.get("a"), fleet.get("b")
+    assert a is not None and b is not None
+    for worker, attention in ((a, 450), (b, 650)):
+        now = 0.0
+        for i, (work, context) in enumerate(PROMPTS):
+            worker.backlog.book(work, now, end_keys=[f"k{i}".encode()], context_tokens=context)
+            now += 0.033 + (work + attention_positions(work, context) / attention) / 2_800
+            worker.backlog.observe_stored([f"k{i}".encode()], now)
+            now += 1.0
+    assert a.backlog.attention_tokens == pytest.approx(450.0)
+    assert b.backlog.attention_tokens == pytest.approx(650.0)
+    assert a.current_load(0.0).attention_tokens == b.current_load(0.0).attention_tokens == (
+        pytest.approx(550.0))

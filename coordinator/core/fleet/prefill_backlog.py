@@ -145,6 +145,16 @@ class PrefillBacklog:
             return self.own_attention_tokens
         return self._peers.costs()[2]
 
+    @property
+    def model_attention_tokens(self) -> float:
+        """Attention as its model's workers learned it (the median over the measured ones,
+        itself included; its own without peers): what a prompt's own prefill is priced at on
+        every worker of the model alike, so that one engine's noisier estimate does not make
+        it look cheaper for every fresh prompt (idle workers stay tied)."""
+        if self._peers is None:
+            return self.own_attention_tokens
+        return self._peers.costs()[2]
+
     def seconds(self, now: float) -> float:
         """Seconds of prefill still queued at ``now``."""
         if now > self._zero_after:

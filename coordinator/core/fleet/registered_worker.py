@@ -167,7 +167,7 @@ class RegisteredWorker:
         """Heartbeat load plus the coordinator's own in-flight accounting and, given ``now``,
         the prefill backlog then (0 without ``now``)."""
         view = self._load_view
-        if view is None or view.attention_tokens != self.backlog.attention_tokens:
+        if view is None or view.attention_tokens != self.backlog.model_attention_tokens:
             base = self.load
             view = self._load_view = WorkerLoad(
                 running_requests=base.running_requests,
@@ -177,7 +177,7 @@ class RegisteredWorker:
                 inflight_routes=len(self.inflight) + self.awaited_routes,
                 inflight_tokens=self.inflight_tokens + self.awaited_tokens,
                 active_tokens=self.inflight_context_tokens + self.awaited_context_tokens,
-                attention_tokens=self.backlog.attention_tokens,
+                attention_tokens=self.backlog.model_attention_tokens,
             )
         backlog = self.prefill_backlog(now) if now is not None else 0.0
         if backlog:

@@ -23,10 +23,11 @@ class WorkerLoad:
     worker when the route is chosen: the routes it issued there, drained at the worker's
     prefill rate (``RegisteredWorker.prefill_backlog``). ``active_tokens`` are the prompt
     tokens of the routes in flight there: KV they pin until they finish. All >= 0.
-    ``attention_tokens`` (> 0) is the position at which a prompt token costs the worker two at
-    position 0, as its backlog learned it (``prefill_backlog``; infinite: attention not
-    counted). ``total_pages == 0`` means the capacity is unknown (no heartbeat yet): no memory
-    pressure is charged then, rather than treating the worker as full.
+    ``attention_tokens`` (> 0) is the position at which a prompt token costs two at position 0,
+    as the workers of its model learned it (``PrefillBacklog.model_attention_tokens``;
+    infinite: attention not counted). ``total_pages == 0`` means the capacity is unknown (no
+    heartbeat yet): no memory pressure is charged then, rather than treating the worker as
+    full.
     """
 
     running_requests: int = 0
