@@ -148,6 +148,13 @@ def run_turn(router: RouterRun, plan: TurnPlan) -> dict[str, Any]:
     return summary
 
 
+def turn_order(routers: Sequence[str], repeat: int) -> list[str]:
+    """The routers' order in repeat ``repeat``: rotated by one each repeat, so that no router
+    has every repeat's first turn."""
+    shift = repeat % len(routers) if routers else 0
+    return [*routers[shift:], *routers[:shift]]
+
+
 def run_turns(plan: TurnPlan, repeats: int, tokenizer: TextTokenizer, log: Log,
               routers: Sequence[str] = ROUTERS,
               ) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]],
@@ -155,12 +162,14 @@ def run_turns(plan: TurnPlan, repeats: int, tokenizer: TextTokenizer, log: Log,
     """Every repeat of every router's turn; the index check after the first ``kv_aware`` turn
     (its probes cost a capped fleet half a minute; the decision trace compares the index's
     match with what the engines served on every turn); each router's idle CPU (first
-    repeat)."""
+    repeat). Repeat ``r`` starts with the ``r``-th router (``turn_order``): the case's first
+    turn ran slower for whichever router had it (engines fresh from their start), and it was
+    always ``kv_aware``'s."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in routers}
     index_checks: list[dict[str, Any]] = []
     idle: dict[str, dict[str, Any]] = {}
     for repeat in range(repeats):
-        for name in routers:
+        for name in turn_order(routers, repeat):
             with _open(name, plan, f"r{repeat}-{name}") as router:
                 if repeat == 0 and plan.idle_s > 0:
                     idle[name] = idle_cpu(router, plan.idle_s)

@@ -12,6 +12,7 @@ from pathlib import Path
 import structlog
 
 from bench.engines_trace import read_trace, sent_away_by, trace_text
+from bench.engines_turns import turn_order
 from coordinator.core.hashing import Namespace
 from coordinator.core.hashing.page_hasher import tokens_to_bytes
 from coordinator.core.index.page_events import PagesRemoved
@@ -56,3 +57,10 @@ def test_the_trace_joins_decisions_ends_and_answers_by_route_id(tmp_path: Path) 
     decision = next(e for e in logs if e.get("route_id") == leaves.route_id)
     assert sent_away_by(decision) == "queued"
     assert "1 left their holder (sent away by: queued 1)" in trace_text(trace)
+
+
+def test_each_repeat_starts_with_the_next_router() -> None:
+    routers = ("kv_aware", "smg_cache_aware", "smg_round_robin", "kvcoord_round_robin")
+    assert [turn_order(routers, r)[0] for r in range(5)] == [
+        "kv_aware", "smg_cache_aware", "smg_round_robin", "kvcoord_round_robin", "kv_aware"]
+    assert sorted(turn_order(routers, 2)) == sorted(routers)
