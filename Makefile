@@ -15,12 +15,18 @@ GEN_DIRS := coordinator/v1 $(wildcard worker/v1)
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
+EXTRAS := .[worker,text,gateway,bridge,dev,plot,accel]
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	# torch pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
+	# torch pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build. pip installs
+	# it: its configuration says where a machine keeps the CPU wheel.
 	$(PIP) install --quiet "torch==2.13.0"
-	$(PIP) install --quiet -e ".[worker,text,gateway,bridge,dev,plot,accel]"
+	# The rest through uv, which links files from its cache (~/.cache/uv) instead of unpacking
+	# every wheel again: 18-20 s here against pip's 100-140 s (measured, #49). pip where uv
+	# cannot serve.
+	$(PIP) install --quiet uv && $(VENV)/bin/uv pip install --quiet --python $(PY) -e "$(EXTRAS)" \
+	  || $(PIP) install --quiet -e "$(EXTRAS)"
 	touch $(STAMP)
 
 # The index's optional compiled core (Cython + the C compiler; coordinator/core/index/holdings.py).
