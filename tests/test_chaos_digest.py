@@ -19,7 +19,9 @@ from tests.coordinator_fixtures import DEV_HASH, running_coordinator, target
 
 
 async def test_get_stats_answers_the_digest_of_the_confirmed_entries_when_asked() -> None:
-    async with running_coordinator() as running:
+    # The scripted worker sends no heartbeat: a lease longer than the test keeps a loaded
+    # machine's slow digest call from lapsing it (the fixture's 2 s lapsed once in CI).
+    async with running_coordinator(lease_ms=60_000) as running:
         worker = ScriptedWorker(target(running), "w1", hash_config=DEV_HASH)
         await worker.start()
         try:

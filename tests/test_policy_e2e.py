@@ -368,11 +368,14 @@ def check_served(served: list[Served]) -> None:
 def check_no_generation_between_drained_and_applied(
     fleet: Fleet, served: list[Served], updates: list[Update]
 ) -> None:
-    """(2), per sync update and acking worker: nothing the worker served was started between
-    DRAIN reaching it and its APPLIED. A generation starts (here) before the worker admits it,
-    so one started in that window was admitted in it, and ran between DRAINED and APPLIED or
-    kept DRAINED from being true. (A generation admitted before DRAIN ends before DRAINED; from
-    outside the worker that end is seen only through its answer's latency, so it is not timed.)
+    """(2), per sync update and acking worker: nothing the worker served was admitted between
+    DRAIN reaching it and its APPLIED. A generation is sent (``start``, here) before the worker
+    admits it, so one sent in that window was admitted in it, or later: a call that waited in
+    the worker's queue while it drained and applied is admitted once it reopens, and then runs
+    at the new version. So one sent in the window at the *old* version was admitted in it, and
+    ran between DRAINED and APPLIED or kept DRAINED from being true. (A generation admitted
+    before DRAIN ends before DRAINED; from outside the worker that end is seen only through its
+    answer's latency, so it is not timed.)
     """
     checked = 0
     for done in updates:
@@ -381,8 +384,13 @@ def check_no_generation_between_drained_and_applied(
         for worker_id in done.state.acked_workers:
             drain, applied = gate_closed(fleet.log_events(worker_id), done.version)
             assert done.began <= drain <= applied <= done.committed
-            admitted = [s for s in served
-                        if s.worker_id == worker_id and drain <= s.start <= applied]
+            sent_in_window = [s for s in served
+                              if s.worker_id == worker_id and drain <= s.start <= applied]
+            # Those at the new version were admitted after APPLIED: they end after it.
+            assert all(s.end > applied for s in sent_in_window
+                       if s.generation.policy_version == done.version)
+            admitted = [s for s in sent_in_window
+                        if s.generation.policy_version != done.version]
             assert admitted == [], (worker_id, done.version, drain, applied)
             checked += 1
     assert checked == 5  # w0-w2 in the first sync update, w0 and w1 in the fenced one
