@@ -15,9 +15,15 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     def line(cells: Sequence[str]) -> str:
         out = []
         for i, cell in enumerate(cells):
-            numeric = cell.replace(".", "").replace("%", "").replace("x", "").lstrip("-v").isdigit()
+            numeric = _looks_numeric(cell)
             out.append(cell.rjust(widths[i]) if numeric else cell.ljust(widths[i]))
         return "  ".join(out).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def _looks_numeric(cell: str) -> bool:
+    """``1,229``, ``-42%``, ``+97%``, ``3.5x``, ``v2``: a number, its sign, separators and unit."""
+    bare = cell.replace(",", "").replace(".", "").replace("%", "").replace("x", "")
+    return bare.lstrip("-+v").isdigit()
