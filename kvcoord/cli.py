@@ -187,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, metavar="DIR",
                        help="write <suite>.json here (default: bench/results/ in the checkout)")
     bench.add_argument("--rig", metavar="NAMES", help="engines suite: production (engines on "
-                       "core 0, routers and client on core 1), shared (an engine per core); "
-                       "comma-separated (default: both; --quick: shared)")
+                       "core 0, routers and client on core 1), shared (an engine per core), "
+                       "quota (an engine per core, each capped by a cgroup CPU quota: needs "
+                       "root); comma-separated (default: production,shared; --quick: shared)")
     bench.add_argument("--regime", metavar="NAMES", help="engines suite: roomy (each engine "
                        "holds half the stream's distinct tokens), pressure (a quarter); "
                        "comma-separated (default: both; --quick: roomy)")
