@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.engines_cases import REGIMES, RIGS, Regime, Rig, case_name, case_parts
+from bench.engines_ceiling import stream_ceiling
 from bench.engines_checks import compare_sglang_like, smg_choices
 from bench.engines_fleet import (
     ENGINE_BLOCK,
@@ -73,11 +74,16 @@ from bench.engines_report import (
     verdicts,
 )
 from bench.engines_routers import smg_router, smg_worker_order
-from bench.engines_stream import Stream, StreamRequest, StreamShape, build_stream
+from bench.engines_stream import (
+    Stream,
+    StreamRequest,
+    StreamShape,
+    build_stream,
+    workload_trace,
+)
 from bench.engines_turns import TurnPlan, run_turns
 from kvcoord import child_process
 from kvcoord.provenance import git_state, trace_identity
-from kvcoord.simulate.workloads import generate, jsonl
 from worker.text.tokenizer import TextTokenizer
 
 CHECKOUT = Path(__file__).resolve().parent.parent
@@ -91,7 +97,6 @@ SHORT_PREFILL_TOKENS = 512
 """A second cold length: with the first it tells a prefill's per-token cost from its attention,
 which grows with the position (``engines_predict``)."""
 PREFILL_TRIALS = 3  # counted, after one that is not
-GENERATED_PER_REQUEST = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +232,8 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
     log_dir.mkdir()
     tokenizer = write_model(work / "model", config.shape)
     check_words(tokenizer)
-    streams = {name: build_stream(_trace_of(config, name, work), config.stream, tokenizer,
+    streams = {name: build_stream(workload_trace(name, config.trace, config.stream.requests, work),
+                                  config.stream, tokenizer,
                                   config.shape.max_positions) for name in config.workloads}
     load_before = os.getloadavg()[0]
     began = time.monotonic()
@@ -249,7 +255,7 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
                 cases[name]["coordinator"] = where
                 comparison = comparison or engines_comparison
     assert comparison is not None, "at least one case ran"
-    setup = _setup(config, streams, tokenizer.vocab_size)
+    setup = _setup(config, streams, tokenizer)
     # Other work on the machine slows the engines: say how busy it was around the run.
     setup["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     setup["started_at"] = {"commit": started_at, "dirty": dirty_at_start}
@@ -308,6 +314,8 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
           f"CPU engines (mean, min-max over {config.repeats} "
           f"repeat{'s' if config.repeats > 1 else ''})")
     print(table(routers))
+    ceiling = stream_ceiling(stream, tokenizer, ENGINE_BLOCK)["cached_share"]
+    print(f"the stream's cache ceiling (one engine of unbounded memory): {ceiling:.1%}")
     print(decomposition_table(routers))
     print(cpu_table(routers, idle))
     prediction = None
@@ -347,21 +355,9 @@ def _version(python: Path, distribution: str) -> str | None:
     return version or None
 
 
-def _trace_of(config: EnginesConfig, workload: str, work: Path) -> Path:
-    """The trace file a workload's stream is sampled from: the configured trace, or the
-    generated family written beside the run (``GENERATED_PER_REQUEST`` x the stream's
-    requests, so whole families can be sampled from it)."""
-    if workload == "trace":
-        return config.trace
-    path = work / f"{workload}.jsonl"
-    jsonl.write(generate(workload, requests=GENERATED_PER_REQUEST * config.stream.requests),
-                path)
-    return path
-
-
-def _setup(config: EnginesConfig, streams: Mapping[str, Stream], vocab: int,
+def _setup(config: EnginesConfig, streams: Mapping[str, Stream], tokenizer: TextTokenizer,
            ) -> dict[str, Any]:
-    shape = config.shape
+    shape, vocab = config.shape, tokenizer.vocab_size
     python, smg = vllm_python(), smg_command()
     return {
         "trace": trace_identity(config.trace), "repeats": config.repeats,
@@ -379,6 +375,7 @@ def _setup(config: EnginesConfig, streams: Mapping[str, Stream], vocab: int,
                            "max_output_tokens": config.stream.max_output_tokens,
                            "prompt_tokens": stream.prompt_tokens,
                            "distinct_tokens": stream.distinct_tokens, "load": config.load,
-                           "trace_span_s": stream.trace_span_s}
+                           "trace_span_s": stream.trace_span_s,
+                           "ceiling": stream_ceiling(stream, tokenizer, ENGINE_BLOCK)}
                     for name, stream in streams.items()},
     }

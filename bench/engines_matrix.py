@@ -10,10 +10,14 @@ it ends). Run: ``python -m bench.engines_matrix [DIR]``.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.bench_engines import FULL_TRACE, TRACE_VAR
+from bench.engines_ceiling import case_ceilings
 from kvcoord.tables import render_table
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engines"
@@ -41,19 +45,27 @@ def load_cases(folder: Path = RESULTS) -> tuple[dict[str, dict[str, Any]], list[
                 cases[name] = {
                     **case, "commit": began.get("commit", report.get("commit")),
                     "dirty": bool(report.get("dirty") or began.get("dirty")),
-                    "wall_s": setup.get("wall_s")}
+                    "wall_s": setup.get("wall_s"), "setup": setup}
     return cases, void
 
 
-def matrix(cases: dict[str, dict[str, Any]]) -> str:
-    headers = ["case", "engines", "router", *(label for _, label, _ in COLUMNS), "verdicts"]
+def matrix(cases: dict[str, dict[str, Any]],
+           ceilings: dict[str, float | None] | None = None) -> str:
+    """One row per router of every case; kv_aware's row carries the case's verdicts and its
+    stream's cache ceiling (``engines_ceiling``; "-" where unknown)."""
+    headers = ["case", "engines", "router", *(label for _, label, _ in COLUMNS), "ceiling",
+               "verdicts"]
     rows = []
     for name, case in cases.items():
         for router, measured in case["routers"].items():
+            first = router == "kv_aware"
             verdicts = ", ".join(f"{m.removesuffix('_ms')} {v}" for m, v in
-                                 case["verdicts"].items()) if router == "kv_aware" else ""
+                                 case["verdicts"].items()) if first else ""
+            ceiling = (ceilings or {}).get(name)
             rows.append([name, str(case["engines"]["count"]), router,
-                         *(_cell(measured[key], fmt) for key, _, fmt in COLUMNS), verdicts])
+                         *(_cell(measured[key], fmt) for key, _, fmt in COLUMNS),
+                         ("-" if ceiling is None else f"{ceiling:.1%}") if first else "",
+                         verdicts])
     return render_table(headers, rows)
 
 
@@ -80,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     if not cases and not void:
         print(f"no cases in {folder}: run `kvcoord bench engines --case NAME`", file=sys.stderr)
         return 1
-    print(matrix(cases))
+    with tempfile.TemporaryDirectory(prefix="kvcoord-matrix-") as work:
+        ceilings = case_ceilings(cases, Path(os.environ.get(TRACE_VAR) or FULL_TRACE),
+                                 Path(work))
+    print(matrix(cases, ceilings))
+    print("ceiling: the most of the stream's prompt tokens any router can serve from cache "
+          "(one engine of unbounded memory, the stream in order)")
     print("\nthe simulator's error, calibrated on each case's engines")
     print(errors(cases))
     for name in void:

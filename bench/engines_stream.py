@@ -29,9 +29,13 @@ from pathlib import Path
 
 from bench.engines_model import chat, prompt_text, template_tokens
 from kvcoord.simulate.trace import TraceRequest, load_trace
+from kvcoord.simulate.workloads import generate, jsonl
 from worker.text.tokenizer import TextTokenizer
 
 TRACE_BLOCK = 512  # tokens per hash id in the trace
+GENERATED_PER_REQUEST = 4
+"""A generated workload's trace holds this many requests per stream request, so that whole
+families can be sampled from it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,17 @@ class Stream:
             raise ValueError(f"a time scale must be > 0, got {factor}")
         return replace(self, requests=tuple(replace(r, arrival_s=r.arrival_s * factor)
                                             for r in self.requests))
+
+
+def workload_trace(workload: str, trace: Path, requests: int, work: Path) -> Path:
+    """The trace file a ``workload``'s stream of ``requests`` is sampled from: ``trace`` for
+    the trace workload, else the simulator's generated family (``GENERATED_PER_REQUEST`` x
+    ``requests`` of it, seed 0) written into ``work``."""
+    if workload == "trace":
+        return trace
+    path = work / f"{workload}.jsonl"
+    jsonl.write(generate(workload, requests=GENERATED_PER_REQUEST * requests), path)
+    return path
 
 
 def sample_families(trace: Sequence[TraceRequest], requests: int, seed: int) -> list[int]:

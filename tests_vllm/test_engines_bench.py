@@ -90,6 +90,12 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
     assert trace["served_cached_tokens"] == case["routers"]["kv_aware"]["runs"]["run0"][
         "cached_tokens"], trace
     assert "decision_trace" not in case["routers"]["smg_cache_aware"]["runs"]["run0"]
+    # No router served more from cache than the stream's ceiling lets any router serve.
+    ceiling = engines["setup"]["streams"]["trace"]["ceiling"]
+    assert ceiling["prompt_tokens"] == case["routers"]["kv_aware"]["runs"]["run0"][
+        "prompt_tokens"], ceiling
+    for name, measured in case["routers"].items():
+        assert measured["runs"]["run0"]["cached_tokens"] <= ceiling["cached_tokens"], name
     check = case["index_checks"]["run0"]
     assert check["probes"] == 6 and check["agreed"] == 6, check
     compared = engines["sglang_like_vs_smg"]
