@@ -232,11 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", help="same as `kvcoord up` with its defaults (what `make demo` runs)")
 
-    from kvcoord.gateway.cli import add_gateway_parser  # argparse only: cheap
+    from kvcoord.epp.cli import add_epp_parser  # argparse only: cheap
+    from kvcoord.gateway.cli import add_gateway_parser
     from kvcoord.simulate.cli import add_simulate_parser
 
     add_simulate_parser(sub)
     add_gateway_parser(sub)
+    add_epp_parser(sub)
     add_identity_parser(sub)
     return parser
 

@@ -20,6 +20,7 @@ from dataclasses import asdict
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.store.protocol import StoreUnavailable
 from kvcoord.cli_security import client_credentials, cmd_identity, server_flags
+from kvcoord.epp.cli import cmd_epp
 from kvcoord.gateway.cli import cmd_gateway
 
 
@@ -283,5 +284,5 @@ COMMANDS = {
     "coordinator": cmd_coordinator, "worker": cmd_worker, "route": cmd_route, "status": cmd_status,
     "rollouts": cmd_rollouts, "bench": cmd_bench, "demo": cmd_demo, "up": cmd_up,
     "simulate": cmd_simulate, "deregister": cmd_deregister, "bridge": cmd_bridge,
-    "identity": cmd_identity, "gateway": cmd_gateway,
+    "identity": cmd_identity, "gateway": cmd_gateway, "epp": cmd_epp,
 }

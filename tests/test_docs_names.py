@@ -27,6 +27,7 @@ from coordinator.store.memory import MemoryStore
 from kvcoord.child_process import OWNER_VAR
 from kvcoord.cli_security import CLIENT_FILE_VARIABLES, TOKEN_VARIABLE
 from kvcoord.engine_envs import CACHE_VAR
+from kvcoord.epp.metrics import PickerMetrics
 from kvcoord.gateway.config import GatewayConfig
 from kvcoord.gateway.metrics import GatewayMetrics
 from tests.test_bridge_engine_gauges import RANK0, vllm_metrics
@@ -94,6 +95,10 @@ def exposed_metric_names() -> set[str]:
     for histogram in (gateway.ttft, gateway.inter_token, gateway.latency):
         histogram.labels("w0").observe(0.01)
     text += generate_latest(gateway.registry).decode()
+    picker = PickerMetrics()
+    picker.picks.labels("picked").inc()
+    picker.served.labels("picked").inc()
+    text += generate_latest(picker.registry).decode()
     names = set()
     for line in text.splitlines():
         if line and not line.startswith("#"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import ssl
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from coordinator.rpc.guard import Guard, ServerSecurity
 from coordinator.rpc.health import add_health_and_reflection, warn_if_open
 from coordinator.rpc.identities import WORKER_PERMISSIONS
 from coordinator.rpc.interceptor import ErrorMappingInterceptor, Mapped
+from coordinator.stop_signals import stop_requested
 from coordinator.wire import Reason
 from worker.agent import CoordinatorAgent
 from worker.config import ConfigError, WorkerConfig
@@ -193,10 +193,7 @@ async def serve_forever(config: WorkerConfig) -> int:
     coordinator refuses the registration for good. Returns the process exit status."""
     running = await start_worker(config)
     settle_after_start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_requested()
     stopped = asyncio.create_task(stop.wait())
     failed = asyncio.create_task(running.agent.failed.wait())
     await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +26,7 @@ from coordinator.server.metrics import CoordinatorMetrics
 from coordinator.server.peer_shards import peer_shards
 from coordinator.server.servicer import CoordinatorServicer
 from coordinator.server.sync_relay import SyncFrontends
+from coordinator.stop_signals import stop_requested
 from coordinator.store.protocol import StoreUnavailable
 from coordinator.v1 import coordinator_pb2 as pb
 from coordinator.v1 import coordinator_pb2_grpc as pb_grpc
@@ -146,9 +145,6 @@ async def serve_forever(config: CoordinatorConfig) -> None:
     """Run until SIGINT/SIGTERM, then drain (the k8s termination path)."""
     running = await start_coordinator(config)
     settle_after_start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_requested()
     await stop.wait()
     await running.stop()

@@ -4,8 +4,7 @@ stops accepting and lets the requests in flight finish for a grace period."""
 from __future__ import annotations
 
 import asyncio
-import signal
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import structlog
 
@@ -15,6 +14,7 @@ from coordinator.metrics_http import serve_metrics
 from coordinator.process_gc import settle_after_start
 from coordinator.server.in_process import InProcessStub
 from coordinator.server.main import RunningCoordinator, start_coordinator
+from coordinator.stop_signals import stop_requested
 from kvcoord.gateway.config import ConfigError, GatewayConfig
 from kvcoord.gateway.routing import RouteFinder
 from kvcoord.gateway.server import GatewayServer
@@ -54,6 +54,26 @@ def embedded_coordinator_config(config: GatewayConfig, env: Mapping[str, str], *
     return coordinator
 
 
+def coordinator_readiness(own: AsyncCoordinatorClient) -> Callable[[], Awaitable[str | None]]:
+    """``readiness()`` for a front door that routes through ``own`` (its own identity): None
+    when requests can be served, else why not (the coordinator does not answer; no worker is
+    routable outside a sync drain, which leaves none routable for a moment)."""
+
+    async def readiness() -> str | None:
+        # ListWorkers and GetPolicy: calls every role may make, so a front door's own
+        # identity needs no more than a scheduler's.
+        try:
+            workers, policy = await asyncio.wait_for(
+                asyncio.gather(own.workers(), own.policy()), READINESS_TIMEOUT_S)
+        except (KvcoordError, TimeoutError) as exc:
+            return f"the coordinator does not answer: {exc}"
+        if any(w.state == "ready" for w in workers) or (workers and policy.phase != "serving"):
+            return None
+        return "no routable worker"
+
+    return readiness
+
+
 async def start_gateway(config: GatewayConfig, *, token: str | None = None,
                         embedded: CoordinatorConfig | None = None,
                         ) -> tuple[GatewayServer, AsyncCoordinatorClient]:
@@ -72,19 +92,7 @@ async def start_gateway(config: GatewayConfig, *, token: str | None = None,
     else:
         tls = None if config.tls_ca is None else ClientTls.from_files(config.tls_ca)
         client = AsyncCoordinatorClient(config.coordinator, tls=tls)
-    own = client.as_caller(token)
-
-    async def readiness() -> str | None:
-        # ListWorkers and GetPolicy: calls every role may make, so the gateway's own identity
-        # needs no more than a scheduler's.
-        try:
-            workers, policy = await asyncio.wait_for(
-                asyncio.gather(own.workers(), own.policy()), READINESS_TIMEOUT_S)
-        except (KvcoordError, TimeoutError) as exc:
-            return f"the coordinator does not answer: {exc}"
-        if any(w.state == "ready" for w in workers) or (workers and policy.phase != "serving"):
-            return None  # a sync drain leaves no worker routable for a moment: still ready
-        return "no routable worker"
+    readiness = coordinator_readiness(client.as_caller(token))
 
     routes = RouteFinder(client, model=config.model, drain_wait_s=config.drain_wait_ms / 1000)
     server = GatewayServer(config, routes, tokenizer, readiness, embedded=running)
@@ -108,10 +116,7 @@ async def serve_forever(config: GatewayConfig,
     status."""
     server, client = await start_gateway(config, token=config.own_token(), embedded=embedded)
     settle_after_start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_requested()
     await stop.wait()
     log.info("gateway.stopping", grace_ms=config.shutdown_grace_ms)
     await server.stop()

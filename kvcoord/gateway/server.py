@@ -29,18 +29,12 @@ from coordinator.client.types import Route
 from kvcoord.gateway import fanout
 from kvcoord.gateway.config import GatewayConfig
 from kvcoord.gateway.metrics import GatewayMetrics, Observation
+from kvcoord.gateway.requests import RequestReader
 from kvcoord.gateway.routing import BASE_SCOPE, RequestScope, RouteFinder, RouteLedger
-from worker.http_api.openai_requests import (
-    CompletionRequest,
-    OpenAIError,
-    parse_chat,
-    parse_completion,
-)
+from worker.http_api.openai_requests import CompletionRequest, OpenAIError
 from worker.http_api.serving import (
     Handler,
     bind_http,
-    check_context,
-    check_model,
     common_refusal,
     json_body,
     openai_errors,
@@ -119,7 +113,7 @@ class GatewayServer:
         self._routes = routes
         self._readiness = readiness
         self._tokenizer = tokenizer
-        self._max_context = config.max_context or tokenizer.max_context
+        self._reader = RequestReader(config, tokenizer)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -150,7 +144,7 @@ class GatewayServer:
         log.info("gateway.serving", listen=self._config.listen, port=self.port,
                  coordinator=self._config.embed_coordinator or self._config.coordinator,
                  embedded=self.embedded is not None, model=self._config.model,
-                 tokenizer=self._tokenizer.source, max_context=self._max_context)
+                 tokenizer=self._tokenizer.source, max_context=self._reader.max_context)
         return self.port
 
     async def stop(self) -> None:
@@ -176,52 +170,25 @@ class GatewayServer:
 
     async def _models(self, request: web.Request) -> web.Response:
         base = {"id": self._config.model, "object": "model", "created": 0, "owned_by": "kvcoord",
-                "max_model_len": self._max_context}
+                "max_model_len": self._reader.max_context}
         adapters = [{**base, "id": name, "parent": self._config.model}
                     for name in self._config.adapters]  # as vLLM lists its LoRA modules
         return web.json_response({"object": "list", "data": [base, *adapters]})
 
-    async def _read(self, request: web.Request) -> tuple[bytes, Any]:
-        raw = await request.read()
-        return raw, json_body(raw)
-
-    def _check(self, model: str, prompt: list[int], max_tokens: int) -> None:
-        """OpenAIError 404 for a model this gateway does not serve (neither its model nor
-        one of its adapters), 400 for a prompt that does not fit."""
-        if model not in self._config.adapters:
-            check_model(model, self._config.model, "this gateway")
-        check_context(prompt, max_tokens, self._max_context)
-
-    def _scope(self, model: str, body: Any) -> RequestScope:
-        """The hash namespace the request names: its adapter (``model``, when that is one of
-        ours) and its ``cache_salt`` (OpenAIError 400 unless a non-empty string, as vLLM)."""
-        salt = body.get("cache_salt") if isinstance(body, dict) else None
-        if salt is not None and not (isinstance(salt, str) and salt):
-            raise OpenAIError(400, "cache_salt must be a non-empty string if given",
-                              param="cache_salt")
-        return RequestScope(model if model in self._config.adapters else None, salt)
-
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        raw, body = await self._read(request)
-        parsed = parse_chat(body)
-        prompt = self._tokenizer.encode_chat(parsed.messages, tools=parsed.tools)
-        self._check(parsed.model, prompt, parsed.sampling.max_tokens)
-        return await self._forward(request, "chat/completions", raw, prompt,
-                                   self._scope(parsed.model, body))
+        raw = await request.read()
+        read = self._reader.chat(json_body(raw))
+        return await self._forward(request, "chat/completions", raw, read.prompts[0],
+                                   read.scope)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        raw, body = await self._read(request)
-        parsed = parse_completion(body)
-        prompts = self._prompt_ids(parsed)
-        for prompt in prompts:
-            self._check(parsed.model, prompt, parsed.sampling.max_tokens)
-        scope = self._scope(parsed.model, body)
-        if len(prompts) == 1:
-            return await self._forward(request, "completions", raw, prompts[0], scope)
-        return await self._forward_many(request, parsed, prompts, scope)
-
-    def _prompt_ids(self, parsed: CompletionRequest) -> list[list[int]]:
-        return [p if isinstance(p, list) else self._tokenizer.encode(p) for p in parsed.prompts]
+        raw = await request.read()
+        read = self._reader.completion(json_body(raw))
+        assert read.completion is not None  # a completion's read keeps its request
+        if len(read.prompts) == 1:
+            return await self._forward(request, "completions", raw, read.prompts[0],
+                                       read.scope)
+        return await self._forward_many(request, read.completion, read.prompts, read.scope)
 
     # ------------------------------------------------------------------ forwarding
 

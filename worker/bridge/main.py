@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import signal
 import sys
 from collections.abc import Iterator
 
@@ -15,6 +13,7 @@ from prometheus_client.registry import Collector
 from coordinator.client.channels import ClientTls
 from coordinator.metrics_http import serve_metrics
 from coordinator.process_gc import settle_after_start
+from coordinator.stop_signals import stop_requested
 from worker.bridge.bridge import Bridge, BridgeConfig
 from worker.bridge.engine_control import EngineStepFailed, MissingEndpoint
 from worker.bridge.policy_member import PolicyMember
@@ -125,10 +124,7 @@ async def serve_bridge(
         serve_metrics(registry, config.metrics_bind_host(), config.metrics_port)
     bridge = Bridge(config, token=token, tls=tls)
     bridge_registry(bridge, registry)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_requested()
     try:
         await bridge.start()
         settle_after_start()

@@ -1,0 +1,126 @@
+"""``kvcoord epp`` spoken to as Envoy speaks to it (ext_proc over gRPC, the ``xds-protos``
+stubs), against a real coordinator and two reference workers: the pick is in the
+``x-gateway-destination-endpoint`` header and in ``envoy.lb`` metadata; the subset hint is
+honoured; a stream that ends before its body is counted and leaves the picker serving; gRPC
+health answers for liveness, readiness and the ext_proc service."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, Metadata
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    HttpHeaders,
+    ProcessingRequest,
+    ProcessingResponse,
+)
+from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+from google.protobuf.struct_pb2 import Struct
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvcoord.epp.picker import endpoint_of
+from kvcoord.epp.protocol import DESTINATION_HEADER, SUBSET_HEADER, SUBSET_NAMESPACE
+from tests.coordinator_fixtures import eventually
+from tests.test_epp_envoy import picker_for
+from tests.test_gateway import FIRST, MODEL, running_fleet
+
+
+def headers(path: str, *, end: bool = False) -> ProcessingRequest:
+    pairs = {":method": "POST", ":path": path, "content-type": "application/json"}
+    return ProcessingRequest(request_headers=HttpHeaders(
+        headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode())
+                                   for k, v in pairs.items()]), end_of_stream=end))
+
+
+def with_subset(message: ProcessingRequest, endpoints: list[str]) -> ProcessingRequest:
+    hint = Struct()
+    hint.update({SUBSET_HEADER: endpoints})
+    message.metadata_context.CopyFrom(Metadata(filter_metadata={SUBSET_NAMESPACE: hint}))
+    return message
+
+
+def body(payload: object) -> ProcessingRequest:
+    return ProcessingRequest(request_body=HttpBody(body=json.dumps(payload).encode(),
+                                                   end_of_stream=True))
+
+
+async def exchange(port: int, messages: list[ProcessingRequest]) -> list[ProcessingResponse]:
+    """Send ``messages`` on one stream, then close it; every answer."""
+    async def sent() -> AsyncIterator[ProcessingRequest]:
+        for message in messages:
+            yield message
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return [r async for r in ExternalProcessorStub(channel).Process(sent())]
+
+
+def destination(response: ProcessingResponse) -> tuple[str, str]:
+    """(the header's value, the ``envoy.lb`` metadata's value)."""
+    mutation = response.request_body.response.header_mutation.set_headers
+    header = {h.header.key: h.header.raw_value.decode() for h in mutation}[DESTINATION_HEADER]
+    meta = response.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    return header, meta[DESTINATION_HEADER].string_value
+
+
+async def test_the_pick_is_in_the_header_and_the_metadata_and_the_subset_is_honoured() -> None:
+    async with running_fleet() as fleet, picker_for(fleet) as picker:
+        endpoints = {w.worker_id: endpoint_of(f"http://127.0.0.1:{w.http_port}")
+                     for w in fleet.workers}
+        request = {"model": MODEL, "messages": FIRST, "max_tokens": 2}
+        answers = await exchange(picker.port, [headers("/v1/chat/completions"), body(request)])
+        assert answers[0].HasField("request_headers")  # buffered: headers answered at once
+        header, meta = destination(answers[1])
+        assert header == meta and header in endpoints.values()
+        # Only w1 is in the gateway's subset: every pick is w1, whatever is cached where.
+        for i in range(4):
+            prompt = {**request, "messages": [{"role": "user", "content": f"subset {i}"}]}
+            answers = await exchange(picker.port, [
+                with_subset(headers("/v1/chat/completions"), [endpoints["w1"]]), body(prompt)])
+            assert destination(answers[1]) == (endpoints["w1"], endpoints["w1"])
+        # A subset naming no engine the picker knows: 503, not a pick outside it.
+        answers = await exchange(picker.port, [
+            with_subset(headers("/v1/chat/completions"), ["10.9.9.9:80"]), body(request)])
+        assert answers[-1].immediate_response.status.code == 503
+
+
+async def test_a_stream_ended_before_its_body_is_counted_and_the_picker_serves_on() -> None:
+    async with running_fleet() as fleet, picker_for(fleet) as picker:
+        answers = await exchange(picker.port, [headers("/v1/chat/completions")])
+        assert len(answers) == 1 and answers[0].HasField("request_headers")
+        metrics = picker.picker.metrics
+        await eventually(lambda: _async(metrics.picks.labels("ended_before_body")._value.get()
+                                        == 1), what="the early end counted")
+        request = {"model": MODEL, "messages": FIRST, "max_tokens": 2}
+        answers = await exchange(picker.port, [headers("/v1/chat/completions"), body(request)])
+        assert destination(answers[1])[0]
+        # An unknown path is refused at once, as JSON.
+        answers = await exchange(picker.port, [headers("/v1/embeddings"), body(request)])
+        refusal = answers[-1].immediate_response
+        assert refusal.status.code == 404
+        assert json.loads(refusal.body)["error"]["code"] == "not_found"
+
+
+async def test_grpc_health_answers_for_liveness_readiness_and_the_service() -> None:
+    async with running_fleet() as fleet, picker_for(fleet) as picker, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{picker.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+
+        async def status(service: str) -> int:
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            return int(answer.status)
+
+        serving = health_pb2.HealthCheckResponse.SERVING
+        await eventually(lambda: _is(status("readiness"), serving), what="ready")
+        assert await status("liveness") == serving
+        assert await status("envoy.service.ext_proc.v3.ExternalProcessor") == serving
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+async def _is(answer: object, expected: int) -> bool:
+    return await answer == expected  # type: ignore[misc]
