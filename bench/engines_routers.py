@@ -25,6 +25,7 @@ from bench.engines_fleet import (
     empty_caches,
 )
 from bench.engines_procs import (
+    EnginesError,
     Proc,
     http_get,
     kvcoord_argv,
@@ -37,6 +38,7 @@ from bench.engines_procs import (
 from bench.engines_trace import DECISION_LOG_VAR
 from coordinator.client import CoordinatorClient
 from coordinator.client.errors import KvcoordError
+from kvcoord.epp.envoy_config import ENVOY_HINT, envoy_binary, envoy_bootstrap
 from kvcoord.fleet_procs import free_port
 
 ROUTER_START_S = 60.0
@@ -56,6 +58,9 @@ class RouterRun:
     bridge_metrics: tuple[str, ...] = ()
     metrics_url: str | None = None
     tag: str = ""
+    front: str = "gateway"
+    """What clients connect to: ``gateway`` (kvcoord's), ``envoy`` (Envoy asking ``kvcoord
+    epp``) or ``smg``."""
 
     def role(self, proc: Proc) -> str:
         """What ``proc`` is in this router: ``gateway``, ``coordinator``, ``bridge-vllm-0``,
@@ -67,13 +72,16 @@ class RouterRun:
 def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
                    max_model_len: int, tag: str, *, policy: str = "kv_aware",
                    core: int | None = None, embedded: bool = True,
-                   decision_log: bool = False) -> Iterator[RouterRun]:
-    """A coordinator routing by ``policy``, one bridge per engine and the gateway (its
-    ``/metrics`` on: ``metrics_url``), all fresh, on ``core`` when given. ``embedded``: the
+                   decision_log: bool = False, front: str = "gateway") -> Iterator[RouterRun]:
+    """A coordinator routing by ``policy``, one bridge per engine and the front clients
+    connect to (its ``/metrics`` on: ``metrics_url``), all fresh, on ``core`` when given.
+    ``front``: ``gateway`` (``kvcoord gateway``), or ``envoy`` (Envoy whose ext_proc filter
+    asks ``kvcoord epp``, the coordinator then in a process of its own). ``embedded``: the
     coordinator runs in the gateway's process (``--embed-coordinator``); else in its own.
     ``decision_log``: the coordinator logs each decision (``engines_trace``). Yields once the
-    gateway can route and every bridge has applied the engines' cache reset (done here, after
+    front can route and every bridge has applied the engines' cache reset (done here, after
     the bridges subscribed)."""
+    embedded = embedded and front == "gateway"
     env = kvcoord_env(secrets.token_hex(32))
     traced = {DECISION_LOG_VAR: "1"} if decision_log else {}
     coordinator = f"127.0.0.1:{free_port()}"
@@ -106,24 +114,53 @@ def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
                 "--engine-url", engine.url, "--model", MODEL, "--page-size", str(PAGE_SIZE),
                 "--engine-block-size", str(ENGINE_BLOCK), "--metrics-port", str(port)),
                 env=env, log_dir=log_dir, core=core))
-        if not embedded:
+        if front == "envoy":
+            gateway = _start_envoy_front(procs, coordinator, gateway_port, gateway_metrics,
+                                         model_dir, max_model_len, env, log_dir, tag, core)
+        elif not embedded:
             procs.append(start(f"{tag}-gateway", [*gateway_argv, "--coordinator", coordinator],
                                env=env, log_dir=log_dir, core=core))
-        gateway = f"http://127.0.0.1:{gateway_port}"
+        if front != "envoy":
+            gateway = f"http://127.0.0.1:{gateway_port}"
         with CoordinatorClient(coordinator, timeout=5.0) as client:
             wait_until(lambda: _ready(client) == {e.worker_id for e in engines},
                        timeout_s=ROUTER_START_S, what="both bridges to register", procs=procs)
-        wait_until(lambda: http_get(f"{gateway}/readyz") is not None, timeout_s=ROUTER_START_S,
-                   what="the gateway's /readyz", procs=procs)
+        ready = f"{gateway}/v1/models" if front == "envoy" else f"{gateway}/readyz"
+        wait_until(lambda: http_get(ready) is not None, timeout_s=ROUTER_START_S,
+                   what=f"{ready} to answer", procs=procs)
         empty_caches(engines)
         with CoordinatorClient(coordinator, timeout=5.0) as client:
             wait_until(_ResetApplied(bridge_metrics, client), timeout_s=SYNC_S,
                        what="the bridges to apply the engines' cache reset", procs=procs)
-        yield RouterRun(f"kvcoord {policy}", f"{gateway}/v1", tuple(procs), coordinator,
-                        tuple(bridge_metrics),
-                        f"http://127.0.0.1:{gateway_metrics}/metrics", tag)
+        yield RouterRun(f"{'envoy + ' if front == 'envoy' else ''}kvcoord {policy}",
+                        f"{gateway}/v1", tuple(procs), coordinator, tuple(bridge_metrics),
+                        f"http://127.0.0.1:{gateway_metrics}/metrics", tag, front)
     finally:
         stop(procs)
+
+
+def _start_envoy_front(procs: list[Proc], coordinator: str, port: int, metrics_port: int,
+                       model_dir: Path, max_model_len: int, env: dict[str, str],
+                       log_dir: Path, tag: str, core: int | None) -> str:
+    """``kvcoord epp`` (its ``/metrics`` on ``metrics_port``) and Envoy 1.40 in front of it
+    (``envoy_config``: the body buffered to the picker, the answer streamed past it), both
+    added to ``procs``; Envoy's URL. EnginesError when there is no envoy binary."""
+    envoy = envoy_binary()
+    if envoy is None:
+        raise EnginesError(f"the envoy turn needs an envoy binary: {ENVOY_HINT}")
+    picker = free_port()
+    procs.append(start(f"{tag}-epp", kvcoord_argv(
+        "epp", "--listen", f"127.0.0.1:{picker}", "--coordinator", coordinator, "--model",
+        MODEL, "--tokenizer", str(model_dir), "--max-context", str(max_model_len),
+        "--metrics-port", str(metrics_port)), env=env, log_dir=log_dir, core=core))
+    config = log_dir / f"{tag}-envoy.json"
+    config.write_text(json.dumps(envoy_bootstrap(
+        listen=("127.0.0.1", port), admin=("127.0.0.1", free_port()),
+        picker=("127.0.0.1", picker))))
+    procs.append(start(f"{tag}-envoy", [
+        envoy, "-c", str(config), "--concurrency", "1", "--use-dynamic-base-id",
+        "--log-level", "warning"], env=env, log_dir=log_dir, core=core))
+    return f"http://127.0.0.1:{port}"
 
 
 def _ready(client: CoordinatorClient) -> set[str]:

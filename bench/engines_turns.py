@@ -69,10 +69,11 @@ def _open(name: str, plan: TurnPlan, tag: str) -> AbstractContextManager[RouterR
     if name.startswith("smg_"):
         return smg_router(plan.smg, plan.engines, name.removeprefix("smg_"), plan.log_dir, tag,
                           core=plan.router_core)
-    policy = name.removeprefix("kvcoord_") if name.startswith("kvcoord_") else name
+    front = "envoy" if name.startswith("envoy_") else "gateway"
+    policy = name.removeprefix("kvcoord_").removeprefix("envoy_")
     return kvcoord_router(plan.engines, plan.model_dir, plan.log_dir, plan.max_model_len, tag,
                           policy=policy, core=plan.router_core, embedded=plan.embedded,
-                          decision_log=name == TRACED)
+                          decision_log=name == TRACED, front=front)
 
 
 def _trace(plan: TurnPlan, tag: str) -> dict[str, Any]:
@@ -120,7 +121,7 @@ def engine_counters(engines: Sequence[Engine]) -> tuple[float, float]:
 
 def _histograms(router: RouterRun, engine_urls: list[str]) -> dict[str, Histogram]:
     out = scrape(engine_urls, ENGINE_HISTOGRAMS)
-    if router.coordinator is not None and router.metrics_url is not None:  # our gateway
+    if router.front == "gateway" and router.metrics_url is not None:  # our gateway
         out.update(scrape([router.metrics_url], {"added": GATEWAY_ADDED}))
     return out
 

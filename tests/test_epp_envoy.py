@@ -7,6 +7,7 @@ lets requests through to the fallback and fail-close answers 503."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,9 +20,11 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from coordinator.client import AsyncCoordinatorClient
 from kvcoord.epp.envoy_config import BODY_MODES
 from kvcoord.epp.main import RunningPicker, start_epp
 from kvcoord.gateway.config import GatewayConfig
+from tests.auth_fixtures import write_identities
 from tests.coordinator_fixtures import eventually, target
 from tests.envoy_fixtures import RunningEnvoy, running_envoy
 from tests.test_gateway import FIRST, MODEL, PAGE, Fleet, _settled, running_fleet
@@ -196,3 +199,48 @@ async def test_with_the_picker_down_fail_open_passes_and_fail_close_answers_503(
                         await api.chat.completions.create(model=MODEL, messages=FIRST,
                                                           max_tokens=2)
                     assert refused.value.status_code == 503
+
+
+async def test_a_request_during_a_sync_update_is_held_and_runs_at_the_new_version(
+    through: Through,
+) -> None:
+    """The picker never picks an engine outside the serving version: a request arriving while
+    the fleet drains for a new version waits in the picker (as in the gateway), then goes to
+    an engine that applied it."""
+    async with AsyncCoordinatorClient(target(through.fleet.coordinator)) as trainer, \
+            through.client() as api:
+        await trainer.begin_policy_update(0)  # sync: the fleet drains
+        waiting = asyncio.ensure_future(api.completions.with_raw_response.create(
+            model=MODEL, prompt="asked mid-update", max_tokens=2))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # held, not sent to an engine at the old version
+        state = await trainer.commit_policy_update(1, timeout=10)
+        raw = await asyncio.wait_for(waiting, 15)
+    assert state.version == 1
+    assert raw.headers["x-kvcoord-policy-version"] == "1"
+    assert raw.parse().choices[0].finish_reason == "length"
+
+
+async def test_a_caller_over_its_rate_is_answered_429_with_retry_after(
+    tmp_path: Path,
+) -> None:
+    """The coordinator sheds a caller over its rate (auth on: the client's token reaches it
+    through Envoy and the picker); the picker answers 429 with ``Retry-After``, and serves the
+    caller again once its rate allows."""
+    ids = write_identities(tmp_path)
+    async with running_fleet(ids, tmp_path, rate_limit_per_s=1.0, rate_limit_burst=2) as fleet, \
+            picker_for(fleet) as picker, running_envoy(tmp_path, picker.port) as envoy:
+        api = AsyncOpenAI(base_url=f"{envoy.url}/v1", api_key=ids.tokens["sched-a"],
+                          max_retries=0)
+        async with api:
+            statuses, retry_after = [], []
+            for _ in range(4):
+                try:
+                    await api.completions.create(model=MODEL, prompt="shed me", max_tokens=1)
+                    statuses.append(200)
+                except openai.RateLimitError as refused:
+                    statuses.append(refused.status_code)
+                    retry_after.append(refused.response.headers.get("retry-after"))
+                    assert refused.body["type"] == "rate_limit_error"  # type: ignore[index]
+    assert statuses[0] == 200 and 429 in statuses, statuses
+    assert all(value and float(value) > 0 for value in retry_after), retry_after

@@ -71,12 +71,14 @@ async def running_gateway(coordinator: str, **settings: Any) -> AsyncIterator[Ga
 
 @asynccontextmanager
 async def running_fleet(ids: IdentityFile | None = None,
-                        tmp_path: Path | None = None) -> AsyncIterator[Fleet]:
-    """A coordinator, two reference workers with HTTP endpoints, and a gateway; with ``ids``,
-    auth is on everywhere (the workers as w1 and w2)."""
+                        tmp_path: Path | None = None,
+                        **coordinator_settings: Any) -> AsyncIterator[Fleet]:
+    """A coordinator (``coordinator_settings`` for its config), two reference workers with
+    HTTP endpoints, and a gateway; with ``ids``, auth is on everywhere (the workers as w1 and
+    w2)."""
     auth: dict[str, Any] = {} if ids is None else {"auth_file": str(ids.path)}
     async with running_coordinator(page_size=PAGE, barrier_timeout_ms=5_000,
-                                   **auth) as coord:
+                                   **auth, **coordinator_settings) as coord:
         workers = []
         try:
             for i in range(2):

@@ -52,7 +52,8 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
     engines = results["results"]["engines"]
     case = engines["cases"]["trace/shared/roomy"]
     assert list(engines["cases"]) == ["trace/shared/roomy"]
-    for name in ("kv_aware", "smg_cache_aware", "smg_round_robin", "kvcoord_round_robin"):
+    for name in ("kv_aware", "smg_cache_aware", "smg_round_robin", "kvcoord_round_robin",
+                 "envoy_kv_aware"):
         run = case["routers"][name]["runs"]["run0"]
         assert (run["requests"], run["answered"], run["errors"]) == (36, 36, 0), name
         assert 0 < run["cached_tokens"] < run["prompt_tokens"], name
@@ -68,6 +69,10 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
         "router_cpu_ms_per_request_by_process"]
     assert sorted(by_process) == ["bridge-vllm-0", "bridge-vllm-1", "gateway"]
     assert case["coordinator"] == "embedded"
+    # Turn (e): Envoy asks `kvcoord epp`, which routes through a coordinator of its own.
+    assert sorted(case["routers"]["envoy_kv_aware"]["runs"]["run0"][
+        "router_cpu_ms_per_request_by_process"]) == [
+        "bridge-vllm-0", "bridge-vllm-1", "coordinator", "envoy", "epp"]
     # The simulator, calibrated on these engines, predicted each router it stands for.
     prediction = case["prediction"]
     assert sorted(prediction["routers"]) == ["kv_aware", "smg_cache_aware", "smg_round_robin"]

