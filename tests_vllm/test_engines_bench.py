@@ -26,7 +26,10 @@ from bench.engines_predict import prefill_costs
 from kvcoord import child_process
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH_TIMEOUT_S = 300  # measured ~2 min on 2 cores; the issue allows 3 more minutes in CI
+# Five turns (the fifth, Envoy and the picker, since issue 39): 313 s on this stop's 2 cores,
+# with four 270-280 s there (the first measure, ~2 min, was on a faster machine). The bound
+# catches a hang, not a slow machine.
+BENCH_TIMEOUT_S = 480
 
 
 @pytest.mark.timeout(BENCH_TIMEOUT_S + 30)
@@ -69,10 +72,11 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
         "router_cpu_ms_per_request_by_process"]
     assert sorted(by_process) == ["bridge-vllm-0", "bridge-vllm-1", "gateway"]
     assert case["coordinator"] == "embedded"
-    # Turn (e): Envoy asks `kvcoord epp`, which routes through a coordinator of its own.
+    # Turn (e): Envoy asks `kvcoord epp`, whose process runs the coordinator as the gateway's
+    # does.
     assert sorted(case["routers"]["envoy_kv_aware"]["runs"]["run0"][
-        "router_cpu_ms_per_request_by_process"]) == [
-        "bridge-vllm-0", "bridge-vllm-1", "coordinator", "envoy", "epp"]
+        "router_cpu_ms_per_request_by_process"]) == ["bridge-vllm-0", "bridge-vllm-1", "envoy",
+                                                     "epp"]
     # The simulator, calibrated on these engines, predicted each router it stands for.
     prediction = case["prediction"]
     assert sorted(prediction["routers"]) == ["kv_aware", "smg_cache_aware", "smg_round_robin"]

@@ -5,13 +5,17 @@
   prefix caching, 32-token blocks and KV-cache events published on ZMQ;
 - one ``kvcoord bridge vllm`` per engine, feeding the coordinator from its events as worker
   ``vllm-0`` or ``vllm-1``;
-- ``kvcoord gateway``, routing OpenAI requests with the engines' own tokenizer.
+- ``kvcoord gateway``, routing OpenAI requests with the engines' own tokenizer;
+- ``kvcoord epp`` behind a real Envoy (1.40, ``kvcoord.epp.envoy_config``'s bootstrap): the
+  same decisions with the answer streamed by Envoy.
 
 Through the gateway, with the official ``openai`` client: a chat reaches one engine; its
 prompt's blocks reach the coordinator's index through that engine's bridge; the next turn of the
 conversation is routed back to that engine, not the other, matching exactly the tokens vLLM then
 reports as cached; prompts that share no prefix with anything cached are spread over both
-engines; and the gateway counts every prompt as vLLM does (no tokenizer drift).
+engines; and the gateway counts every prompt as vLLM does (no tokenizer drift). Through Envoy
+and the picker, likewise: another conversation's next turn goes back to its engine, which
+reports the blocks cached, and every route the picker made is ended when its stream is.
 
 Run by ``make test-vllm``, not by ``make test``: the vLLM interpreter is named by
 ``KVCOORD_VLLM_PYTHON`` (default: the machine's vLLM environment, kvcoord.engine_envs), and
@@ -44,6 +48,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from coordinator.client import CoordinatorClient, WorkerInfo
 from kvcoord import child_process
 from kvcoord.engine_envs import env_dir
+from kvcoord.epp.envoy_config import ENVOY_HINT, envoy_binary, envoy_bootstrap
 from kvcoord.fleet_procs import free_port, wait_healthy
 from tests_vllm.services import (
     LOG_SECTIONS,
@@ -98,6 +103,8 @@ class EngineFleet:
     coordinator: str
     """The coordinator's gRPC target (host:port)."""
     gateway_url: str
+    envoy_url: str
+    """Envoy, asking ``kvcoord epp`` where each request goes."""
     model_dir: Path
     services: tuple[Service, ...]
     engine_url: str
@@ -228,7 +235,21 @@ def running_fleet(vllm_python: Path, workdir: Path, node: pytest.Item) -> Iterat
             kvcoord, "gateway", "--coordinator", coordinator,
             "--listen", f"127.0.0.1:{gateway_port}", "--model", MODEL,
             "--tokenizer", str(model_dir), "--max-context", str(MAX_MODEL_LEN)], env)
-        fleet = EngineFleet(coordinator, gateway_url, model_dir, tuple(started),
+        picker_port, envoy_port = free_port(), free_port()
+        start("epp", [
+            kvcoord, "epp", "--coordinator", coordinator,
+            "--listen", f"127.0.0.1:{picker_port}", "--model", MODEL,
+            "--tokenizer", str(model_dir), "--max-context", str(MAX_MODEL_LEN)], env)
+        envoy = envoy_binary()
+        assert envoy is not None, f"no envoy binary: {ENVOY_HINT}"
+        bootstrap = workdir / "envoy.json"
+        bootstrap.write_text(json.dumps(envoy_bootstrap(
+            listen=("127.0.0.1", envoy_port), admin=("127.0.0.1", free_port()),
+            picker=("127.0.0.1", picker_port))))
+        start("envoy", [envoy, "-c", str(bootstrap), "--concurrency", "1",
+                        "--use-dynamic-base-id", "--log-level", "warning"], env)
+        envoy_url = f"http://127.0.0.1:{envoy_port}"
+        fleet = EngineFleet(coordinator, gateway_url, envoy_url, model_dir, tuple(started),
                             f"http://127.0.0.1:{vllm_ports[0]}",
                             f"http://127.0.0.1:{bridge_metrics_port}/metrics")
         for port in vllm_ports:
@@ -243,6 +264,8 @@ def running_fleet(vllm_python: Path, workdir: Path, node: pytest.Item) -> Iterat
                                what=f"the bridge to register {worker_id} at the coordinator")
         fleet.wait_for(lambda: http_ok(f"{gateway_url}/readyz"), timeout_s=READY_S,
                        what="the gateway's /readyz")
+        fleet.wait_for(lambda: http_ok(f"{envoy_url}/v1/models"), timeout_s=READY_S,
+                       what="an engine's /v1/models through Envoy and the picker")
         yield fleet
     finally:
         stop_services([s for s in started if s.name != "coordinator"], STOP_GRACE_S)
@@ -380,6 +403,45 @@ def test_the_next_turn_is_routed_to_its_engine_and_hits_the_blocks_the_bridge_in
             "--no-policy-control"], refused.stderr[-2000:]
         assert "vllm-rl" not in {w.worker_id for w in coordinator.workers()}
 
+        # Through Envoy and the picker: another conversation, the same promises.
+        with OpenAI(base_url=f"{fleet.envoy_url}/v1", api_key="unused", max_retries=0,
+                    timeout=REQUEST_S) as via_envoy:
+            _next_turn_goes_back(fleet, via_envoy, coordinator, tokenizer)
+
     for i in range(len(WORKER_IDS)):
         assert "bridge.malformed" not in fleet.log(f"bridge-{i}"), \
             f"bridge-{i} skipped some of vLLM's input"
+
+
+def _next_turn_goes_back(fleet: EngineFleet, api: OpenAI, coordinator: CoordinatorClient,
+                         tokenizer: TextTokenizer) -> None:
+    """A new conversation through ``api`` (Envoy): its next turn goes back to the engine
+    holding the first, which reports the blocks cached; then no route is left open (the
+    picker ended each when Envoy ended its stream: an engine behind a bridge reports none)."""
+    opening: list[ChatCompletionMessageParam] = [
+        FIRST_TURN[0], {"role": "user", "content": "Through Envoy this time. " * 8}]
+    opening_ids = tokenizer.encode_chat(opening)
+    full_blocks = len(opening_ids) // ENGINE_BLOCK * ENGINE_BLOCK
+    raw = api.chat.completions.with_raw_response.create(
+        model=MODEL, messages=opening, max_tokens=ANSWER_TOKENS, temperature=0)
+    first = raw.parse()
+    holder = raw.headers["x-kvcoord-worker"]
+    assert holder in WORKER_IDS and first.usage is not None
+    assert first.usage.prompt_tokens == len(opening_ids), "tokenizer drift through Envoy"
+    fleet.wait_for(lambda: coordinator.lookup(opening_ids, model=MODEL).matches.get(
+        holder, 0) >= full_blocks, timeout_s=INDEXED_S,
+        what=f"the coordinator to index the Envoy conversation on {holder}")
+    raw_stream = api.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[*opening, {"role": "assistant",
+                                          "content": first.choices[0].message.content or ""},
+                               {"role": "user", "content": NEXT_QUESTION}],
+        max_tokens=ANSWER_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    assert raw_stream.headers["x-kvcoord-worker"] == holder, "the next turn left its cache"
+    chunks = list(raw_stream.parse())
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached >= full_blocks, f"vLLM reused {cached} tokens"
+    fleet.wait_for(lambda: all(w.inflight_routes == 0 for w in coordinator.workers()),
+                   timeout_s=READY_S, what="every route the picker made to be ended")

@@ -17,6 +17,10 @@ def add_epp_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     epp = sub.add_parser("epp", help="a Gateway API Inference Extension endpoint picker: "
                          "Envoy's ext_proc service, routing by the global prefix cache")
     add_routing_flags(epp)
+    epp.add_argument("--embed-coordinator", metavar="HOST:PORT", help="run a coordinator in "
+                     "this process, listening here for workers and bridges (its other "
+                     "settings from KVCOORD_* variables), and route to it without an RPC; "
+                     "instead of --coordinator (env KVCOORD_EMBED_COORDINATOR)")
     epp.add_argument("--listen", metavar="HOST:PORT", help="where Envoy's ext_proc streams "
                      f"and gRPC health checks connect (default {DEFAULT_LISTEN})")
     epp.add_argument("--max-body-bytes", type=int, metavar="BYTES",
@@ -24,20 +28,27 @@ def add_epp_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def cmd_epp(args: argparse.Namespace) -> int:
+    from coordinator.store.protocol import StoreUnavailable
     from kvcoord.epp.main import serve_forever
     from kvcoord.gateway.config import ConfigError, GatewayConfig
-    from kvcoord.gateway.main import load_tokenizer
+    from kvcoord.gateway.main import embedded_coordinator_config, load_tokenizer
 
     flags = {**routing_flag_values(args), "listen": args.listen,
-             "max_body_bytes": args.max_body_bytes}
+             "max_body_bytes": args.max_body_bytes,
+             "embed_coordinator": args.embed_coordinator}
     if flags["listen"] is None and "KVCOORD_LISTEN" not in os.environ:
         flags["listen"] = DEFAULT_LISTEN
     try:
         config = GatewayConfig.from_sources(flags, os.environ)
         load_tokenizer(config)  # a bad directory is refused before anything starts
         config.own_token()
+        embedded = embedded_coordinator_config(config, os.environ, coordinator_given=bool(
+            args.coordinator or os.environ.get("KVCOORD_COORDINATOR")))
         with asyncio.Runner() as runner:
-            return runner.run(serve_forever(config))
+            return runner.run(serve_forever(config, embedded))
     except ConfigError as exc:
         print(f"kvcoord epp: {exc}", file=sys.stderr)
         return 2
+    except StoreUnavailable as exc:  # the embedded coordinator's Redis is not up (yet)
+        print(f"kvcoord epp: {exc}", file=sys.stderr)
+        return 1

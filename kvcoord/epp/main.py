@@ -19,15 +19,17 @@ from grpc import aio
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.client import AsyncCoordinatorClient, ClientTls
+from coordinator.client import AsyncCoordinatorClient
 from coordinator.client.types import WorkerInfo
+from coordinator.config import CoordinatorConfig
 from coordinator.metrics_http import serve_metrics
 from coordinator.process_gc import settle_after_start
+from coordinator.server.main import RunningCoordinator
 from coordinator.stop_signals import stop_requested
 from kvcoord.epp.metrics import PickerMetrics
 from kvcoord.epp.picker import EndpointPicker
 from kvcoord.gateway.config import ConfigError, GatewayConfig
-from kvcoord.gateway.main import coordinator_readiness, load_tokenizer
+from kvcoord.gateway.main import coordinator_client, coordinator_readiness, load_tokenizer
 from kvcoord.gateway.requests import RequestReader
 from kvcoord.gateway.routing import RouteFinder
 
@@ -50,6 +52,7 @@ class RunningPicker:
     port: int
     metrics_port: int | None
     _health_task: asyncio.Task[None]
+    embedded: RunningCoordinator | None = None
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop accepting streams; those open get ``grace_s`` to end; routes still open end."""
@@ -60,17 +63,19 @@ class RunningPicker:
         await self.server.stop(grace_s)
         await self.picker.routes.ends.flush()
         await self.client.close()
+        if self.embedded is not None:  # last: the ends above went to it
+            await self.embedded.stop()
 
 
-async def start_epp(config: GatewayConfig, *, token: str | None = None) -> RunningPicker:
-    """A started picker on ``config.listen`` (gRPC), routing through ``config.coordinator``.
-    ``token``: its own identity, only for readiness. ConfigError for a tokenizer, an address
-    or a metrics port it cannot use, with nothing left running."""
-    if config.embed_coordinator is not None:
-        raise ConfigError("kvcoord epp routes through --coordinator; it embeds none")
+async def start_epp(config: GatewayConfig, *, token: str | None = None,
+                    embedded: CoordinatorConfig | None = None) -> RunningPicker:
+    """A started picker on ``config.listen`` (gRPC), routing through ``config.coordinator``,
+    or through ``embedded``, a coordinator started in this process (``--embed-coordinator``,
+    as the gateway's; stopped last by ``stop``). ``token``: its own identity, only for
+    readiness. ConfigError for a tokenizer, an address or a metrics port it cannot use, with
+    nothing left running."""
     tokenizer = load_tokenizer(config)
-    tls = None if config.tls_ca is None else ClientTls.from_files(config.tls_ca)
-    client = AsyncCoordinatorClient(config.coordinator, tls=tls)
+    client, running = await coordinator_client(config, embedded)
 
     async def fleet(caller_token: str | None) -> tuple[list[WorkerInfo], int]:
         caller = client.as_caller(caller_token)
@@ -95,6 +100,8 @@ async def start_epp(config: GatewayConfig, *, token: str | None = None) -> Runni
                                          config.metrics_port)
     except (RuntimeError, ConfigError) as exc:
         await client.close()
+        if running is not None:
+            await running.stop()
         raise ConfigError(f"cannot listen on {config.listen}: {exc}") from None
     for service in ("liveness", EXT_PROC_SERVICE, ""):
         await health.set(service, SERVING)
@@ -104,7 +111,7 @@ async def start_epp(config: GatewayConfig, *, token: str | None = None) -> Runni
     await server.start()
     log.info("epp.serving", listen=config.listen, port=port, coordinator=config.coordinator,
              model=config.model, tokenizer=tokenizer.source, metrics_port=metrics_port)
-    return RunningPicker(server, client, picker, health, port, metrics_port, task)
+    return RunningPicker(server, client, picker, health, port, metrics_port, task, running)
 
 
 async def _keep_readiness(health: health_aio.HealthServicer,
@@ -120,9 +127,10 @@ async def _keep_readiness(health: health_aio.HealthServicer,
         await asyncio.sleep(HEALTH_PERIOD_S)
 
 
-async def serve_forever(config: GatewayConfig) -> int:
+async def serve_forever(config: GatewayConfig,
+                        embedded: CoordinatorConfig | None = None) -> int:
     """Serve until SIGINT/SIGTERM, then stop within ``shutdown_grace_ms``; the exit status."""
-    running = await start_epp(config, token=config.own_token())
+    running = await start_epp(config, token=config.own_token(), embedded=embedded)
     settle_after_start()
     stop = stop_requested()
     await stop.wait()

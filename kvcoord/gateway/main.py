@@ -54,6 +54,19 @@ def embedded_coordinator_config(config: GatewayConfig, env: Mapping[str, str], *
     return coordinator
 
 
+async def coordinator_client(config: GatewayConfig, embedded: CoordinatorConfig | None,
+                             ) -> tuple[AsyncCoordinatorClient, RunningCoordinator | None]:
+    """The client a front door routes through: to ``embedded``, started here and called in
+    process (no RPC), when given (returned too: the caller stops it last); else to
+    ``config.coordinator`` over gRPC (TLS with ``tls_ca``)."""
+    if embedded is not None:
+        running = await start_coordinator(embedded)
+        return AsyncCoordinatorClient.over_stub(InProcessStub(running.servicer),
+                                                f"127.0.0.1:{running.port}"), running
+    tls = None if config.tls_ca is None else ClientTls.from_files(config.tls_ca)
+    return AsyncCoordinatorClient(config.coordinator, tls=tls), None
+
+
 def coordinator_readiness(own: AsyncCoordinatorClient) -> Callable[[], Awaitable[str | None]]:
     """``readiness()`` for a front door that routes through ``own`` (its own identity): None
     when requests can be served, else why not (the coordinator does not answer; no worker is
@@ -84,14 +97,7 @@ async def start_gateway(config: GatewayConfig, *, token: str | None = None,
     run in this process and route to in process (``server.embedded``; stopped by
     ``server.stop()``)."""
     tokenizer = load_tokenizer(config)
-    running: RunningCoordinator | None = None
-    if embedded is not None:
-        running = await start_coordinator(embedded)
-        client = AsyncCoordinatorClient.over_stub(InProcessStub(running.servicer),
-                                                  f"127.0.0.1:{running.port}")
-    else:
-        tls = None if config.tls_ca is None else ClientTls.from_files(config.tls_ca)
-        client = AsyncCoordinatorClient(config.coordinator, tls=tls)
+    client, running = await coordinator_client(config, embedded)
     readiness = coordinator_readiness(client.as_caller(token))
 
     routes = RouteFinder(client, model=config.model, drain_wait_s=config.drain_wait_ms / 1000)
