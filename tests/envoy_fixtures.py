@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcoord import child_process
 from kvcoord.epp.envoy_config import ENVOY_HINT, envoy_binary, envoy_bootstrap
 from kvcoord.fleet_procs import free_port
 
@@ -72,10 +73,9 @@ async def running_envoy(tmp_path: Path, picker_port: int,
         picker=("127.0.0.1", picker_port), **settings)))
     log = tmp_path / f"envoy-{port}.log"
     with log.open("wb") as sink:
-        process = subprocess.Popen(
+        process = child_process.start(
             [envoy(), "-c", str(config), "--concurrency", "1", "--use-dynamic-base-id",
-             "--log-level", "warning"], stdout=sink, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL)
+             "--log-level", "warning"], stdout=sink, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + START_S
         while True:
@@ -86,9 +86,4 @@ async def running_envoy(tmp_path: Path, picker_port: int,
             await asyncio.sleep(0.1)
         yield RunningEnvoy(port, admin, process, log)
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        child_process.stop_process(process)
