@@ -235,6 +235,8 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
     streams = {name: build_stream(workload_trace(name, config.trace, config.stream.requests, work),
                                   config.stream, tokenizer,
                                   config.shape.max_positions) for name in config.workloads}
+    ceilings = {name: stream_ceiling(stream, tokenizer, ENGINE_BLOCK)
+                for name, stream in streams.items()}
     load_before = os.getloadavg()[0]
     began = time.monotonic()
     # The runner stamps the commit when it writes the JSON; others may commit meanwhile.
@@ -250,12 +252,13 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
                 cases[name], engines_comparison = _case(
                     config, rig, regime, stream, python, smg, tokenizer, work,
                     log_dir / name.replace("/", "-"), compare=comparison is None,
-                    embedded=where == "embedded")
+                    embedded=where == "embedded",
+                    ceiling=ceilings[workload]["cached_share"])
                 cases[name]["workload"] = workload
                 cases[name]["coordinator"] = where
                 comparison = comparison or engines_comparison
     assert comparison is not None, "at least one case ran"
-    setup = _setup(config, streams, tokenizer)
+    setup = _setup(config, streams, tokenizer.vocab_size, ceilings)
     # Other work on the machine slows the engines: say how busy it was around the run.
     setup["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     setup["started_at"] = {"commit": started_at, "dirty": dirty_at_start}
@@ -265,9 +268,11 @@ def _run(config: EnginesConfig, work: Path) -> dict[str, Any]:
 
 def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, python: Path,
           smg: Path, tokenizer: TextTokenizer, work: Path, log_dir: Path, *, compare: bool,
-          embedded: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+          ceiling: float, embedded: bool = True,
+          ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """One rig and regime: engines started for it, their prefill sized, every router's turns
-    (and, when ``compare``, the sglang_like comparison, which needs engines up)."""
+    (and, when ``compare``, the sglang_like comparison, which needs engines up). ``ceiling``:
+    the stream's cache ceiling (``engines_ceiling``), printed beside the table."""
     engines = config.engines or regime.engines
     # At least one request of the model's whole context, beside the block vLLM holds back
     # (it refuses to start with less). Twice the context was the floor before, and it put a
@@ -314,7 +319,6 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
           f"CPU engines (mean, min-max over {config.repeats} "
           f"repeat{'s' if config.repeats > 1 else ''})")
     print(table(routers))
-    ceiling = stream_ceiling(stream, tokenizer, ENGINE_BLOCK)["cached_share"]
     print(f"the stream's cache ceiling (one engine of unbounded memory): {ceiling:.1%}")
     print(decomposition_table(routers))
     print(cpu_table(routers, idle))
@@ -355,9 +359,9 @@ def _version(python: Path, distribution: str) -> str | None:
     return version or None
 
 
-def _setup(config: EnginesConfig, streams: Mapping[str, Stream], tokenizer: TextTokenizer,
-           ) -> dict[str, Any]:
-    shape, vocab = config.shape, tokenizer.vocab_size
+def _setup(config: EnginesConfig, streams: Mapping[str, Stream], vocab: int,
+           ceilings: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    shape = config.shape
     python, smg = vllm_python(), smg_command()
     return {
         "trace": trace_identity(config.trace), "repeats": config.repeats,
@@ -376,6 +380,6 @@ def _setup(config: EnginesConfig, streams: Mapping[str, Stream], tokenizer: Text
                            "prompt_tokens": stream.prompt_tokens,
                            "distinct_tokens": stream.distinct_tokens, "load": config.load,
                            "trace_span_s": stream.trace_span_s,
-                           "ceiling": stream_ceiling(stream, tokenizer, ENGINE_BLOCK)}
+                           "ceiling": ceilings[name]}
                     for name, stream in streams.items()},
     }

@@ -17,10 +17,6 @@ def add_epp_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     epp = sub.add_parser("epp", help="a Gateway API Inference Extension endpoint picker: "
                          "Envoy's ext_proc service, routing by the global prefix cache")
     add_routing_flags(epp)
-    epp.add_argument("--embed-coordinator", metavar="HOST:PORT", help="run a coordinator in "
-                     "this process, listening here for workers and bridges (its other "
-                     "settings from KVCOORD_* variables), and route to it without an RPC; "
-                     "instead of --coordinator (env KVCOORD_EMBED_COORDINATOR)")
     epp.add_argument("--listen", metavar="HOST:PORT", help="where Envoy's ext_proc streams "
                      f"and gRPC health checks connect (default {DEFAULT_LISTEN})")
     epp.add_argument("--max-body-bytes", type=int, metavar="BYTES",
@@ -34,8 +30,7 @@ def cmd_epp(args: argparse.Namespace) -> int:
     from kvcoord.gateway.main import embedded_coordinator_config, load_tokenizer
 
     flags = {**routing_flag_values(args), "listen": args.listen,
-             "max_body_bytes": args.max_body_bytes,
-             "embed_coordinator": args.embed_coordinator}
+             "max_body_bytes": args.max_body_bytes}
     if flags["listen"] is None and "KVCOORD_LISTEN" not in os.environ:
         flags["listen"] = DEFAULT_LISTEN
     try:

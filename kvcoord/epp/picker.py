@@ -124,8 +124,7 @@ class _Exchange:
             self._served(message)
             return [protocol.answered_headers(self.answer_headers)]
         if kind in ("response_body", "request_trailers", "response_trailers"):
-            return [protocol.continued(kind)] if kind == "response_body" else [
-                ProcessingResponse(**{kind: {}})]
+            return [protocol.continued(kind)]
         return []
 
     async def _pick(self) -> list[ProcessingResponse]:

@@ -23,6 +23,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingRequest,
     ProcessingResponse,
     StreamedBodyResponse,
+    TrailersResponse,
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
@@ -123,6 +124,8 @@ def continued(kind: str) -> ProcessingResponse:
         return ProcessingResponse(**{kind: HeadersResponse()})
     if kind.endswith("body"):
         return ProcessingResponse(**{kind: BodyResponse()})
+    if kind.endswith("trailers"):
+        return ProcessingResponse(**{kind: TrailersResponse()})
     raise ValueError(f"no plain answer for a {kind!r} message")
 
 

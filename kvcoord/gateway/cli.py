@@ -15,6 +15,10 @@ def add_routing_flags(parser: argparse.ArgumentParser) -> None:
     gateway`` and ``kvcoord epp``: both read a ``GatewayConfig``)."""
     parser.add_argument("--coordinator", metavar="TARGETS", help="coordinator host:port, a "
                         "comma-separated list, or dns:///name:port (env KVCOORD_COORDINATOR)")
+    parser.add_argument("--embed-coordinator", metavar="HOST:PORT", help="run a coordinator "
+                        "in this process, listening here for workers and bridges (its other "
+                        "settings from KVCOORD_* variables), and route to it without an RPC; "
+                        "instead of --coordinator (env KVCOORD_EMBED_COORDINATOR)")
     parser.add_argument("--tokenizer", metavar="DIR", help="the engines' Hugging Face "
                         "tokenizer directory (default: the shipped reference tokenizer)")
     parser.add_argument("--model", help="the model name clients ask for (default 'default')")
@@ -35,8 +39,9 @@ def add_routing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", help="debug, info (default), warning, error")
 
 
-ROUTING_FLAGS = ("coordinator", "tokenizer", "model", "max_context", "metrics_port",
-                 "metrics_host", "drain_wait_ms", "token_file", "tls_ca", "log_level")
+ROUTING_FLAGS = ("coordinator", "embed_coordinator", "tokenizer", "model", "max_context",
+                 "metrics_port", "metrics_host", "drain_wait_ms", "token_file", "tls_ca",
+                 "log_level")
 """``add_routing_flags``' destinations, as ``GatewayConfig`` fields (``adapters`` aside: a
 list on the command line, a tuple in the config)."""
 
@@ -52,10 +57,6 @@ def add_gateway_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     gateway = sub.add_parser("gateway", help="an OpenAI-compatible endpoint that routes each "
                              "request by the global prefix cache")
     add_routing_flags(gateway)
-    gateway.add_argument("--embed-coordinator", metavar="HOST:PORT", help="run a coordinator "
-                         "in this process, listening here for workers and bridges (its other "
-                         "settings from KVCOORD_* variables), and route to it without an RPC; "
-                         "instead of --coordinator (env KVCOORD_EMBED_COORDINATOR)")
     gateway.add_argument("--listen", metavar="HOST:PORT",
                          help="where clients connect (default 127.0.0.1:8080)")
     gateway.add_argument("--route-retries", type=int,
@@ -79,8 +80,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from kvcoord.gateway.config import ConfigError, GatewayConfig
     from kvcoord.gateway.main import embedded_coordinator_config, load_tokenizer, serve_forever
 
-    flags = {**routing_flag_values(args), "embed_coordinator": args.embed_coordinator,
-             "listen": args.listen, "route_retries": args.route_retries}
+    flags = {**routing_flag_values(args), "listen": args.listen,
+             "route_retries": args.route_retries}
     try:
         config = GatewayConfig.from_sources(flags, os.environ)
         load_tokenizer(config)  # a bad directory is refused before anything starts
