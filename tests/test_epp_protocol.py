@@ -7,9 +7,13 @@ health answers for liveness, readiness and the ext_proc service."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
+import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, Metadata
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpBody,
@@ -21,6 +25,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProces
 from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvcoord import child_process
 from kvcoord.epp.picker import endpoint_of
 from kvcoord.epp.protocol import DESTINATION_HEADER, SUBSET_HEADER, SUBSET_NAMESPACE
 from tests.coordinator_fixtures import eventually
@@ -124,3 +129,21 @@ async def _async(value: bool) -> bool:
 
 async def _is(answer: object, expected: int) -> bool:
     return await answer == expected  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--tokenizer", "/nonexistent"], "tokenizer: tokenizer directory '/nonexistent'"),
+    (["--listen", "nowhere"], "listen must be HOST:PORT"),
+    (["--max-body-bytes", "0"], "max_body_bytes must be > 0"),
+    (["--drain-wait-ms", "0"], "drain_wait_ms must be > 0"),
+    (["--model", ""], "model must not be empty"),
+    (["--coordinator", "127.0.0.1:1", "--embed-coordinator", "127.0.0.1:0"],
+     "give --coordinator (route through a coordinator elsewhere) or --embed-coordinator"),
+])
+def test_kvcoord_epp_refuses_bad_settings_in_one_line(flags: list[str], says: str) -> None:
+    result = child_process.run([str(Path(sys.executable).parent / "kvcoord"), "epp", *flags],
+                               capture_output=True, text=True, timeout=30,
+                               stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("kvcoord epp: ") and says in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
