@@ -39,7 +39,7 @@ from bench.engines_procs import (
 from bench.engines_trace import DECISION_LOG_VAR
 from coordinator.client import CoordinatorClient
 from coordinator.client.errors import KvcoordError
-from kvcoord.epp.envoy_config import ENVOY_HINT, envoy_binary, envoy_bootstrap
+from kvcoord.epp.envoy_config import ENVOY_HINT, envoy_argv, envoy_binary, envoy_bootstrap
 from kvcoord.fleet_procs import free_port
 
 ROUTER_START_S = 60.0
@@ -62,6 +62,8 @@ class RouterRun:
     front: str = "gateway"
     """What clients connect to: ``gateway`` (kvcoord's), ``envoy`` (Envoy asking ``kvcoord
     epp``) or ``smg``."""
+    access_log: Path | None = None
+    """Envoy's access log (``envoy_config.ACCESS_LOG_FIELDS``), for an Envoy front."""
 
     def role(self, proc: Proc) -> str:
         """What ``proc`` is in this router: ``gateway``, ``coordinator``, ``bridge-vllm-0``,
@@ -92,6 +94,7 @@ def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
     front_port, front_metrics, picker_port = free_port(), free_port(), free_port()
     procs: list[Proc] = []
     bridge_metrics: list[str] = []
+    access_log: Path | None = None
     common = ["--model", MODEL, "--tokenizer", str(model_dir), "--max-context",
               str(max_model_len), "--metrics-port", str(front_metrics)]
     if front == "envoy":
@@ -128,12 +131,12 @@ def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
                                env=env, log_dir=log_dir, core=core))
         if envoy is not None:
             config = log_dir / f"{tag}-envoy.json"
+            access_log = log_dir / f"{tag}-envoy-access.log"
             config.write_text(json.dumps(envoy_bootstrap(
                 listen=("127.0.0.1", front_port), admin=("127.0.0.1", free_port()),
-                picker=("127.0.0.1", picker_port))))
-            procs.append(start(f"{tag}-envoy", [
-                envoy, "-c", str(config), "--concurrency", "1", "--use-dynamic-base-id",
-                "--log-level", "warning"], env=env, log_dir=log_dir, core=core))
+                picker=("127.0.0.1", picker_port), access_log=str(access_log))))
+            procs.append(start(f"{tag}-envoy", envoy_argv(envoy, str(config)), env=env,
+                               log_dir=log_dir, core=core))
         url = f"http://127.0.0.1:{front_port}"
         with CoordinatorClient(coordinator, timeout=5.0) as client:
             wait_until(lambda: _ready(client) == {e.worker_id for e in engines},
@@ -148,7 +151,8 @@ def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
                        what="the bridges to apply the engines' cache reset", procs=procs)
         yield RouterRun(f"{'envoy + ' if envoy else ''}kvcoord {policy}", f"{url}/v1",
                         tuple(procs), coordinator, tuple(bridge_metrics),
-                        f"http://127.0.0.1:{front_metrics}/metrics", tag, front)
+                        f"http://127.0.0.1:{front_metrics}/metrics", tag, front,
+                        access_log)
     finally:
         stop(procs)
 

@@ -17,12 +17,17 @@ routers says which part a gap is made of.
 
 from __future__ import annotations
 
+import json
 import re
+import statistics
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bench.engines_procs import EnginesError, http_get, metric_samples
+from kvcoord.up_report import percentile
 
 ENGINE_HISTOGRAMS = {
     "ttft": "vllm:time_to_first_token_seconds",
@@ -144,3 +149,33 @@ def decompose(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> dict[str, f
         return None
     split = {part: mine[part] - other[part] for part in PARTS}
     return {"gap": ours["client_ttft_mean_ms"] - theirs["client_ttft_mean_ms"], **split}
+
+
+ACCESS_LOG_WAIT_S = 3.0
+"""How long a turn waits for Envoy to write its requests' access log lines (every 0.25 s)."""
+
+
+def access_log_size(path: Path | None) -> int:
+    """Where a turn's lines will start in Envoy's access log (0 before its first line)."""
+    return path.stat().st_size if path is not None and path.exists() else 0
+
+
+def envoy_added(path: Path, offset: int, requests: int) -> dict[str, float]:
+    """The latency Envoy and the picker added to the ``requests`` answered after ``offset`` of
+    the access log (``added_us``: the request's first byte to the engine's first byte sent;
+    ms), as the gateway's ``gateway_added_*`` signals. EnginesError when fewer lines arrive
+    within ``ACCESS_LOG_WAIT_S``."""
+    deadline = time.monotonic() + ACCESS_LOG_WAIT_S
+    while True:
+        with path.open("rb") as log:
+            log.seek(offset)
+            lines = [json.loads(line) for line in log.read().splitlines() if line.strip()]
+        if len(lines) >= requests or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    added = [float(line["added_us"]) / 1000 for line in lines if line["added_us"] != "-"]
+    if len(added) < requests:
+        raise EnginesError(f"{path}: {len(added)} requests reached an engine, of {requests}")
+    return {"gateway_added_p50_ms": percentile(added, 50),
+            "gateway_added_p99_ms": percentile(added, 99),
+            "gateway_added_mean_ms": statistics.fmean(added)}

@@ -33,6 +33,8 @@ from bench.engines_signals import (
     ENGINE_HISTOGRAMS,
     GATEWAY_ADDED,
     Histogram,
+    access_log_size,
+    envoy_added,
     scrape,
     turn_signals,
 )
@@ -132,6 +134,7 @@ def run_turn(router: RouterRun, plan: TurnPlan) -> dict[str, Any]:
     engine_urls = [f"{e.url}/metrics" for e in plan.engines]
     histograms0 = _histograms(router, engine_urls)
     queries0, hits0 = engine_counters(plan.engines)
+    logged0 = access_log_size(router.access_log)
     cpu0 = cpu_by_process(router.procs)
     began = time.perf_counter()
     with _pinned(plan.client_core):
@@ -146,6 +149,9 @@ def run_turn(router: RouterRun, plan: TurnPlan) -> dict[str, Any]:
     ttfts = [o.ttft_s * 1000 for o in outcomes if o.error is None and o.ttft_s is not None]
     summary["signals"] = turn_signals(histograms0, _histograms(router, engine_urls),
                                       statistics.fmean(ttfts) if ttfts else 0.0)
+    if router.access_log is not None:  # Envoy's own measure, as the gateway's above
+        summary["signals"].update(envoy_added(router.access_log, logged0,
+                                              summary["answered"]))
     return summary
 
 

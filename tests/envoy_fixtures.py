@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcoord import child_process
-from kvcoord.epp.envoy_config import ENVOY_HINT, envoy_binary, envoy_bootstrap
+from kvcoord.epp.envoy_config import ENVOY_HINT, envoy_argv, envoy_binary, envoy_bootstrap
 from kvcoord.fleet_procs import free_port
 
 START_S = 30.0
@@ -73,9 +73,8 @@ async def running_envoy(tmp_path: Path, picker_port: int,
         picker=("127.0.0.1", picker_port), **settings)))
     log = tmp_path / f"envoy-{port}.log"
     with log.open("wb") as sink:
-        process = child_process.start(
-            [envoy(), "-c", str(config), "--concurrency", "1", "--use-dynamic-base-id",
-             "--log-level", "warning"], stdout=sink, stderr=subprocess.STDOUT)
+        process = child_process.start(envoy_argv(envoy(), str(config)), stdout=sink,
+                                      stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + START_S
         while True:

@@ -63,8 +63,8 @@ async def through(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterat
     """The fleet behind Envoy, the body sent to the picker buffered and, as GIE's gateways
     send it, streamed full duplex."""
     async with running_fleet() as fleet, picker_for(fleet) as picker, running_envoy(
-            tmp_path, picker.port, max_body_bytes=4 * MAX_BODY, body_mode=request.param
-    ) as envoy:
+            tmp_path, picker.port, max_body_bytes=4 * MAX_BODY, body_mode=request.param,
+            access_log=str(tmp_path / "access.log")) as envoy:
         yield Through(fleet, picker, envoy)
 
 
@@ -109,6 +109,22 @@ async def test_each_next_turn_lands_on_its_first_turns_worker_with_cached_tokens
     # Envoy reported the endpoint that served each answer: the one picked, every time.
     assert metrics.served.labels("picked")._value.get() == 2 * CONVERSATIONS
     assert metrics.served.labels("elsewhere")._value.get() == 0
+    # Envoy's access log: a line per request, the worker and endpoint that served it, and the
+    # latency Envoy and the picker added before the engine's first byte (the engines bench's
+    # "gateway added" for the Envoy turns).
+    access_log = through.envoy.log.parent / "access.log"
+
+    async def written() -> bool:
+        return len(access_log.read_text().splitlines()) >= 2 * CONVERSATIONS
+
+    await eventually(written, what="Envoy to write its access log")
+    lines = [json.loads(line) for line in access_log.read_text().splitlines()]
+    assert len(lines) == 2 * CONVERSATIONS
+    served = {f"127.0.0.1:{w.http_port}": w.worker_id for w in through.fleet.workers}
+    for line in lines:
+        assert line["status"] == 200 and line["path"] == "/v1/chat/completions"
+        assert served[line["upstream"]] == line["worker"]
+        assert 0 < float(line["added_us"]) < float(line["duration_ms"]) * 1000
 
 
 async def test_a_stream_passes_through_chunk_by_chunk(through: Through) -> None:

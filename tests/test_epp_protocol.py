@@ -7,8 +7,10 @@ health answers for liveness, readiness and the ext_proc service."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcoord import child_process
 from kvcoord.epp.picker import endpoint_of
+from kvcoord.fleet_procs import free_port
 from kvcoord.epp.protocol import DESTINATION_HEADER, SUBSET_HEADER, SUBSET_NAMESPACE
 from tests.coordinator_fixtures import eventually
 from tests.test_epp_envoy import picker_for
@@ -147,3 +150,25 @@ def test_kvcoord_epp_refuses_bad_settings_in_one_line(flags: list[str], says: st
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("kvcoord epp: ") and says in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_kvcoord_epp_logs_json_lines_at_its_log_level(tmp_path: Path) -> None:
+    """As every other kvcoord server: JSON lines on stderr (not a terminal here), and nothing
+    below ``KVCOORD_LOG_LEVEL``."""
+    log = tmp_path / "epp.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCOORD_")}
+    with log.open("wb") as sink:
+        process = child_process.start(
+            [str(Path(sys.executable).parent / "kvcoord"), "epp", "--listen",
+             f"127.0.0.1:{free_port()}", "--embed-coordinator", f"127.0.0.1:{free_port()}"],
+            env={**env, "KVCOORD_LOG_LEVEL": "warning"}, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while b"hashing.dev_key" not in log.read_bytes():  # a warning: logged at that level
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    finally:
+        child_process.stop_process(process)
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    assert lines and all(line["level"] in ("warning", "error") for line in lines), lines
+    assert "hashing.dev_key" in {line["event"] for line in lines}

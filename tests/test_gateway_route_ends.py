@@ -15,7 +15,9 @@ import aiohttp
 
 from bench.scripted_worker import ScriptedWorker
 from coordinator.client import AsyncCoordinatorClient
-from tests.coordinator_fixtures import DEV_HASH, eventually, target
+from coordinator.client.types import Route
+from kvcoord.gateway.routing import END_BATCH_S, RouteEnds
+from tests.coordinator_fixtures import DEV_HASH, eventually, running_coordinator, target
 from tests.test_gateway import MODEL, PAGE, Fleet, running_fleet
 
 SETTLE_ALL = 1 << 30  # a bridge's heartbeat (worker/bridge/bridge.py)
@@ -165,3 +167,25 @@ async def test_reference_workers_routes_are_not_awaited_and_settle_by_heartbeat(
             return await _inflight(fleet, worker) == 0
 
         await eventually(settled, timeout=3.0, what="the worker's heartbeat settling its route")
+
+
+async def test_ends_close_together_go_in_one_call_per_caller() -> None:
+    """Ends within ``END_BATCH_S`` of each other are one ``EndRoutes`` per caller token (one
+    call per request cost a tenth of the picker's CPU); a later end is a call of its own; a
+    flush sends what is gathered at once."""
+    def routes(*ids: str) -> list[Route]:
+        return [Route("w", "w:1", 0, 0, route_id=i, end_awaited=True) for i in ids]
+
+    async with running_coordinator() as coordinator, AsyncCoordinatorClient(
+            f"127.0.0.1:{coordinator.port}") as client:
+        ends = RouteEnds(client)
+        for i in range(5):
+            ends.end(routes(f"a{i}"), None)
+        ends.end(routes("b0", "b1"), "another-token")
+        ends.end([Route("w", "w:1", 0, 0, route_id="reported", end_awaited=False)], None)
+        assert ends.calls == 0  # gathered, not yet sent
+        await asyncio.sleep(END_BATCH_S * 4)
+        assert (ends.sent, ends.calls) == (7, 2)
+        ends.end(routes("c0"), None)
+        await ends.flush()
+        assert (ends.sent, ends.calls) == (8, 3)

@@ -56,7 +56,7 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
     case = engines["cases"]["trace/shared/roomy"]
     assert list(engines["cases"]) == ["trace/shared/roomy"]
     for name in ("kv_aware", "smg_cache_aware", "smg_round_robin", "kvcoord_round_robin",
-                 "envoy_kv_aware"):
+                 "envoy_kv_aware", "envoy_round_robin"):
         run = case["routers"][name]["runs"]["run0"]
         assert (run["requests"], run["answered"], run["errors"]) == (36, 36, 0), name
         assert 0 < run["cached_tokens"] < run["prompt_tokens"], name
@@ -72,11 +72,12 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
         "router_cpu_ms_per_request_by_process"]
     assert sorted(by_process) == ["bridge-vllm-0", "bridge-vllm-1", "gateway"]
     assert case["coordinator"] == "embedded"
-    # Turn (e): Envoy asks `kvcoord epp`, whose process runs the coordinator as the gateway's
-    # does.
-    assert sorted(case["routers"]["envoy_kv_aware"]["runs"]["run0"][
-        "router_cpu_ms_per_request_by_process"]) == ["bridge-vllm-0", "bridge-vllm-1", "envoy",
-                                                     "epp"]
+    # Turns (e) and (f): Envoy asks `kvcoord epp`, whose process runs the coordinator as the
+    # gateway's does.
+    for name in ("envoy_kv_aware", "envoy_round_robin"):
+        assert sorted(case["routers"][name]["runs"]["run0"][
+            "router_cpu_ms_per_request_by_process"]) == ["bridge-vllm-0", "bridge-vllm-1",
+                                                         "envoy", "epp"]
     # The simulator, calibrated on these engines, predicted each router it stands for.
     prediction = case["prediction"]
     assert sorted(prediction["routers"]) == ["kv_aware", "smg_cache_aware", "smg_round_robin"]
@@ -88,8 +89,9 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
         assert predicted["predicted"]["ttft_p50_ms"] > 0 and predicted["error"]["ttft_p50_ms"]
     assert sorted(case["routers"]["smg_cache_aware"]["runs"]["run0"][
         "router_cpu_ms_per_request_by_process"]) == ["smg"]
-    # Only our gateway measures its own added latency.
-    assert case["decomposition"]["signals"]["kv_aware"]["gateway_added_p50_ms"] > 0
+    # Our gateway measures its own added latency, Envoy's access log (e)'s and (f)'s.
+    for name in ("kv_aware", "envoy_kv_aware", "envoy_round_robin"):
+        assert case["decomposition"]["signals"][name]["gateway_added_p50_ms"] > 0, name
     assert "gateway_added_p50_ms" not in case["decomposition"]["signals"]["smg_cache_aware"]
     # Through the gateway, every request names the engine it went to.
     assert sum(case["routers"]["kv_aware"]["runs"]["run0"]["by_worker"].values()) == 36

