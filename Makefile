@@ -96,7 +96,7 @@ test-vllm: $(STAMP) $(ACCEL) $(VLLM_STAMP) $(SMG_STAMP) ## a real vLLM (CPU) beh
 
 engines-peers: $(VLLM_STAMP) $(SMG_STAMP) ## build what `kvcoord bench engines` runs, once per machine: vLLM's CPU build and smg, in KVCOORD_CACHE
 
-bench-engines: $(STAMP) $(ACCEL) $(VLLM_STAMP) $(SMG_STAMP) ## two vLLM engines behind kvcoord gateway and smg, 4 routers x 3 repeats per rig and regime (a quota case took 6.5-12.6 min on 2 cores); bench/results/engines.json
+bench-engines: $(STAMP) $(ACCEL) $(VLLM_STAMP) $(SMG_STAMP) ## two vLLM engines behind kvcoord gateway, Envoy + kvcoord epp and smg, 6 routers x 3 repeats per rig and regime (a quota case took 6.5-12.6 min on 2 cores); bench/results/engines.json
 	$(VLLM_TEST_ENV) $(VENV)/bin/kvcoord bench engines
 
 bench-rl: $(STAMP) $(ACCEL) $(VLLM_STAMP) ## RL updates on two vLLM engines under GRPO load: kvcoord's sync update against reload + reset with no barrier (~9 min, 2 cores); bench/results/rl.json
