@@ -29,8 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcoord import child_process
 from kvcoord.epp.picker import endpoint_of
-from kvcoord.fleet_procs import free_port
 from kvcoord.epp.protocol import DESTINATION_HEADER, SUBSET_HEADER, SUBSET_NAMESPACE
+from kvcoord.fleet_procs import free_port
 from tests.coordinator_fixtures import eventually
 from tests.test_epp_envoy import picker_for
 from tests.test_gateway import FIRST, MODEL, running_fleet
