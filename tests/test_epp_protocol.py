@@ -31,6 +31,7 @@ from kvcoord import child_process
 from kvcoord.epp.picker import endpoint_of
 from kvcoord.epp.protocol import DESTINATION_HEADER, SUBSET_HEADER, SUBSET_NAMESPACE
 from kvcoord.fleet_procs import free_port
+from tests.cli_refusals import assert_refused_in_one_line
 from tests.coordinator_fixtures import eventually
 from tests.test_epp_envoy import picker_for
 from tests.test_gateway import FIRST, MODEL, running_fleet
@@ -144,12 +145,7 @@ async def _is(answer: object, expected: int) -> bool:
      "give --coordinator (route through a coordinator elsewhere) or --embed-coordinator"),
 ])
 def test_kvcoord_epp_refuses_bad_settings_in_one_line(flags: list[str], says: str) -> None:
-    result = child_process.run([str(Path(sys.executable).parent / "kvcoord"), "epp", *flags],
-                               capture_output=True, text=True, timeout=30,
-                               stdin=subprocess.DEVNULL)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.startswith("kvcoord epp: ") and says in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    assert_refused_in_one_line("epp", flags, says)
 
 
 def test_kvcoord_epp_logs_json_lines_at_its_log_level(tmp_path: Path) -> None:

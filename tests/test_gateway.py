@@ -34,6 +34,7 @@ from kvcoord.gateway.config import GatewayConfig
 from kvcoord.gateway.main import start_gateway
 from kvcoord.gateway.server import GatewayServer
 from tests.auth_fixtures import IdentityFile, write_identities
+from tests.cli_refusals import assert_refused_in_one_line
 from tests.coordinator_fixtures import eventually, running_coordinator, target
 from worker.config import WorkerConfig
 from worker.main import RunningWorker, start_worker
@@ -327,12 +328,7 @@ async def test_kvcoord_gateway_serves_a_fleet_and_stops_on_sigterm(fleet: Fleet)
      "Cannot assign requested address"),
 ])
 def test_kvcoord_gateway_refuses_bad_settings_in_one_line(flags: list[str], says: str) -> None:
-    result = child_process.run([str(Path(sys.executable).parent / "kvcoord"), "gateway", *flags],
-                            capture_output=True, text=True, timeout=30,
-                            stdin=subprocess.DEVNULL)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.startswith("kvcoord gateway: ") and says in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    assert_refused_in_one_line("gateway", flags, says)
 
 
 def answers_metrics(host: str, port: int) -> bool:

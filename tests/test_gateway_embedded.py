@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -32,6 +31,7 @@ from kvcoord.gateway.config import GatewayConfig
 from kvcoord.gateway.main import start_gateway
 from kvcoord.gateway.server import GatewayServer
 from tests.auth_fixtures import write_identities
+from tests.cli_refusals import assert_refused_in_one_line
 from tests.coordinator_fixtures import FAST_KNOBS, eventually
 from worker.config import WorkerConfig
 from worker.main import RunningWorker, start_worker
@@ -200,8 +200,4 @@ async def test_kvcoord_gateway_embeds_its_coordinator_in_one_process(tmp_path: P
 def test_embedding_refuses_bad_settings_in_one_line(flags: list[str], env: dict[str, str],
                                                     says: str) -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVCOORD_")}
-    result = child_process.run([KVCOORD, "gateway", *flags], capture_output=True, text=True,
-                            timeout=30, stdin=subprocess.DEVNULL, env={**clean, **env})
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.startswith("kvcoord gateway: ") and says in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    assert_refused_in_one_line("gateway", flags, says, env={**clean, **env})
