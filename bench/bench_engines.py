@@ -20,6 +20,8 @@ One run (docs/ENGINES.md says more):
      ``engines_checks.check_index`` probes that the engines' cached tokens are the index's.
 3. **sglang_like vs smg** (first case): the stream's first requests, one at a time, through a
    fresh smg ``cache_aware``, compared with the simulator's ``SglangLikeRouter``.
+4. **The picker down** (first case, ``engines_picker_down``): Envoy + ``kvcoord epp`` with the
+   picker killed halfway through a few requests, failing open and failing closed.
 
 Needs vLLM's CPU build and ``smg`` (``make engines-peers`` builds both, once per machine);
 ``preflight`` says what is missing. Run: ``kvcoord bench engines [--quick] [--rig NAMES]
@@ -61,6 +63,7 @@ from bench.engines_model import (
     template_tokens,
     write_model,
 )
+from bench.engines_picker_down import picker_down, picker_down_text
 from bench.engines_predict import predict, prediction_text
 from bench.engines_procs import run_in_scratch
 from bench.engines_report import (
@@ -306,7 +309,7 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
                         paced.duration_s if config.idle_s is None else config.idle_s,
                         config.probes, embedded)
         runs, index_checks, idle = run_turns(plan, config.repeats, tokenizer, _log)
-        comparison = None
+        comparison = down = None
         if compare:
             compared = stream.requests[:config.compare]
             with smg_router(smg, fleet, "cache_aware", log_dir, "compare") as router:
@@ -314,6 +317,10 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
                 picks = smg_choices(router, fleet, compared)
             comparison = compare_sglang_like(fleet, tokenizer, compared, picks, order)
             _log(f"sglang_like agreed with smg on {comparison['agreed']} of {len(compared)}")
+            down = picker_down(fleet, paced.requests, work / "model", log_dir,
+                               config.shape.max_positions, core=rig.router_core,
+                               embedded=embedded)
+            _log(picker_down_text(down))
     routers = {name: ranges(runs[name]) for name in ROUTERS}
     print(f"\nengines, {rig.name}/{regime.name}: routers in front of {engines} vLLM "
           f"CPU engines (mean, min-max over {config.repeats} "
@@ -344,7 +351,7 @@ def _case(config: EnginesConfig, rig: Rig, regime: Regime, stream: Stream, pytho
             "routers": routers, "verdicts": verdicts(routers), "idle": idle,
             "decomposition": decompositions(routers),
             "index_checks": {f"run{i}": check for i, check in enumerate(index_checks)},
-            "prediction": prediction}, comparison
+            "prediction": prediction, "picker_down": down}, comparison
 
 
 def _version(python: Path, distribution: str) -> str | None:

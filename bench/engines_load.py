@@ -29,7 +29,9 @@ REQUEST_TIMEOUT_S = 300.0
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What one request met. ``sent_s``: when it left, seconds after the stream began;
-    ``worker``: the router's ``x-kvcoord-worker`` header when it names the engine."""
+    ``worker``: the router's ``x-kvcoord-worker`` header when it names the engine. A failed
+    request has ``error``, its ``latency_s`` (sending to the failure) and the HTTP ``status``
+    where the router answered one."""
 
     index: int
     sent_s: float
@@ -39,6 +41,7 @@ class Outcome:
     cached_tokens: int | None = None
     worker: str | None = None
     error: str | None = None
+    status: int | None = None
 
 
 async def _one(client: AsyncOpenAI, model: str, request: StreamRequest,
@@ -60,7 +63,9 @@ async def _one(client: AsyncOpenAI, model: str, request: StreamRequest,
             if chunk.usage is not None:
                 usage = chunk.usage
     except (OpenAIError, OSError) as exc:
-        return Outcome(request.index, sent - began, error=f"{type(exc).__name__}: {exc}")
+        return Outcome(request.index, sent - began, ttft, time.perf_counter() - sent,
+                       error=f"{type(exc).__name__}: {exc}",
+                       status=getattr(exc, "status_code", None))
     latency = time.perf_counter() - sent
     if usage is None or usage.prompt_tokens_details is None or ttft is None:
         return Outcome(request.index, sent - began, ttft, latency, worker=worker,

@@ -75,16 +75,18 @@ class RouterRun:
 def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
                    max_model_len: int, tag: str, *, policy: str = "kv_aware",
                    core: int | None = None, embedded: bool = True,
-                   decision_log: bool = False, front: str = "gateway") -> Iterator[RouterRun]:
+                   decision_log: bool = False, front: str = "gateway", fail_open: bool = False,
+                   fallback: str | None = None) -> Iterator[RouterRun]:
     """A coordinator routing by ``policy``, one bridge per engine and the front clients
     connect to (its ``/metrics`` on: ``metrics_url``), all fresh, on ``core`` when given.
     ``front``: ``gateway`` (``kvcoord gateway``), or ``envoy`` (Envoy 1.40 whose ext_proc
     filter asks ``kvcoord epp``: ``envoy_config``'s bootstrap, the body buffered to the picker,
     the answer streamed past it). ``embedded``: the coordinator runs in the front's process
     (``--embed-coordinator``); else in its own. ``decision_log``: the coordinator logs each
-    decision (``engines_trace``). Yields once the front can route and every bridge has applied
-    the engines' cache reset (done here, after the bridges subscribed). EnginesError for an
-    Envoy front without an envoy binary."""
+    decision (``engines_trace``). ``fail_open`` and ``fallback`` (``host:port``): Envoy's
+    answer to a picker it cannot reach (``envoy_config.envoy_bootstrap``). Yields once the
+    front can route and every bridge has applied the engines' cache reset (done here, after
+    the bridges subscribed). EnginesError for an Envoy front without an envoy binary."""
     envoy = envoy_binary() if front == "envoy" else None
     if front == "envoy" and envoy is None:
         raise EnginesError(f"the envoy turn needs an envoy binary: {ENVOY_HINT}")
@@ -134,7 +136,8 @@ def kvcoord_router(engines: Sequence[Engine], model_dir: Path, log_dir: Path,
             access_log = log_dir / f"{tag}-envoy-access.log"
             config.write_text(json.dumps(envoy_bootstrap(
                 listen=("127.0.0.1", front_port), admin=("127.0.0.1", free_port()),
-                picker=("127.0.0.1", picker_port), access_log=str(access_log))))
+                picker=("127.0.0.1", picker_port), access_log=str(access_log),
+                fail_open=fail_open, fallback=fallback)))
             procs.append(start(f"{tag}-envoy", envoy_argv(envoy, str(config)), env=env,
                                log_dir=log_dir, core=core))
         url = f"http://127.0.0.1:{front_port}"

@@ -109,6 +109,19 @@ def test_the_quick_engines_bench_runs_every_router_and_the_index_matches_the_eng
         assert measured["runs"]["run0"]["cached_tokens"] <= ceiling["cached_tokens"], name
     check = case["index_checks"]["run0"]
     assert check["probes"] == 6 and check["agreed"] == 6, check
+    # The picker down (the run's first case): every request served through it; once it was
+    # killed, failing open every request went to the fallback engine, failing closed every
+    # one was refused with 503.
+    down = case["picker_down"]
+    for mode in ("fail_open", "fail_close"):
+        before = down[mode]["before"]
+        assert before["served"] == before["requests"] == 6, (mode, before)
+        assert sum(before["served_by"].values()) == 6, (mode, before)
+    opened = down["fail_open"]["after"]
+    assert opened["served"] == 6 and opened["served_by"] == {down["fallback"]: 6}, opened
+    closed = down["fail_close"]["after"]
+    assert (closed["served"], closed["refused"], closed["served_by"]) == (0, {"503": 6}, {}), \
+        closed
     compared = engines["sglang_like_vs_smg"]
     assert compared["agreed"] + compared["differed"] == compared["requests"] == 24
     print(f"\nengines bench --quick: {took:.0f} s")
