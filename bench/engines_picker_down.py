@@ -13,10 +13,8 @@ TTFT; refused: the refusal's latency), the engines that served.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -26,7 +24,7 @@ from typing import Any
 from bench.engines_fleet import MODEL, Engine
 from bench.engines_load import Outcome, replay
 from bench.engines_routers import RouterRun, kvcoord_router
-from bench.engines_signals import ACCESS_LOG_WAIT_S, access_log_size
+from bench.engines_signals import access_log_lines, access_log_size
 from bench.engines_stream import StreamRequest
 from kvcoord.up_report import percentile
 
@@ -83,14 +81,7 @@ def _served_by(router: RouterRun, offset: int, requests: int,
     """The engines (worker ids) that served the ``requests`` logged after ``offset`` of
     Envoy's access log (refused requests have none)."""
     assert router.access_log is not None, "an Envoy front has an access log"
-    deadline = time.monotonic() + ACCESS_LOG_WAIT_S
-    while True:
-        with router.access_log.open("rb") as log:
-            log.seek(offset)
-            lines = [json.loads(line) for line in log.read().splitlines() if line.strip()]
-        if len(lines) >= requests or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    lines = access_log_lines(router.access_log, offset, requests)
     return [names.get(line["upstream"], line["upstream"]) for line in lines
             if line["upstream"] not in ("-", None)]
 

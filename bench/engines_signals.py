@@ -160,19 +160,25 @@ def access_log_size(path: Path | None) -> int:
     return path.stat().st_size if path is not None and path.exists() else 0
 
 
-def envoy_added(path: Path, offset: int, requests: int) -> dict[str, float]:
-    """The latency Envoy and the picker added to the ``requests`` answered after ``offset`` of
-    the access log (``added_us``: the request's first byte to the engine's first byte sent;
-    ms), as the gateway's ``gateway_added_*`` signals. EnginesError when fewer lines arrive
-    within ``ACCESS_LOG_WAIT_S``."""
+def access_log_lines(path: Path, offset: int, requests: int) -> list[dict[str, Any]]:
+    """The access log's JSON lines after ``offset``, once ``requests`` of them are there or
+    ``ACCESS_LOG_WAIT_S`` has passed (then fewer)."""
     deadline = time.monotonic() + ACCESS_LOG_WAIT_S
     while True:
         with path.open("rb") as log:
             log.seek(offset)
             lines = [json.loads(line) for line in log.read().splitlines() if line.strip()]
         if len(lines) >= requests or time.monotonic() > deadline:
-            break
+            return lines
         time.sleep(0.1)
+
+
+def envoy_added(path: Path, offset: int, requests: int) -> dict[str, float]:
+    """The latency Envoy and the picker added to the ``requests`` answered after ``offset`` of
+    the access log (``added_us``: the request's first byte to the engine's first byte sent;
+    ms), as the gateway's ``gateway_added_*`` signals. EnginesError when fewer lines arrive
+    within ``ACCESS_LOG_WAIT_S``."""
+    lines = access_log_lines(path, offset, requests)
     added = [float(line["added_us"]) / 1000 for line in lines if line["added_us"] != "-"]
     if len(added) < requests:
         raise EnginesError(f"{path}: {len(added)} requests reached an engine, of {requests}")
